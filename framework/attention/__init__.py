@@ -1,0 +1,1 @@
+"""Attention: backends (kernels + KV layout) and their registry."""

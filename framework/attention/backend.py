@@ -1,0 +1,101 @@
+"""AttentionBackend / AttentionImpl / AttentionMetadata: the contract between attention layers and kernels.
+
+A backend owns the per-layer KV-cache layout and the kernels that write new keys/values into cache slots and
+attend over the paged cache for a flattened batch (prefill chunks and decodes mixed, no padding).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step description of the flattened batch of ``B`` requests and ``T`` tokens.
+
+    Attributes:
+        num_actual_tokens: T.
+        query_start_loc: ``[B + 1]`` int32, where each request's tokens start in the batch (last = T).
+        seq_lens: ``[B]`` int32, each request's length after this step (cached + new tokens).
+        block_table: ``[B, max_blocks]`` int32, KV block ids of each request (padding unspecified).
+        slot_mapping: ``[T]`` int64, cache slot (``block_id * block_size + offset``) of each new token.
+        max_query_len: longest query (new tokens) of a request.
+        max_seq_len: longest ``seq_lens`` entry.
+        query_start_loc_cpu: host copy of ``query_start_loc`` (list of ints).
+        seq_lens_cpu: host copy of ``seq_lens``.
+        block_size: tokens per block.
+    """
+
+    num_actual_tokens: int
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    block_size: int
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+class AttentionImpl(ABC):
+    """One attention layer's kernel state.
+
+    Args:
+        num_heads: query heads on this rank.
+        head_size: D.
+        scale: softmax scale (usually ``D ** -0.5``).
+        num_kv_heads: key/value heads on this rank (grouped-query attention when fewer than ``num_heads``).
+    """
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int) -> None:
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata | None,
+    ) -> torch.Tensor:
+        """Write ``key``/``value`` into their slots, then attend.
+
+        Args:
+            query: ``[T, num_heads * D]``.
+            key, value: ``[T, num_kv_heads * D]``.
+            kv_cache: this layer's cache in the backend's layout.
+            attn_metadata: the step's metadata; ``None`` means a dummy run (causal attention over the batch
+                as one sequence, no cache).
+
+        Returns:
+            ``[T, num_heads * D]`` in the query's dtype.
+        """
+
+
+class AttentionBackend(ABC):
+    """A family of attention kernels and the KV-cache layout they read."""
+
+    name: str = ""
+
+    @staticmethod
+    @abstractmethod
+    def get_impl_cls() -> type[AttentionImpl]: ...
+
+    @staticmethod
+    @abstractmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        """Shape of one layer's KV cache tensor."""

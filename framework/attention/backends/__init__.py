@@ -1,0 +1,1 @@
+"""Attention backends shipped with the core."""

@@ -1,0 +1,123 @@
+"""Paged attention written with torch operations only (scaled_dot_product_attention); runs on any device.
+
+KV cache layout per layer: ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (keys, then values).
+Decodes (one query token each) are batched into one SDPA call over the gathered, padded context; prefill
+chunks run one SDPA call per request with the causal mask shifted by the request's cached prefix.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadata
+
+
+class TorchPagedAttentionBackend(AttentionBackend):
+    name = "TORCH_PAGED"
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return TorchPagedAttentionImpl
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+
+class TorchPagedAttentionImpl(AttentionImpl):
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata | None,
+    ) -> torch.Tensor:
+        num_tokens = query.shape[0]
+        q = query.view(num_tokens, self.num_heads, self.head_size)
+        k = key.view(num_tokens, self.num_kv_heads, self.head_size)
+        v = value.view(num_tokens, self.num_kv_heads, self.head_size)
+        if attn_metadata is None:
+            out = self._sdpa(q, k, v, causal_offset=0)
+            return out.reshape(num_tokens, -1)
+        write_kv_cache(k, v, kv_cache, attn_metadata.slot_mapping)
+        out = torch.empty_like(q)
+        qsl = attn_metadata.query_start_loc_cpu
+        seq_lens = attn_metadata.seq_lens_cpu
+        decode_idx = [i for i in range(len(seq_lens)) if qsl[i + 1] - qsl[i] == 1]
+        if len(decode_idx) > 1:
+            self._batched_decode(q, out, kv_cache, attn_metadata, decode_idx)
+            done = set(decode_idx)
+        else:
+            done = set()
+        for i in range(len(seq_lens)):
+            if i in done:
+                continue
+            start, end, seq_len = qsl[i], qsl[i + 1], seq_lens[i]
+            k_ctx, v_ctx = gather_kv(kv_cache, attn_metadata.block_table[i], seq_len, attn_metadata.block_size)
+            out[start:end] = self._sdpa(q[start:end], k_ctx, v_ctx, causal_offset=seq_len - (end - start))
+        return out.reshape(num_tokens, -1)
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int) -> torch.Tensor:
+        """Causal attention of ``q`` ``[Lq, Hq, D]`` over ``k``/``v`` ``[Lk, Hkv, D]``; query i sits at position
+        ``causal_offset + i`` of the context."""
+        lq, lk = q.shape[0], k.shape[0]
+        qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        gqa = self.num_heads != self.num_kv_heads
+        if causal_offset == 0 and lq == lk:
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale, enable_gqa=gqa)
+        elif lq == 1:
+            o = F.scaled_dot_product_attention(qh, kh, vh, scale=self.scale, enable_gqa=gqa)
+        else:
+            rows = torch.arange(lq, device=q.device).unsqueeze(1) + causal_offset
+            mask = torch.arange(lk, device=q.device).unsqueeze(0) <= rows
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+        return o.transpose(0, 1)
+
+    def _batched_decode(
+        self,
+        q: torch.Tensor,
+        out: torch.Tensor,
+        kv_cache: torch.Tensor,
+        md: AttentionMetadata,
+        decode_idx: list[int],
+    ) -> None:
+        bs = md.block_size
+        seq_lens = [md.seq_lens_cpu[i] for i in decode_idx]
+        max_len = max(seq_lens)
+        nb = -(-max_len // bs)
+        idx = torch.tensor(decode_idx, device=q.device)
+        tokens = md.query_start_loc[idx].long()
+        blocks = md.block_table[idx, :nb].long()  # [B, nb]
+        k_ctx = kv_cache[0][blocks].reshape(len(decode_idx), nb * bs, self.num_kv_heads, self.head_size)
+        v_ctx = kv_cache[1][blocks].reshape(len(decode_idx), nb * bs, self.num_kv_heads, self.head_size)
+        lens = md.seq_lens[idx].unsqueeze(1)
+        mask = (torch.arange(nb * bs, device=q.device).unsqueeze(0) < lens)[:, None, None, :]
+        qh = q[tokens].unsqueeze(2)  # [B, Hq, 1, D]
+        o = F.scaled_dot_product_attention(
+            qh,
+            k_ctx.transpose(1, 2),
+            v_ctx.transpose(1, 2),
+            attn_mask=mask,
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        out[tokens] = o.squeeze(2)
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store ``k``/``v`` ``[T, Hkv, D]`` into the cache slots ``slot_mapping`` ``[T]`` (int64)."""
+    num_kv_heads, head_size = k.shape[1], k.shape[2]
+    kv_cache[0].view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    kv_cache[1].view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def gather_kv(
+    kv_cache: torch.Tensor, block_row: torch.Tensor, seq_len: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``seq_len`` cached keys and values of one request, each ``[seq_len, Hkv, D]``."""
+    nb = -(-seq_len // block_size)
+    blocks = block_row[:nb].long()
+    shape = (nb * block_size, kv_cache.shape[-2], kv_cache.shape[-1])
+    return kv_cache[0][blocks].reshape(shape)[:seq_len], kv_cache[1][blocks].reshape(shape)[:seq_len]

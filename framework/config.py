@@ -1,0 +1,147 @@
+"""Engine configuration: EngineConfig = ModelConfig + CacheConfig + SchedulerConfig + ParallelConfig.
+
+Built by :class:`tokenmill.engine_args.EngineArgs.create_engine_config`; every field is resolved (no
+``None`` meaning "decide later") once the platform's ``check_and_update_config`` has run, except
+``CacheConfig.num_gpu_blocks`` which the worker fills in after sizing the KV cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+@dataclass
+class ModelConfig:
+    """What model to run and how.
+
+    Attributes:
+        model: local directory (Hugging Face layout) or path of a ``.gguf`` file.
+        tokenizer: directory the tokenizer loads from (defaults to ``model``'s directory).
+        gguf_file: file name inside ``tokenizer`` when the model is a GGUF file, else ``None``.
+        hf_config: the ``transformers.PretrainedConfig`` of the model.
+        dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"`` once resolved (``"auto"`` before).
+        max_model_len: longest sequence (prompt + output) in tokens.
+        served_model_name: the name the API reports and accepts.
+        seed: seed of the engine's global random generators.
+        trust_remote_code: passed to transformers when reading configs and tokenizers.
+    """
+
+    model: str
+    tokenizer: str
+    hf_config: Any
+    gguf_file: str | None = None
+    dtype: str = "auto"
+    max_model_len: int = 0
+    served_model_name: str = ""
+    seed: int = 0
+    trust_remote_code: bool = False
+
+    @property
+    def architectures(self) -> list[str]:
+        return list(getattr(self.hf_config, "architectures", None) or [])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.hf_config.num_hidden_layers)
+
+    @property
+    def num_kv_heads(self) -> int:
+        cfg = self.hf_config
+        return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+
+    @property
+    def head_dim(self) -> int:
+        cfg = self.hf_config
+        return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        if eos is None:
+            return []
+        return [int(e) for e in eos] if isinstance(eos, (list, tuple)) else [int(eos)]
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache settings.
+
+    Attributes:
+        block_size: tokens per KV block.
+        kv_cache_memory: bytes for the KV cache on CPU (``None``: the platform decides).
+        gpu_memory_utilization: fraction of accelerator memory the engine may use.
+        enable_prefix_caching: share full blocks between requests by content hash.
+        num_gpu_blocks: number of KV blocks, filled in by the worker after sizing the cache.
+        num_gpu_blocks_override: force the number of blocks (tests use tiny caches).
+    """
+
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    num_gpu_blocks: int | None = None
+    num_gpu_blocks_override: int | None = None
+
+
+@dataclass
+class SchedulerConfig:
+    """Continuous-batching limits.
+
+    Attributes:
+        max_num_seqs: most requests running in one step.
+        max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
+        enable_chunked_prefill: split long prompts across steps.
+        long_prefill_token_threshold: a prompt chunk is capped at this many tokens (0: no cap).
+        policy: ``"fcfs"`` or ``"priority"``.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    policy: str = "fcfs"
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is split across workers.
+
+    Attributes:
+        tensor_parallel_size: number of tensor-parallel ranks.
+        distributed_executor_backend: ``"uni"``, ``"mp"`` or ``"ray"`` (``None``: uni for one rank, else mp).
+    """
+
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+
+
+@dataclass
+class DeviceConfig:
+    """Which platform runs the model.
+
+    Attributes:
+        platform: the chosen platform's name (``"cpu"``, ``"cuda"``, ...).
+        device_type: torch device type of that platform (``"cpu"``, ``"cuda"``).
+    """
+
+    platform: str = ""
+    device_type: str = "cpu"
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine core, executor and workers need; picklable (sent to engine-core processes)."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    enforce_eager: bool = False

@@ -1,0 +1,1 @@
+"""The engine core: requests, KV-cache blocks and the scheduler."""

@@ -1,0 +1,147 @@
+"""Request: the engine core's view of one generation request (one sequence; ``n > 1`` is fanned out earlier)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import TYPE_CHECKING
+
+from tokenmill.engine.messages import FinishReason
+
+if TYPE_CHECKING:
+    from tokenmill.engine.messages import EngineCoreRequest
+    from tokenmill.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle of a request; every status above PREEMPTED is final."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+class Request:
+    """Token state of one sequence as the scheduler tracks it.
+
+    Attributes:
+        request_id: unique among requests in flight.
+        prompt_token_ids: the prompt (never empty).
+        sampling_params: the request's SamplingParams (``n == 1``).
+        max_tokens: most output tokens, resolved against ``max_model_len``.
+        num_computed_tokens: tokens whose KV is in the cache (or scheduled to be, within the current step).
+        num_cached_tokens: prompt tokens served by the prefix cache on first admission (-1 before).
+        block_hashes: hashes of this request's full blocks, in order (filled by the KV cache manager).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        eos_token_id: int | None,
+        max_tokens: int,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.max_tokens = max_tokens
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | None = None
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+        self.block_hashes: list[bytes] = []
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
+
+    @classmethod
+    def from_engine_core_request(cls, req: EngineCoreRequest, max_model_len: int) -> Request:
+        """Build from a front-end message; ``max_tokens=None`` means up to ``max_model_len``."""
+        room = max_model_len - len(req.prompt_token_ids)
+        wanted = req.sampling_params.max_tokens
+        return cls(
+            req.request_id,
+            req.prompt_token_ids,
+            req.sampling_params,
+            eos_token_id=req.eos_token_id,
+            max_tokens=room if wanted is None else min(wanted, room),
+            arrival_time=req.arrival_time,
+            priority=req.priority,
+            cache_salt=req.cache_salt,
+        )
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token_id(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> bool:
+        """After appending a token: set a finished status when a stop condition holds.
+
+        Order: EOS (unless ``ignore_eos``) and ``stop_token_ids`` (both only after ``min_tokens``), then
+        ``max_tokens`` and ``max_model_len`` (finish reason "length").
+        """
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= self.sampling_params.min_tokens:
+            if last == self.eos_token_id and not self.sampling_params.ignore_eos:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in self.stop_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = last
+                return True
+        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"output={self.num_output_tokens}, computed={self.num_computed_tokens})"
+        )

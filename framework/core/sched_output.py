@@ -1,0 +1,82 @@
+"""SchedulerOutput: what one engine step computes, as sent from the scheduler to the workers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the workers have not seen (or must rebuild after preemption): sent in full once.
+
+    Attributes:
+        req_id: the request.
+        token_ids: every known token (prompt, plus outputs so far when resumed after preemption).
+        num_prompt_tokens: how many of ``token_ids`` are prompt.
+        sampling_params: how to sample.
+        block_ids: its KV blocks, in order.
+        num_computed_tokens: tokens already in the cache (prefix-cache hits) before this step.
+    """
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """Deltas for requests the workers already hold, in parallel lists.
+
+    Attributes:
+        req_ids: the requests.
+        new_block_ids: blocks appended since the last step, per request.
+        num_computed_tokens: tokens in the cache before this step, per request.
+    """
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work.
+
+    Attributes:
+        scheduled_new_reqs: requests sent in full.
+        scheduled_cached_reqs: deltas for running requests.
+        num_scheduled_tokens: tokens to compute this step, per request id.
+        total_num_scheduled_tokens: their sum (within ``max_num_batched_tokens``).
+        finished_req_ids: requests the workers should forget (finished, aborted or preempted since the last step).
+    """
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the model runner returns for one step.
+
+    Attributes:
+        req_ids: requests of the step, in batch order.
+        sampled_token_ids: per request, the sampled token ids (empty while a prefill is still partial).
+        logprobs: per request, ``None`` or per sampled token ``(token_ids, logprobs, sampled_rank)`` where the
+            first entry is the sampled token followed by the top-k candidates.
+    """
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list[tuple[list[int], list[float], int]] | None] | None = None

@@ -1,0 +1,1 @@
+"""Engine front ends and the engine core loop."""

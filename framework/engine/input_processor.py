@@ -1,0 +1,200 @@
+"""InputProcessor: a user's prompt and SamplingParams -> validated EngineCoreRequest(s)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from tokenmill.config import CacheConfig, ModelConfig
+from tokenmill.engine.messages import EngineCoreRequest
+from tokenmill.errors import InvalidRequestError
+from tokenmill.sampling_params import SamplingParams
+
+
+def child_request_id(index: int, parent_id: str) -> str:
+    """Engine-core id of the ``index``-th sequence of a request with ``n > 1``."""
+    return f"{index}_{parent_id}"
+
+
+@dataclass
+class ProcessedRequest:
+    """A validated request, ready for the output processor and the engine core.
+
+    Attributes:
+        request_id: the caller's id.
+        prompt: the prompt text (``None`` when given as token ids).
+        prompt_token_ids: the tokenized prompt.
+        params: the request's sampling parameters (``max_tokens`` resolved).
+        arrival_time: ``time.time()`` when it arrived (seconds).
+        engine_requests: what the engine core runs: one request, or ``n`` children with ``n == 1`` each
+            (ids from :func:`child_request_id`, seeds ``seed + i``).
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    engine_requests: list[EngineCoreRequest]
+
+
+class InputProcessor:
+    """Tokenizes and validates prompts.
+
+    Args:
+        model_config: supplies ``max_model_len``, ``vocab_size`` and extra EOS ids.
+        tokenizer: a ``transformers`` tokenizer.
+        cache_config: when ``num_gpu_blocks`` is known, requests larger than the whole KV cache are rejected
+            up front instead of failing inside the engine core.
+    """
+
+    def __init__(self, model_config: ModelConfig, tokenizer: Any, cache_config: CacheConfig | None = None) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.cache_config = cache_config
+        eos = getattr(tokenizer, "eos_token_id", None)
+        model_eos = model_config.eos_token_ids
+        self.eos_token_id: int | None = int(eos) if eos is not None else (model_eos[0] if model_eos else None)
+        self._extra_eos_ids = [t for t in model_eos if t != self.eos_token_id]
+
+    def process(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        *,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        add_special_tokens: bool = True,
+        prompt_param: str = "prompt",
+    ) -> ProcessedRequest:
+        """Tokenize (when ``prompt`` is text), validate and build the engine-core request(s).
+
+        Args:
+            request_id: unique among requests in flight.
+            prompt: text, or token ids.
+            params: sampling parameters (not modified; a resolved copy is used).
+            arrival_time: ``time.time()`` of arrival (default: now).
+            priority: for the ``priority`` scheduling policy.
+            add_special_tokens: let the tokenizer add BOS etc. (``False`` for rendered chat templates).
+            prompt_param: the name errors give the prompt (``"messages"`` for chat requests).
+
+        Raises:
+            InvalidRequestError: empty prompt, token id outside the vocabulary, prompt + ``max_tokens``
+                longer than the context or than the whole KV cache, stop strings without detokenization.
+        """
+        arrival = time.time() if arrival_time is None else arrival_time
+        if isinstance(prompt, str):
+            prompt_text: str | None = prompt
+            token_ids = list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)) if prompt else []
+        else:
+            prompt_text = None
+            token_ids = list(prompt)
+        self._check_prompt(token_ids, prompt_param)
+        params = self._resolve_params(params, len(token_ids), prompt_param)
+        return ProcessedRequest(
+            request_id=request_id,
+            prompt=prompt_text,
+            prompt_token_ids=token_ids,
+            params=params,
+            arrival_time=arrival,
+            engine_requests=self._engine_requests(request_id, token_ids, params, arrival, priority),
+        )
+
+    def _check_prompt(self, token_ids: list[int], prompt_param: str) -> None:
+        if not token_ids:
+            raise InvalidRequestError(f"{prompt_param}: the prompt must not be empty", param=prompt_param)
+        vocab = self.model_config.vocab_size
+        for t in token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise InvalidRequestError(
+                    f"{prompt_param}: token id {t!r} is out of vocabulary (valid ids are 0..{vocab - 1})",
+                    param=prompt_param,
+                )
+
+    def _resolve_params(self, params: SamplingParams, prompt_len: int, prompt_param: str) -> SamplingParams:
+        max_len = self.model_config.max_model_len
+        if prompt_len >= max_len:
+            raise InvalidRequestError(
+                f"{prompt_param}: this model's maximum context length is {max_len} tokens, but the prompt has "
+                f"{prompt_len} tokens (at least one token must be left for the completion)",
+                param=prompt_param,
+            )
+        if params.max_tokens is not None and prompt_len + params.max_tokens > max_len:
+            raise InvalidRequestError(
+                f"max_tokens: this model's maximum context length is {max_len} tokens, but {prompt_len + params.max_tokens} "
+                f"were requested ({prompt_len} in the prompt, {params.max_tokens} for the completion); reduce "
+                "the prompt or max_tokens",
+                param="max_tokens",
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else max_len - prompt_len
+        max_tokens = self._fit_kv_cache(prompt_len, max_tokens, params.max_tokens is not None, prompt_param)
+        if params.stop and not params.detokenize:
+            raise InvalidRequestError("stop: stop strings need detokenize=True", param="stop")
+        if max_tokens < params.min_tokens:
+            raise InvalidRequestError(
+                f"min_tokens: only {max_tokens} tokens fit after the prompt, but min_tokens is {params.min_tokens}",
+                param="min_tokens",
+            )
+        return msgspec.structs.replace(params, max_tokens=max_tokens)
+
+    def _fit_kv_cache(self, prompt_len: int, max_tokens: int, explicit: bool, prompt_param: str) -> int:
+        """``max_tokens``, lowered to what the whole KV cache holds when the user did not set it."""
+        cache = self.cache_config
+        if cache is None or not cache.num_gpu_blocks:
+            return max_tokens
+        capacity = cache.num_gpu_blocks * cache.block_size
+        if prompt_len + max_tokens <= capacity:
+            return max_tokens
+        if prompt_len >= capacity:
+            raise InvalidRequestError(
+                f"{prompt_param}: the prompt has {prompt_len} tokens but the KV cache holds only {capacity} "
+                "(at least one token must be left for the completion)",
+                param=prompt_param,
+            )
+        if explicit:
+            raise InvalidRequestError(
+                f"max_tokens: the KV cache holds {capacity} tokens, but this request needs up to "
+                f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} for the completion)",
+                param="max_tokens",
+            )
+        return capacity - prompt_len
+
+    def _engine_requests(
+        self, request_id: str, token_ids: list[int], params: SamplingParams, arrival: float, priority: int
+    ) -> list[EngineCoreRequest]:
+        base = params
+        if self._extra_eos_ids and not params.ignore_eos:
+            extra = [t for t in self._extra_eos_ids if t not in params.stop_token_ids]
+            base = msgspec.structs.replace(params, stop_token_ids=[*params.stop_token_ids, *extra])
+        if params.n == 1:
+            ids_and_params = [(request_id, base)]
+        else:
+            ids_and_params = [
+                (
+                    child_request_id(i, request_id),
+                    msgspec.structs.replace(base, n=1, seed=None if base.seed is None else _child_seed(base.seed, i)),
+                )
+                for i in range(params.n)
+            ]
+        return [
+            EngineCoreRequest(
+                request_id=rid,
+                prompt_token_ids=token_ids,
+                sampling_params=p,
+                eos_token_id=self.eos_token_id,
+                arrival_time=arrival,
+                priority=priority,
+            )
+            for rid, p in ids_and_params
+        ]
+
+
+def _child_seed(seed: int, index: int) -> int:
+    """``seed + index``, wrapped into the signed 64-bit range."""
+    value = (seed + index) & 0xFFFF_FFFF_FFFF_FFFF
+    return value - (1 << 64) if value >= 1 << 63 else value

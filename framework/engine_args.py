@@ -1,0 +1,198 @@
+"""EngineArgs: the one source of engine flags for ``tokenmill serve``, ``LLM(...)`` and ``tokenmill bench``.
+
+Flag names follow vLLM's where the concept is the same (``--max-model-len``, ``--max-num-seqs``, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from tokenmill.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
+
+
+def parse_size(value: str | int | None) -> int | None:
+    """Parse a byte size such as ``4GiB``, ``512MiB``, ``2G`` or ``1000000`` into bytes.
+
+    Raises:
+        ValueError: the text is not a size.
+    """
+    if value is None or isinstance(value, int):
+        return value
+    m = _SIZE_RE.match(value)
+    if not m:
+        raise ValueError(f"kv_cache_memory: cannot parse size {value!r} (examples: 4GiB, 512MiB, 2000000000)")
+    number, unit = float(m.group(1)), (m.group(2) or "").lower()
+    base = 1024 if "i" in unit else 1000
+    power = "bkmgt".index(unit[0]) if unit else 0
+    return int(number * base**power)
+
+
+@dataclass
+class EngineArgs:
+    """Engine settings as users give them (CLI flags or keyword arguments of ``LLM``).
+
+    ``model=None`` means the embedded default model (see :mod:`tokenmill.model_loader.default_model`).
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    long_prefill_token_threshold: int = 0
+    scheduling_policy: str = "fcfs"
+    block_size: int = 16
+    kv_cache_memory: str | int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    seed: int = 0
+    enforce_eager: bool = False
+    platform: str | None = None
+    trust_remote_code: bool = False
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """Add one flag per field (``--max-model-len`` for ``max_model_len``)."""
+        d = EngineArgs()
+        g = parser.add_argument_group("engine")
+        g.add_argument("--tokenizer", default=d.tokenizer, help="Tokenizer directory (default: the model's).")
+        g.add_argument("--served-model-name", default=d.served_model_name, help="Model name the API reports.")
+        g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+        g.add_argument("--max-model-len", type=int, default=d.max_model_len, help="Context length in tokens.")
+        g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="Most requests per step.")
+        g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                       help="Token budget of one step (default: max(2048, max_model_len) capped at 8192).")
+        g.add_argument("--long-prefill-token-threshold", type=int, default=d.long_prefill_token_threshold)
+        g.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"])
+        g.add_argument("--block-size", type=int, default=d.block_size, help="Tokens per KV-cache block.")
+        g.add_argument("--kv-cache-memory", default=d.kv_cache_memory,
+                       help="KV cache size on CPU, e.g. 4GiB (default: min(4 GiB, 1/4 of available RAM)).")
+        g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=d.enable_prefix_caching)
+        g.add_argument("--num-gpu-blocks-override", type=int, default=d.num_gpu_blocks_override)
+        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size)
+        g.add_argument("--distributed-executor-backend", default=d.distributed_executor_backend,
+                       choices=["uni", "mp", "ray"])
+        g.add_argument("--seed", type=int, default=d.seed)
+        g.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager)
+        g.add_argument("--platform", default=d.platform,
+                       help="Platform plugin to use (skips detection); also TOKENMILL_PLATFORM.")
+        g.add_argument("--trust-remote-code", action="store_true", default=d.trust_remote_code)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+    def create_model_config(self) -> ModelConfig:
+        """Resolve the model location, read its config and pick the context length.
+
+        Raises:
+            FileNotFoundError: the model path does not exist.
+            ValueError: ``max_model_len`` exceeds what the model supports or is not positive.
+        """
+        from tokenmill.model_loader.hf_config import load_hf_config, resolve_model_location
+
+        loc = resolve_model_location(self.model)
+        hf_config = load_hf_config(loc.directory, loc.gguf_file, trust_remote_code=self.trust_remote_code)
+        derived = _derived_max_model_len(hf_config)
+        max_len = self.max_model_len if self.max_model_len is not None else derived
+        if max_len <= 0:
+            raise ValueError(f"max_model_len: must be positive, got {max_len}")
+        if max_len > derived:
+            raise ValueError(f"max_model_len: {max_len} exceeds the model's maximum context length {derived}")
+        return ModelConfig(
+            model=loc.path,
+            tokenizer=self.tokenizer or loc.directory,
+            hf_config=hf_config,
+            gguf_file=loc.gguf_file,
+            dtype=self.dtype,
+            max_model_len=max_len,
+            served_model_name=self.served_model_name or loc.default_served_name,
+            seed=self.seed,
+            trust_remote_code=self.trust_remote_code,
+        )
+
+    def create_engine_config(self) -> EngineConfig:
+        """Build the full, validated EngineConfig, with the platform's adjustments applied.
+
+        Raises:
+            ValueError: an argument is out of range (the message starts with the field name).
+            tokenmill.platforms.PlatformError: no usable platform, or a conflict between platform plugins.
+        """
+        from tokenmill.platforms import set_current_platform
+
+        if self.platform or os.environ.get("TOKENMILL_PLATFORM"):
+            platform = set_current_platform(self.platform or os.environ["TOKENMILL_PLATFORM"])
+        else:
+            from tokenmill.platforms import get_current_platform
+
+            platform = get_current_platform()
+        for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+        model_config = self.create_model_config()
+        max_batched = self.max_num_batched_tokens
+        if max_batched is None:
+            max_batched = min(max(2048, self.max_num_seqs), 8192)
+        if max_batched < 1:
+            raise ValueError(f"max_num_batched_tokens: must be at least 1, got {max_batched}")
+        config = EngineConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                kv_cache_memory=parse_size(self.kv_cache_memory),
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                enable_prefix_caching=self.enable_prefix_caching,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=max_batched,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
+                policy=self.scheduling_policy,
+            ),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                distributed_executor_backend=self.distributed_executor_backend,
+            ),
+            device_config=DeviceConfig(platform=platform.name, device_type=platform.device_type),
+            enforce_eager=self.enforce_eager,
+        )
+        platform.check_and_update_config(config)
+        return config
+
+    def replace(self, **changes: Any) -> EngineArgs:
+        return dataclasses.replace(self, **changes)
+
+
+def _derived_max_model_len(hf_config: Any) -> int:
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048

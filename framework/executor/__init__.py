@@ -1,0 +1,1 @@
+"""Executors: run the model on one or more workers."""

@@ -1,0 +1,42 @@
+"""The per-step context attention layers read (metadata of the flattened batch), set by the model runner.
+
+Model code never passes paging information around: ``tokenmill.layers.Attention`` reads it from here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class ForwardContext:
+    """Attributes:
+    attn_metadata: the attention backend's metadata for this step (``None`` for a dummy run without cache).
+    """
+
+    attn_metadata: Any
+
+
+_CONTEXT: ForwardContext | None = None
+
+
+@contextmanager
+def set_forward_context(attn_metadata: Any) -> Iterator[None]:
+    global _CONTEXT
+    previous, _CONTEXT = _CONTEXT, ForwardContext(attn_metadata)
+    try:
+        yield
+    finally:
+        _CONTEXT = previous
+
+
+def get_forward_context() -> ForwardContext:
+    """Raises:
+    RuntimeError: called outside a model runner step.
+    """
+    if _CONTEXT is None:
+        raise RuntimeError("no forward context: attention layers run only inside a model runner step")
+    return _CONTEXT

@@ -1,0 +1,31 @@
+"""Building blocks for models; a model built only from these runs on every platform."""
+
+from tokenmill.layers.activation import SiluAndMul
+from tokenmill.layers.attention import Attention
+from tokenmill.layers.layernorm import RMSNorm
+from tokenmill.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
+from tokenmill.layers.rotary import RotaryEmbedding, get_rope
+from tokenmill.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+
+__all__ = [
+    "Attention",
+    "ColumnParallelLinear",
+    "MergedColumnParallelLinear",
+    "ParallelLMHead",
+    "QKVParallelLinear",
+    "RMSNorm",
+    "ReplicatedLinear",
+    "RotaryEmbedding",
+    "RowParallelLinear",
+    "SiluAndMul",
+    "VocabParallelEmbedding",
+    "default_weight_loader",
+    "get_rope",
+]

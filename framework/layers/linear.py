@@ -1,0 +1,133 @@
+"""Tensor-parallel-aware linear layers (Megatron-LM style splits, Shoeybi et al. 2019).
+
+``ColumnParallelLinear`` splits the output dimension across ranks, ``RowParallelLinear`` the input dimension
+(its partial results are summed across ranks). Each parameter carries a ``weight_loader(param, loaded[, shard])``
+that copies this rank's slice of a full checkpoint tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.distributed import get_tp_rank, get_tp_size, tp_all_reduce
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel size ({d})")
+    return n // d
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    """Copy a full tensor into ``param``.
+
+    Raises:
+        ValueError: the shapes differ.
+    """
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+class LinearBase(nn.Module):
+    """``y = x W^T (+ b)`` with ``W`` ``[out_per_rank, in_per_rank]`` in the default dtype."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        default_weight_loader(param, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    """Full weight on every rank."""
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; each rank returns its slice (no gather)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        super().__init__(input_size, _divide(output_size, self.tp_size, "output size"), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        shard = param.shape[0]
+        default_weight_loader(param, loaded.narrow(0, self.tp_rank * shard, shard))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel matrices stored as one (e.g. gate and up projections).
+
+    The loader takes ``shard_id`` = index into ``output_sizes``.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        if shard_id is None:
+            return super().weight_loader(param, loaded)
+        sizes = [s // self.tp_size for s in self.output_sizes]
+        offset, size = sum(sizes[:shard_id]), sizes[shard_id]
+        default_weight_loader(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Query, key and value projections as one matrix; heads split across ranks.
+
+    Key/value heads are replicated when there are fewer of them than ranks. The loader takes
+    ``shard_id`` in ``{"q", "k", "v"}``.
+    """
+
+    def __init__(
+        self, hidden_size: int, head_size: int, total_num_heads: int, total_num_kv_heads: int, bias: bool = False
+    ) -> None:
+        tp = get_tp_size()
+        self.head_size = head_size
+        self.num_heads = _divide(total_num_heads, tp, "number of attention heads")
+        self.num_kv_heads = max(1, total_num_kv_heads // tp)
+        self.kv_replicas = max(1, tp // total_num_kv_heads)
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_size * tp
+        super().__init__(hidden_size, out, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+        if shard_id is None:
+            return super().weight_loader(param, loaded)
+        q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
+        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
+        head_rank = self.tp_rank if shard_id == "q" else self.tp_rank // self.kv_replicas
+        default_weight_loader(param.data.narrow(0, offset, size), loaded.narrow(0, head_rank * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial outputs are summed across ranks (bias added once)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        super().__init__(_divide(input_size, self.tp_size, "input size"), output_size, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if param.dim() == 1:
+            return default_weight_loader(param, loaded)
+        shard = param.shape[1]
+        default_weight_loader(param, loaded.narrow(1, self.tp_rank * shard, shard))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        y = tp_all_reduce(y)
+        return y if self.bias is None else y + self.bias

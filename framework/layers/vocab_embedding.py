@@ -1,0 +1,47 @@
+"""Token embedding and LM head with the vocabulary split across tensor-parallel ranks."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.distributed import get_tp_rank, get_tp_size, tp_all_gather_last_dim, tp_all_reduce
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding of ``num_embeddings`` tokens, each rank holding a contiguous slice of the (padded) vocabulary."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.num_embeddings = num_embeddings
+        self.per_rank = -(-num_embeddings // self.tp_size)
+        self.start = self.tp_rank * self.per_rank
+        self.weight = nn.Parameter(torch.zeros(self.per_rank, embedding_dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if loaded.shape[1] != param.shape[1]:
+            raise ValueError(f"shape mismatch: embedding {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
+        part = loaded[self.start : self.start + self.per_rank]
+        param.data[: part.shape[0]].copy_(part)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[T]`` int -> ``[T, embedding_dim]``."""
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        valid = (local >= 0) & (local < self.per_rank)
+        out = F.embedding(local.clamp(0, self.per_rank - 1), self.weight) * valid.unsqueeze(-1)
+        return tp_all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection to vocabulary logits; shares the embedding's layout (and weights when tied)."""
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` -> ``[N, vocab]`` logits in float32."""
+        logits = F.linear(hidden_states, self.weight)
+        logits = tp_all_gather_last_dim(logits)
+        return logits[:, : self.num_embeddings].float()

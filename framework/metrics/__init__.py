@@ -1,0 +1,1 @@
+"""Engine metrics: stats and Prometheus collectors."""

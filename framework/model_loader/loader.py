@@ -1,0 +1,53 @@
+"""Build a model from the registry and fill its weights from a directory or a GGUF file."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill.config import ModelConfig
+from tokenmill.model_loader.registry import ModelRegistry
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def str_to_dtype(name: str) -> torch.dtype:
+    """Raises:
+    ValueError: unknown dtype name.
+    """
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype: unknown dtype {name!r} (choose from {', '.join(_DTYPES)})") from None
+
+
+def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
+    """Instantiate the architecture named in the config and load its weights on ``device``.
+
+    Raises:
+        tokenmill.model_loader.registry.UnknownArchitectureError: no registered class for the architecture.
+        ValueError: a parameter was left without weights.
+    """
+    model_cls = ModelRegistry.resolve_model_cls(model_config.architectures)
+    dtype = str_to_dtype(model_config.dtype)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = model_cls(model_config)
+    finally:
+        torch.set_default_dtype(previous)
+    if model_config.gguf_file:
+        from tokenmill.model_loader.gguf_weights import iterate_gguf_weights
+
+        weights = iterate_gguf_weights(model_config.model, model_config.hf_config)
+    else:
+        from tokenmill.model_loader.hf_dir import iterate_hf_weights
+
+        weights = iterate_hf_weights(model_config.model)
+    with torch.no_grad():
+        loaded = model.load_weights(weights)
+    missing = {n for n, _ in model.named_parameters()} - loaded
+    if missing:
+        raise ValueError(f"model: checkpoint has no weights for {sorted(missing)[:8]} ({len(missing)} in all)")
+    return model.eval()

@@ -1,0 +1,123 @@
+"""Base of the class-level registries that plugin hooks fill (models, attention backends).
+
+Entries come from three places, looked up in this order:
+
+1. direct calls from the user's script (``Registry.register_x(...)``), in this process only;
+2. the registry's hook (e.g. ``tokenmill_register_models``) of every loaded plugin, re-run whenever the
+   plugin set is reloaded (new process, or :func:`tokenmill.plugins.reset_for_tests`);
+3. built-in defaults of the subclass.
+
+Values are ``"module:Class"`` paths (imported on first use) or classes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import ClassVar
+
+from tokenmill.plugins.manager import get_plugin_manager, load_generation
+from tokenmill.plugins.qualname import resolve_qualname
+
+logger = logging.getLogger(__name__)
+
+Target = str | type
+
+
+class HookFedRegistry:
+    """Subclasses set :attr:`hook_name` and :attr:`kind`, and expose public wrappers of the ``_`` methods."""
+
+    hook_name: ClassVar[str] = ""
+    kind: ClassVar[str] = "entry"  # what an entry is called in messages, e.g. "architecture"
+    _builtin: ClassVar[dict[str, Target]] = {}
+    _script: ClassVar[dict[str, Target]]
+    _plugin: ClassVar[dict[str, Target]]
+    _plugin_generation: ClassVar[int | None]
+    _loading: ClassVar[bool]
+    _lock: ClassVar[threading.RLock]
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._script = {}
+        cls._plugin = {}
+        cls._plugin_generation = None
+        cls._loading = False
+        cls._lock = threading.RLock()
+
+    @classmethod
+    def _register(cls, name: str, target: Target) -> None:
+        """Raises:
+        TypeError: ``name`` is not a non-empty string or ``target`` is neither a class nor a string.
+        ValueError: ``target`` is a string without ``":"`` (expected ``"module:Class"``).
+        """
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"{cls.kind} name must be a non-empty string, got {name!r}")
+        if isinstance(target, str):
+            if ":" not in target:
+                raise ValueError(f"{cls.kind} {name!r}: expected a 'module:Class' path, got {target!r}")
+        elif not isinstance(target, type):
+            raise TypeError(f"{cls.kind} {name!r}: expected a class or 'module:Class' path, got {target!r}")
+        with cls._lock:
+            table = cls._plugin if cls._loading else cls._script
+            previous = table.get(name)
+            if previous is not None and previous != target:
+                logger.warning("%s %r re-registered: %r replaces %r", cls.kind, name, target, previous)
+            table[name] = target
+
+    @classmethod
+    def _ensure_plugins(cls) -> None:
+        with cls._lock:
+            if cls._loading:
+                return  # a hook is registering right now (re-entrant lookup)
+            generation = load_generation()
+            if cls._plugin_generation == generation:
+                return
+            cls._plugin.clear()
+            cls._loading = True
+            try:
+                getattr(get_plugin_manager().hook, cls.hook_name)(registry=cls)
+            except Exception:
+                cls._plugin.clear()  # retried (and raised again) on next use
+                raise
+            finally:
+                cls._loading = False
+            cls._plugin_generation = generation
+
+    @classmethod
+    def _lookup(cls, name: str) -> Target | None:
+        cls._ensure_plugins()
+        with cls._lock:
+            for table in (cls._script, cls._plugin, cls._builtin):
+                if name in table:
+                    return table[name]
+        return None
+
+    @classmethod
+    def _names(cls) -> list[str]:
+        cls._ensure_plugins()
+        with cls._lock:
+            return sorted({*cls._script, *cls._plugin, *cls._builtin})
+
+    @classmethod
+    def _load(cls, name: str, target: Target) -> type:
+        """Raises:
+        ImportError: the path cannot be imported (the message names the entry).
+        TypeError: the path names something that is not a class.
+        """
+        if isinstance(target, type):
+            return target
+        try:
+            obj = resolve_qualname(target)
+        except ImportError as exc:
+            raise ImportError(f"cannot import {cls.kind} {name!r} from {target!r}: {exc}") from exc
+        if not isinstance(obj, type):
+            raise TypeError(f"{cls.kind} {name!r}: {target!r} is {type(obj).__name__}, not a class")
+        return obj
+
+    @classmethod
+    def reset_for_tests(cls) -> None:
+        """Drop script registrations and re-run the plugin hook on next use."""
+        with cls._lock:
+            cls._script.clear()
+            cls._plugin.clear()
+            cls._plugin_generation = None

@@ -1,0 +1,58 @@
+"""The hooks a tokenmill plugin may implement.
+
+A plugin is a module named by an entry point. Platform plugins (group ``tokenmill.platforms``) implement
+:func:`tokenmill_platform`; every other hook belongs in a module of group ``tokenmill.plugins``. Hook
+functions are plain module-level functions decorated with :data:`hookimpl`::
+
+    from tokenmill.plugins import hookimpl
+
+    @hookimpl
+    def tokenmill_register_models(registry):
+        registry.register_model("MyForCausalLM", "my_pkg.model:MyForCausalLM")
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from tokenmill.platforms.interface import PlatformSpec
+
+PROJECT_NAME = "tokenmill"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+@hookspec
+def tokenmill_platform() -> PlatformSpec:  # type: ignore[empty-body]
+    """Describe the platform this plugin provides.
+
+    Must be cheap: return a :class:`~tokenmill.platforms.PlatformSpec` (its ``detect`` runs later, and only
+    when the user did not name a platform). Never import heavy modules or touch a device here.
+    """
+
+
+@hookspec
+def tokenmill_register_models(registry: Any) -> None:
+    """Register model architectures: call ``registry.register_model(arch, "module:Class")``.
+
+    ``registry`` is :class:`tokenmill.model_loader.ModelRegistry`. Prefer ``"module:Class"`` strings so
+    nothing is imported until the architecture is used.
+    """
+
+
+@hookspec
+def tokenmill_register_attention_backends(registry: Any) -> None:
+    """Register attention backends: call ``registry.register_backend(name, "module:Class")``.
+
+    ``registry`` is :class:`tokenmill.attention.registry.AttentionBackendRegistry`.
+    """
+
+
+@hookspec
+def tokenmill_add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Add command-line flags of the plugin to ``parser`` (the ``tokenmill`` CLI's sub-command parser)."""

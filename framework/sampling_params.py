@@ -1,0 +1,164 @@
+"""SamplingParams: how to pick each generated token and when to stop.
+
+Field names, defaults and meaning follow vLLM's ``SamplingParams`` (see the vLLM docs, "Sampling Parameters")
+so that users can move code between the two. Every invalid value raises ``ValueError`` whose message starts
+with the field's name; the OpenAI server turns that into a 400 with ``param`` set to it.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import msgspec
+
+from tokenmill.errors import InvalidRequestError
+
+_INT64_MIN = -(2**63)
+_INT64_MAX = 2**63 - 1
+MAX_LOGPROBS = 20
+
+
+class SamplingType(IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+class RequestOutputKind(IntEnum):
+    """What ``generate`` yields while a request runs (vLLM's names)."""
+
+    CUMULATIVE = 0  # every output holds all text/tokens so far
+    DELTA = 1  # every output holds only what is new since the last one
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
+class SamplingParamsError(InvalidRequestError):
+    """A sampling parameter is out of range; ``param`` names the field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}", param=param)
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Parameters of one request's generation.
+
+    Attributes:
+        n: number of output sequences for the prompt.
+        temperature: softmax temperature; 0 means greedy (argmax).
+        top_p: nucleus sampling: keep the smallest set of tokens whose probability sums to ``top_p``; 1 = off.
+        top_k: keep the ``top_k`` most likely tokens; 0 or -1 = off.
+        min_p: drop tokens whose probability is below ``min_p`` times the top token's; 0 = off.
+        seed: per-request random seed (same seed, same output whatever else is batched).
+        presence_penalty: subtracted from the logit of every token already generated (OpenAI semantics).
+        frequency_penalty: subtracted once per occurrence of a token already generated (OpenAI semantics).
+        repetition_penalty: divides positive / multiplies negative logits of tokens in prompt or output
+            (CTRL paper, Keskar et al. 2019); 1 = off.
+        max_tokens: most tokens to generate; ``None``: up to the model's context length.
+        min_tokens: EOS and stop token ids are suppressed until this many tokens are generated.
+        stop: strings that end generation when they appear in the output (not included unless
+            ``include_stop_str_in_output``).
+        stop_token_ids: token ids that end generation (included in token ids, not in text).
+        ignore_eos: keep generating after the EOS token.
+        include_stop_str_in_output: keep the matched stop string in the text.
+        skip_special_tokens: leave special tokens out of the detokenized text.
+        spaces_between_special_tokens: put spaces around special tokens in the text.
+        logprobs: number of top log-probabilities to return per generated token (``None``: none).
+        prompt_logprobs: number of top log-probabilities to return per prompt token.
+        detokenize: produce text (otherwise only token ids).
+        output_kind: what the front end yields while the request runs.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field; raises :class:`SamplingParamsError` naming the first bad one."""
+        _check_int("n", self.n, lo=1)
+        if self.n > 128:
+            raise SamplingParamsError("n", f"must be at most 128, got {self.n}")
+        _check_float("temperature", self.temperature, lo=0.0)
+        _check_float("top_p", self.top_p, lo=0.0, lo_open=True, hi=1.0)
+        _check_int("top_k", self.top_k, lo=-1)
+        _check_float("min_p", self.min_p, lo=0.0, hi=1.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, lo=_INT64_MIN, hi=_INT64_MAX)
+        _check_float("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
+        _check_float("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, lo=1)
+        _check_int("min_tokens", self.min_tokens, lo=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise SamplingParamsError(
+                "min_tokens", f"must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        for s in self.stop:
+            if not isinstance(s, str):
+                raise SamplingParamsError("stop", f"must be strings, got {type(s).__name__}")
+            if s == "":
+                raise SamplingParamsError("stop", "must not contain an empty string")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, lo=0)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value, lo=0)
+                if value > MAX_LOGPROBS:
+                    raise SamplingParamsError(name, f"must be at most {MAX_LOGPROBS}, got {value}")
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < 1e-5:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    def clone(self) -> SamplingParams:
+        return msgspec.structs.replace(self)
+
+
+def _check_int(name: str, value: object, *, lo: int | None = None, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SamplingParamsError(name, f"must be an integer, got {value!r}")
+    if lo is not None and value < lo:
+        raise SamplingParamsError(name, f"must be at least {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise SamplingParamsError(name, f"must be at most {hi}, got {value}")
+
+
+def _check_float(
+    name: str, value: object, *, lo: float | None = None, hi: float | None = None, lo_open: bool = False
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SamplingParamsError(name, f"must be a number, got {value!r}")
+    if value != value or value in (float("inf"), float("-inf")):
+        raise SamplingParamsError(name, f"must be finite, got {value}")
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        raise SamplingParamsError(name, f"must be {'greater than' if lo_open else 'at least'} {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise SamplingParamsError(name, f"must be at most {hi}, got {value}")

@@ -1,0 +1,1 @@
+"""Workers: own a device, the model and its KV cache."""

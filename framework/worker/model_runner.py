@@ -1,0 +1,126 @@
+"""ModelRunner: holds the model and its KV cache, turns a SchedulerOutput into one forward pass and samples."""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.attention.selector import load_backend_cls, set_attn_backend
+from tokenmill.config import EngineConfig
+from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.forward_context import set_forward_context
+from tokenmill.layers.attention import Attention
+from tokenmill.model_loader.loader import get_model, str_to_dtype
+from tokenmill.worker.input_batch import CachedRequestState, build_batch_inputs, build_sampling_metadata
+from tokenmill.worker.sampler import Sampler
+
+
+class ModelRunner:
+    """Runs the model for the scheduled tokens of a step.
+
+    Args:
+        config: the engine configuration.
+        device: where the model and KV cache live.
+        attn_backend_path: ``"module:Class"`` of the attention backend the platform chose.
+    """
+
+    def __init__(self, config: EngineConfig, device: torch.device, attn_backend_path: str) -> None:
+        self.config = config
+        self.device = device
+        self.block_size = config.cache_config.block_size
+        self.dtype = str_to_dtype(config.model_config.dtype)
+        self.attn_backend = load_backend_cls(attn_backend_path)
+        set_attn_backend(self.attn_backend)
+        self.model: torch.nn.Module | None = None
+        self.attn_layers: list[Attention] = []
+        self.kv_caches: list[torch.Tensor] = []
+        self.requests: dict[str, CachedRequestState] = {}
+        self.sampler = Sampler()
+        self.vocab_size = config.model_config.vocab_size
+
+    def load_model(self) -> None:
+        self.model = get_model(self.config.model_config, self.device)
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+
+    def model_memory_bytes(self) -> int:
+        assert self.model is not None
+        seen, total = set(), 0
+        for t in list(self.model.parameters()) + list(self.model.buffers()):
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+    def kv_cache_bytes_per_block(self) -> int:
+        """Bytes one block takes across all attention layers of this rank."""
+        per_layer = 0
+        for layer in self.attn_layers:
+            shape = self.attn_backend.get_kv_cache_shape(1, self.block_size, layer.num_kv_heads, layer.head_size)
+            n = 1
+            for d in shape:
+                n *= d
+            per_layer += n
+        return per_layer * torch.tensor([], dtype=self.dtype).element_size()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate every layer's cache (zeros) and bind it to the layer."""
+        self.kv_caches = []
+        for layer in self.attn_layers:
+            shape = self.attn_backend.get_kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads, layer.head_size)
+            cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.kv_cache = cache
+            self.kv_caches.append(cache)
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            self.requests[new.req_id] = CachedRequestState(
+                req_id=new.req_id,
+                token_ids=list(new.token_ids),
+                num_prompt_tokens=new.num_prompt_tokens,
+                sampling_params=new.sampling_params,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+            )
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            state.block_ids.extend(cached.new_block_ids[i])
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step; returns the sampled token of every request that reached the end of its known tokens."""
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        assert self.model is not None
+        req_ids = list(so.num_scheduled_tokens)
+        states = [self.requests[r] for r in req_ids]
+        counts = [so.num_scheduled_tokens[r] for r in req_ids]
+        batch = build_batch_inputs(states, counts, self.block_size, self.device)
+        with set_forward_context(batch.attn_metadata):
+            hidden = self.model(batch.input_ids, batch.positions)
+        sample_rows = [i for i, m in enumerate(batch.sample_mask) if m]
+        sampled_ids: list[list[int]] = [[] for _ in req_ids]
+        logprobs: list | None = None
+        if sample_rows:
+            rows = torch.tensor(sample_rows, device=self.device)
+            logits = self.model.compute_logits(hidden[batch.logits_indices[rows]])
+            sample_states = [states[i] for i in sample_rows]
+            md = build_sampling_metadata(sample_states, self.vocab_size, self.device)
+            out = self.sampler(logits, md)
+            tokens = out.sampled_token_ids.tolist()
+            if out.logprobs is not None:
+                logprobs = [None] * len(req_ids)
+                ids, lps, ranks = out.logprob_token_ids.tolist(), out.logprobs.tolist(), out.sampled_ranks.tolist()
+                for j, i in enumerate(sample_rows):
+                    want = states[i].sampling_params.logprobs
+                    if want is not None:
+                        logprobs[i] = [(ids[j][: want + 1], lps[j][: want + 1], ranks[j])]
+            for j, i in enumerate(sample_rows):
+                sampled_ids[i] = [tokens[j]]
+                states[i].token_ids.append(tokens[j])
+        for state, n in zip(states, counts):
+            state.num_computed_tokens += n
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_ids, logprobs=logprobs)

@@ -1,0 +1,84 @@
+"""Worker: owns one device, the model runner on it and its share of the KV cache."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.distributed import init_tensor_parallel
+from tokenmill.platforms import get_current_platform
+from tokenmill.worker.model_runner import ModelRunner
+
+
+class Worker:
+    """One tensor-parallel rank.
+
+    Args:
+        config: the engine configuration.
+        local_rank: device index on this machine.
+        rank: global rank in the tensor-parallel group.
+        distributed_init_method: ``torch.distributed`` init URL when there is more than one rank.
+    """
+
+    def __init__(
+        self, config: EngineConfig, local_rank: int = 0, rank: int = 0, distributed_init_method: str | None = None
+    ) -> None:
+        self.config = config
+        self.local_rank = local_rank
+        self.rank = rank
+        self.distributed_init_method = distributed_init_method
+        self.platform = get_current_platform()
+        self.device: torch.device | None = None
+        self.model_runner: ModelRunner | None = None
+
+    def init_device(self) -> None:
+        self.device = self.platform.make_device(self.local_rank)
+        self.platform.set_device(self.device)
+        world = self.config.parallel_config.tensor_parallel_size
+        if world > 1:
+            torch.distributed.init_process_group(
+                backend=self.platform.dist_backend,
+                init_method=self.distributed_init_method or os.environ.get("TOKENMILL_DIST_INIT", "env://"),
+                rank=self.rank,
+                world_size=world,
+            )
+        init_tensor_parallel(self.rank, world)
+        self.platform.manual_seed_all(self.config.model_config.seed)
+        backend = self.platform.get_attn_backend_cls(self.config)
+        self.model_runner = ModelRunner(self.config, self.device, backend)
+
+    def load_model(self) -> None:
+        assert self.model_runner is not None
+        self.model_runner.load_model()
+
+    def determine_num_available_blocks(self) -> int:
+        """KV blocks that fit in the memory the platform grants (or ``num_gpu_blocks_override``).
+
+        Raises:
+            ValueError: the granted memory holds no block.
+        """
+        assert self.model_runner is not None
+        cc = self.config.cache_config
+        if cc.num_gpu_blocks_override:
+            return cc.num_gpu_blocks_override
+        per_block = self.model_runner.kv_cache_bytes_per_block()
+        budget = self.platform.determine_kv_cache_bytes(
+            self.config, model_memory_bytes=self.model_runner.model_memory_bytes()
+        )
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory: {budget} bytes hold no KV block ({per_block} bytes each); give the cache more memory"
+            )
+        return int(num_blocks)
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        assert self.model_runner is not None
+        self.model_runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        assert self.model_runner is not None
+        return self.model_runner.execute_model(scheduler_output)

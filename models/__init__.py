@@ -1,0 +1,1 @@
+"""Built-in model architectures (registered through the ``builtin_models`` entry point)."""

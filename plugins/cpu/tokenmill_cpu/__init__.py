@@ -1,0 +1,1 @@
+"""tokenmill's CPU platform plugin (entry point ``cpu`` in group ``tokenmill.platforms``)."""

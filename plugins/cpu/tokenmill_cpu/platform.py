@@ -1,0 +1,69 @@
+"""CpuPlatform: torch on the host CPU, gloo for tensor parallelism."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+from tokenmill.platforms import Platform
+from tokenmill_cpu import memory
+
+if TYPE_CHECKING:
+    import torch
+
+    from tokenmill.config import EngineConfig
+
+GiB = 1 << 30
+DEFAULT_KV_CACHE_CAP_BYTES = 4 * GiB
+
+
+class CpuPlatform(Platform):
+    name: ClassVar[str] = "cpu"
+    device_type: ClassVar[str] = "cpu"
+    dist_backend: ClassVar[str] = "gloo"
+    supported_dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float16")
+    default_dtype: ClassVar[str] = "float32"  # correctness first; bfloat16 with --dtype bfloat16
+    supports_graph_capture: ClassVar[bool] = False
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        return memory.cpu_model_name()
+
+    @classmethod
+    def get_device_total_memory(cls, device_id: int = 0) -> int:
+        return memory.total_memory_bytes()
+
+    @classmethod
+    def device_count(cls) -> int:
+        return 1
+
+    @classmethod
+    def determine_kv_cache_bytes(
+        cls, config: EngineConfig, *, model_memory_bytes: int = 0, peak_activation_bytes: int = 0
+    ) -> int:
+        """``--kv-cache-memory`` when given, else min(4 GiB, a quarter of the available RAM).
+
+        Raises:
+            ValueError: ``--kv-cache-memory`` is not positive.
+            RuntimeError: available RAM cannot be determined (see ``memory.available_memory_bytes``).
+        """
+        explicit = config.cache_config.kv_cache_memory
+        if explicit is not None:
+            if explicit <= 0:
+                raise ValueError(f"--kv-cache-memory must be positive, got {explicit} bytes")
+            return int(explicit)
+        return min(DEFAULT_KV_CACHE_CAP_BYTES, memory.available_memory_bytes() // 4)
+
+    @classmethod
+    def set_device(cls, device: torch.device) -> None:
+        if device.type != "cpu":
+            raise ValueError(f"the cpu platform cannot use device {device}")
+
+    @classmethod
+    def synchronize(cls) -> None:
+        return None  # CPU ops run synchronously
+
+    @classmethod
+    def make_device(cls, local_rank: int) -> torch.device:
+        import torch
+
+        return torch.device("cpu")

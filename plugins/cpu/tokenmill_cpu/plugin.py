@@ -1,0 +1,42 @@
+"""Platform hook of tokenmill-cpu: active when torch sees no accelerator."""
+
+from __future__ import annotations
+
+import os
+
+from tokenmill.platforms import PlatformSpec
+from tokenmill.plugins import hookimpl
+
+
+def detect() -> tuple[bool, str]:
+    """Active when torch has no usable accelerator. Never initialises a device.
+
+    On CUDA builds the device count comes from NVML (``PYTORCH_NVML_BASED_CUDA_CHECK=1``), so no CUDA
+    context is created and forking workers stays safe.
+    """
+    import torch
+
+    accelerator = torch.accelerator.current_accelerator()  # compile-time only: no device touched
+    if accelerator is None:
+        return True, "torch was built without accelerator support"
+    if accelerator.type == "cuda":
+        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+        count = torch.cuda.device_count()
+    else:
+        count = 1 if torch.accelerator.is_available() else 0
+    if count == 0:
+        return True, f"torch supports {accelerator.type} but sees no {accelerator.type} device"
+    return False, (
+        f"torch sees a {accelerator.type} accelerator, which another platform plugin serves; "
+        "use --platform cpu to run on the CPU anyway"
+    )
+
+
+@hookimpl
+def tokenmill_platform() -> PlatformSpec:
+    return PlatformSpec(
+        name="cpu",
+        detect=detect,
+        platform_cls="tokenmill_cpu.platform:CpuPlatform",
+        description="x86/ARM CPUs (torch on the host)",
+    )

@@ -1,0 +1,1 @@
+"""tokenmill's AMD ROCm platform plugin (entry point ``rocm`` in group ``tokenmill.platforms``)."""

@@ -1,0 +1,143 @@
+"""The in-tree platform plugins (tokenmill-cpu/cuda/rocm) as installed, and their detectors with torch mocked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.config import CacheConfig, EngineConfig, ModelConfig
+from tokenmill.platforms import detect_platforms, resolve_platform
+from tokenmill.plugins import get_platform_specs
+from tokenmill_cpu import plugin as cpu_plugin
+from tokenmill_cpu.platform import CpuPlatform
+from tokenmill_cuda import plugin as cuda_plugin
+from tokenmill_cuda.platform import CudaPlatform
+from tokenmill_rocm import plugin as rocm_plugin
+
+GiB = 1 << 30
+needs_cpu_only = pytest.mark.skipif(torch.accelerator.is_available(), reason="machine has an accelerator")
+
+
+def _config(dtype: str = "auto", **cache: object) -> EngineConfig:
+    model = ModelConfig(model="m", tokenizer="m", hf_config=None, dtype=dtype)
+    return EngineConfig(model_config=model, cache_config=CacheConfig(**cache))  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def cuda_build(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """torch looks like a CUDA 12.4 build with two GPUs (nothing real is touched)."""
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: torch.device("cuda"))
+    return monkeypatch
+
+
+@pytest.fixture
+def hip_build(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """torch looks like a ROCm 6.2 build with one GPU."""
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.version, "hip", "6.2.41133")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: torch.device("cuda"))
+    return monkeypatch
+
+
+@needs_cpu_only
+def test_real_resolution_on_this_machine_is_cpu(clean_plugin_state: None) -> None:
+    names = {s.name: s.distribution for s in get_platform_specs()}
+    assert names == {"cpu": "tokenmill-cpu", "cuda": "tokenmill-cuda", "rocm": "tokenmill-rocm"}
+    assert resolve_platform() is CpuPlatform
+    active = [r.plugin.name for r in detect_platforms() if r.active]
+    assert active == ["cpu"]
+
+
+@needs_cpu_only
+def test_gpu_detectors_decline_on_cpu_torch() -> None:
+    active, reason = cuda_plugin.detect()
+    assert not active and "without CUDA" in reason
+    active, reason = rocm_plugin.detect()
+    assert not active and "not a ROCm/HIP build" in reason
+    assert cpu_plugin.detect()[0]
+
+
+def test_cuda_detector_accepts_mocked_gpus(cuda_build: pytest.MonkeyPatch) -> None:
+    active, reason = cuda_plugin.detect()
+    assert active and "2 NVIDIA GPU(s)" in reason
+    import os
+
+    assert os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1"  # count without a CUDA context
+    assert not cpu_plugin.detect()[0]  # cpu steps aside: tokenmill-cpu + tokenmill-cuda is no conflict
+    assert not rocm_plugin.detect()[0]
+
+
+def test_cuda_detector_declines_without_visible_gpus(cuda_build: pytest.MonkeyPatch) -> None:
+    cuda_build.setattr(torch.cuda, "device_count", lambda: 0)
+    active, reason = cuda_plugin.detect()
+    assert not active and "sees no NVIDIA GPU" in reason
+    assert cpu_plugin.detect()[0]  # a CUDA build of torch without GPUs runs on the CPU
+
+
+def test_rocm_detector_accepts_mocked_gpus_and_cuda_declines(hip_build: pytest.MonkeyPatch) -> None:
+    active, reason = rocm_plugin.detect()
+    assert active and "1 AMD GPU(s)" in reason
+    active, reason = cuda_plugin.detect()
+    assert not active and "tokenmill-rocm" in reason
+    assert not cpu_plugin.detect()[0]
+
+
+def test_mocked_gpu_machine_resolves_to_cuda(clean_plugin_state: None, cuda_build: pytest.MonkeyPatch) -> None:
+    assert resolve_platform() is CudaPlatform
+
+
+def test_check_and_update_config_resolves_auto_dtype() -> None:
+    config = _config()
+    CpuPlatform.check_and_update_config(config)
+    assert config.model_config.dtype == "float32"
+    assert (config.device_config.platform, config.device_config.device_type) == ("cpu", "cpu")
+    config = _config("bfloat16")
+    CpuPlatform.check_and_update_config(config)
+    assert config.model_config.dtype == "bfloat16"
+
+
+def test_check_and_update_config_rejects_unsupported_dtype() -> None:
+    with pytest.raises(ValueError, match="dtype='float8'"):
+        CpuPlatform.check_and_update_config(_config("float8"))
+
+
+def test_cpu_kv_cache_bytes() -> None:
+    assert CpuPlatform.determine_kv_cache_bytes(_config(kv_cache_memory=123 * 4096)) == 123 * 4096
+    default = CpuPlatform.determine_kv_cache_bytes(_config())
+    assert 0 < default <= 4 * GiB
+    with pytest.raises(ValueError, match="--kv-cache-memory"):
+        CpuPlatform.determine_kv_cache_bytes(_config(kv_cache_memory=0))
+
+
+def test_cpu_device_facts() -> None:
+    assert CpuPlatform.get_device_name()
+    assert CpuPlatform.get_device_total_memory() > GiB
+    assert CpuPlatform.make_device(3) == torch.device("cpu")
+    assert CpuPlatform.is_cpu() and not CpuPlatform.is_cuda_alike()
+    CpuPlatform.manual_seed_all(0)
+    CpuPlatform.synchronize()
+
+
+def test_cuda_kv_cache_bytes_from_memory_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(CudaPlatform, "get_device_total_memory", classmethod(lambda cls, device_id=0: 80 * GiB))
+    config = _config(gpu_memory_utilization=0.5)
+    got = CudaPlatform.determine_kv_cache_bytes(config, model_memory_bytes=10 * GiB, peak_activation_bytes=GiB)
+    assert got == 29 * GiB
+    with pytest.raises(ValueError, match="--gpu-memory-utilization"):
+        CudaPlatform.determine_kv_cache_bytes(config, model_memory_bytes=40 * GiB)
+
+
+def test_cuda_config_checks_tensor_parallel_size(cuda_build: pytest.MonkeyPatch) -> None:
+    config = _config()
+    CudaPlatform.check_and_update_config(config)
+    assert config.model_config.dtype == "bfloat16"
+    assert config.device_config.device_type == "cuda"
+    config.parallel_config.tensor_parallel_size = 4
+    with pytest.raises(ValueError, match="--tensor-parallel-size 4"):
+        CudaPlatform.check_and_update_config(config)
