@@ -70,4 +70,4 @@ def iterate_gguf_weights(path: str, hf_config: Any) -> Iterator[tuple[str, torch
             array = _unpermute(array, n_heads)
         elif hf_name.endswith("k_proj.weight"):
             array = _unpermute(array, n_kv)
-        yield hf_name, torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+        yield hf_name, torch.from_numpy(np.array(array, dtype=np.float32, order="C"))

@@ -1,0 +1,101 @@
+"""The ``tokenmill`` command: ``tokenmill serve [MODEL] [flags]``, ``tokenmill --version``.
+
+Each sub-command is one sub-parser whose ``func`` runs it and returns the exit code; further sub-commands
+(``tokenmill bench ...``) are added in :func:`build_parser` the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from tokenmill import __version__
+
+LOG_LEVEL_ENV = "TOKENMILL_LOGGING_LEVEL"
+_UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def _add_plugin_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Let installed plugins add their flags (hook ``tokenmill_add_cli_args``)."""
+    try:
+        from tokenmill.plugins.manager import get_plugin_manager
+    except ImportError:
+        return
+    get_plugin_manager().hook.tokenmill_add_cli_args(parser=parser)
+
+
+def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
+    from tokenmill.engine_args import EngineArgs
+    from tokenmill.entrypoints.openai.api_server import API_KEY_ENV, DEFAULT_HOST, DEFAULT_PORT
+
+    parser = subparsers.add_parser(
+        "serve",
+        help="Serve a model over the OpenAI-compatible HTTP API.",
+        description="Start the OpenAI-compatible API server. Without MODEL, the embedded default model "
+                    "(SmolLM2-135M-Instruct) is served.",
+    )
+    parser.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
+                        help="Model directory (Hugging Face layout), .gguf file or hub id.")
+    parser.add_argument("--model", default=None, help="Same as MODEL.")
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default=DEFAULT_HOST,
+                        help=f"Address to listen on (default {DEFAULT_HOST}: local connections only; "
+                             "use 0.0.0.0 to accept connections from the network).")
+    server.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"Port (default {DEFAULT_PORT}).")
+    server.add_argument("--api-key", default=None,
+                        help=f"Require 'Authorization: Bearer KEY' on /v1 routes (also ${API_KEY_ENV}).")
+    server.add_argument("--chat-template", default=None, metavar="FILE",
+                        help="Jinja chat template file (or inline template) replacing the tokenizer's.")
+    server.add_argument("--uvicorn-log-level", default="info", choices=_UVICORN_LOG_LEVELS)
+    EngineArgs.add_cli_args(parser)
+    _add_plugin_cli_args(parser)
+    parser.set_defaults(func=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from tokenmill.entrypoints.openai.api_server import run_server
+    from tokenmill.model_loader.default_model import DefaultModelMissingError
+
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        raise SystemExit(f"tokenmill serve: error: MODEL {args.model_tag!r} and --model {args.model!r} differ")
+    args.model = args.model_tag if args.model_tag is not None else args.model
+    try:
+        return run_server(args)
+    except (OSError, ValueError, DefaultModelMissingError) as exc:
+        # Bad input from the user (model path, port in use, flag value): a message, not a traceback.
+        logging.getLogger("tokenmill.serve").debug("startup failed", exc_info=True)
+        print(f"tokenmill serve: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenmill", description="tokenmill: LLM inference and serving.")
+    parser.add_argument("--version", action="version", version=f"tokenmill {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_serve_parser(subparsers)
+    return parser
+
+
+def _configure_logging() -> None:
+    level = os.environ.get(LOG_LEVEL_ENV, "INFO").upper()
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=level, format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
+                            datefmt="%m-%d %H:%M:%S")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``tokenmill`` command line; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    _configure_logging()
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""Shared fixtures: tiny random-weight Llama models built with transformers in a temp dir."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+
+def build_tiny_llama(path: str, *, seed: int = 0, tie: bool = False, **overrides) -> str:
+    """Save a random-weight LlamaForCausalLM (a few layers, GQA) in Hugging Face layout under ``path``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kwargs = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**kwargs)).eval()
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return build_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama")))
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> str:
+    from tokenmill.model_loader.default_model import DefaultModelMissingError, default_model_path
+
+    try:
+        return default_model_path()
+    except DefaultModelMissingError as exc:
+        pytest.skip(str(exc))
+    raise AssertionError("unreachable")
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int, **load_kwargs) -> list[list[int]]:
+    """Greedy continuation of each prompt with transformers' own ``generate`` (one prompt at a time)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **load_kwargs).eval()
+    outs = []
+    for p in prompts:
+        ids = model.generate(
+            torch.tensor([p]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False
+        )
+        outs.append(ids[0, len(p) :].tolist())
+    return outs
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
