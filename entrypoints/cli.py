@@ -29,7 +29,11 @@ def _add_plugin_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     from tokenmill.engine_args import EngineArgs
-    from tokenmill.entrypoints.openai.api_server import API_KEY_ENV, DEFAULT_HOST, DEFAULT_PORT
+    from tokenmill.entrypoints.openai.api_server import (
+        API_KEY_ENV,
+        DEFAULT_HOST,
+        DEFAULT_PORT,
+    )
 
     parser = subparsers.add_parser(
         "serve",

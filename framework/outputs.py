@@ -21,6 +21,8 @@ class Logprob:
 
 
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token; the first is None (nothing predicts it).
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -72,6 +74,8 @@ class RequestOutput:
         finished: all outputs finished.
         num_cached_tokens: prompt tokens served from the prefix cache.
         metrics: timestamps.
+        prompt_logprobs: per prompt token, a map token id -> Logprob for the actual token and the top
+            ``prompt_logprobs`` candidates (``None`` for the first token, and unless requested).
     """
 
     request_id: str
@@ -81,3 +85,4 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    prompt_logprobs: PromptLogprobs | None = None

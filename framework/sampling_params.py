@@ -66,6 +66,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         prompt_logprobs: number of top log-probabilities to return per prompt token.
         detokenize: produce text (otherwise only token ids).
         output_kind: what the front end yields while the request runs.
+        logit_bias: token id -> bias added to its logit before sampling (OpenAI semantics; each value is
+            clamped to [-100, 100]).
+        allowed_token_ids: when set, every other token's logit is -inf.
+        bad_words: words never to generate (tokenized by the front end into ``bad_words_token_ids``).
+        bad_words_token_ids: token sequences never to generate: the last token of a sequence is banned
+            whenever the output ends with the sequence's other tokens.
     """
 
     n: int = 1
@@ -89,13 +95,22 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     prompt_logprobs: int | None = None
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         self.validate()
+        if self.logit_bias is not None:
+            # OpenAI clamps biases to [-100, 100]; keys may arrive as decimal strings from JSON.
+            self.logit_bias = {int(k): min(100.0, max(-100.0, float(v))) for k, v in self.logit_bias.items()}
 
     def validate(self) -> None:
         """Check every field; raises :class:`SamplingParamsError` naming the first bad one."""
@@ -131,6 +146,42 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 _check_int(name, value, lo=0)
                 if value > MAX_LOGPROBS:
                     raise SamplingParamsError(name, f"must be at most {MAX_LOGPROBS}, got {value}")
+        self._validate_token_controls()
+
+    def _validate_token_controls(self) -> None:
+        """``logit_bias``, ``allowed_token_ids``, ``bad_words`` and ``bad_words_token_ids``.
+
+        Token ids are only checked to be non-negative here; the engine checks them against the vocabulary.
+        """
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise SamplingParamsError(
+                    "logit_bias", f"must be a mapping of token id to bias, got {self.logit_bias!r}"
+                )
+            for k, v in self.logit_bias.items():
+                if isinstance(k, str):
+                    try:
+                        k = int(k)
+                    except ValueError:
+                        msg = f"keys must be token ids (integers), got {k!r}"
+                        raise SamplingParamsError("logit_bias", msg) from None
+                _check_int("logit_bias", k, lo=0)
+                _check_float("logit_bias", v)
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
+                raise SamplingParamsError("allowed_token_ids", "must be a non-empty list of token ids")
+            for t in self.allowed_token_ids:
+                _check_int("allowed_token_ids", t, lo=0)
+        if self.bad_words is not None:
+            for w in self.bad_words:
+                if not isinstance(w, str):
+                    raise SamplingParamsError("bad_words", f"must be strings, got {type(w).__name__}")
+        if self.bad_words_token_ids is not None:
+            for seq in self.bad_words_token_ids:
+                if not isinstance(seq, list) or not seq:
+                    raise SamplingParamsError("bad_words_token_ids", "must be non-empty lists of token ids")
+                for t in seq:
+                    _check_int("bad_words_token_ids", t, lo=0)
 
     @property
     def sampling_type(self) -> SamplingType:

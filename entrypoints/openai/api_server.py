@@ -25,7 +25,6 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
 from tokenmill import __version__
 from tokenmill.entrypoints.openai.errors import (
     SERVER_ERROR,
@@ -34,8 +33,14 @@ from tokenmill.entrypoints.openai.errors import (
     install_exception_handlers,
     parse_json_body,
 )
-from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat, load_chat_template
+from tokenmill.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+from tokenmill.entrypoints.openai.serving_chat import (
+    OpenAIServingChat,
+    load_chat_template,
+)
 from tokenmill.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tokenmill.entrypoints.openai.serving_engine import EngineClient, Tokenization
 from tokenmill.entrypoints.openai.serving_models import OpenAIServingModels
@@ -237,7 +242,6 @@ def run_server(args: argparse.Namespace) -> int:
         FileNotFoundError: the model or ``--chat-template`` does not exist.
     """
     import uvicorn
-
     from tokenmill.engine_args import EngineArgs
 
     signals = _SignalState()

@@ -30,7 +30,6 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
 from tokenmill.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 from tokenmill.errors import EngineDeadError, EngineGenerateError, InvalidRequestError
 

@@ -16,7 +16,6 @@ import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
-
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
@@ -175,20 +174,21 @@ class ChatMessage(OpenAIBaseModel):
     name: str | None = None
     tool_call_id: str | None = None
 
+    # pydantic reports only ValueError (not TypeError) from validators as a validation error.
     @field_validator("content", mode="before")
     @classmethod
     def _check_content(cls, value: Any) -> Any:
         if value is None or isinstance(value, str):
             return value
         if not isinstance(value, list):
-            raise ValueError("must be a string or a list of content parts")
+            raise ValueError("must be a string or a list of content parts")  # noqa: TRY004
         for i, part in enumerate(value):
             if not isinstance(part, dict):
-                raise ValueError(f"content part {i} must be an object")
+                raise ValueError(f"content part {i} must be an object")  # noqa: TRY004
             if part.get("type") != "text":
                 raise ValueError(f"content part {i}: type {part.get('type')!r} is not supported (only 'text')")
             if not isinstance(part.get("text"), str):
-                raise ValueError(f"content part {i}: 'text' must be a string")
+                raise ValueError(f"content part {i}: 'text' must be a string")  # noqa: TRY004
         return value
 
     def text(self) -> str:

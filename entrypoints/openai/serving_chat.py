@@ -13,7 +13,6 @@ from typing import Any
 import jinja2
 from fastapi import Request
 from fastapi.responses import Response
-
 from tokenmill.entrypoints.openai.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -246,7 +245,7 @@ class OpenAIServingChat(OpenAIServing):
                     output = await anext(gen, None)
                 if request.include_usage:
                     yield chunk([], usage=UsageInfo.of(prompt_tokens, completion_tokens, cached_tokens))
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - any failure must reach the client as an SSE error event
                 yield self.sse_error(exc, request_id)
             yield SSE_DONE
         finally:

@@ -6,12 +6,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable
 from contextlib import aclosing
+from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response
-
 from tokenmill.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -41,6 +41,7 @@ from tokenmill.sampling_params import RequestOutputKind
 logger = logging.getLogger(__name__)
 
 Gen = AsyncGenerator[RequestOutput, None]
+T = TypeVar("T")
 
 
 async def _collect(gen: Gen) -> tuple[RequestOutput | None, dict[int, CompletionOutput]]:
@@ -54,9 +55,9 @@ async def _collect(gen: Gen) -> tuple[RequestOutput | None, dict[int, Completion
     return last, by_index
 
 
-async def _gather_or_cancel(*aws: asyncio.Future | object) -> list:
+async def _gather_or_cancel(*aws: Awaitable[T]) -> list[T]:
     """``asyncio.gather`` that cancels the others when one fails (or when the caller is cancelled)."""
-    tasks = [asyncio.ensure_future(a) for a in aws]  # type: ignore[arg-type]
+    tasks: list[asyncio.Future[T]] = [asyncio.ensure_future(a) for a in aws]
     try:
         return list(await asyncio.gather(*tasks))
     except BaseException:
@@ -212,7 +213,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                                           stop_reason=o.stop_reason)])
                 if request.include_usage:
                     yield chunk([], usage=UsageInfo.of(sum(prompt_tokens), completion_tokens, sum(cached_tokens)))
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - any failure must reach the client as an SSE error event
                 yield self.sse_error(exc, request_id)
             yield SSE_DONE
         finally:

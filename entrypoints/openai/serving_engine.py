@@ -16,8 +16,10 @@ from fastapi import Request
 from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Send
-
-from tokenmill.entrypoints.openai.errors import ContextLengthExceededError, error_from_exception
+from tokenmill.entrypoints.openai.errors import (
+    ContextLengthExceededError,
+    error_from_exception,
+)
 from tokenmill.entrypoints.openai.serving_models import OpenAIServingModels
 from tokenmill.errors import EngineDeadError, InvalidRequestError
 from tokenmill.outputs import Logprob, RequestOutput
@@ -228,7 +230,7 @@ async def close_quietly(gen: Any) -> None:
     with anyio.CancelScope(shield=True):
         try:
             await gen.aclose()
-        except Exception:  # noqa: BLE001 - the request is over either way; keep the original error
+        except Exception:
             logger.debug("error while closing a generator", exc_info=True)
 
 

@@ -18,6 +18,7 @@ class NewRequestData:
         sampling_params: how to sample.
         block_ids: its KV blocks, in order.
         num_computed_tokens: tokens already in the cache (prefix-cache hits) before this step.
+        eos_token_id: the EOS id the sampler masks until ``min_tokens`` (``None``: none, or ``ignore_eos``).
     """
 
     req_id: str
@@ -26,6 +27,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    eos_token_id: int | None = None
 
 
 @dataclass
@@ -75,8 +77,12 @@ class ModelRunnerOutput:
         sampled_token_ids: per request, the sampled token ids (empty while a prefill is still partial).
         logprobs: per request, ``None`` or per sampled token ``(token_ids, logprobs, sampled_rank)`` where the
             first entry is the sampled token followed by the top-k candidates.
+        prompt_logprobs: per request, ``None`` or, once its prefill is complete (with its first sampled
+            token), per prompt token from the second on ``(token_ids, logprobs, rank)``: the actual prompt
+            token then the top ``prompt_logprobs`` candidates.
     """
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: list[list[tuple[list[int], list[float], int]] | None] | None = None
+    prompt_logprobs: list[list[tuple[list[int], list[float], int]] | None] | None = None

@@ -159,7 +159,10 @@ class Scheduler:
 
         while not preempted_any and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            if request.num_computed_tokens == 0:
+            # Prompt logprobs need the hidden state of every prompt position, so such a request reads
+            # nothing from the prefix cache (its blocks are still cached for others).
+            wants_prompt_logprobs = request.sampling_params.prompt_logprobs is not None
+            if request.num_computed_tokens == 0 and not wants_prompt_logprobs:
                 hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             else:
                 hits, num_hit_tokens = [], 0
@@ -211,6 +214,7 @@ class Scheduler:
             sampling_params=request.sampling_params,
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens,
+            eos_token_id=None if request.sampling_params.ignore_eos else request.eos_token_id,
         )
 
     def _pick_victim(self, first_unscheduled: int) -> Request:
@@ -240,6 +244,7 @@ class Scheduler:
         """Append sampled tokens, apply stop conditions, free finished requests and build the outputs."""
         outputs: list[EngineCoreOutput] = []
         logprobs = runner_output.logprobs
+        prompt_logprobs = runner_output.prompt_logprobs
         for idx, req_id in enumerate(runner_output.req_ids):
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -247,6 +252,10 @@ class Scheduler:
             sampled = runner_output.sampled_token_ids[idx]
             if not sampled:
                 continue  # partial prefill: nothing to emit yet
+            # Only the first output carries prompt logprobs (a request resumed after preemption has outputs).
+            req_prompt_lps = None
+            if prompt_logprobs is not None and not request.output_token_ids:
+                req_prompt_lps = prompt_logprobs[idx]
             new_ids: list[int] = []
             for token_id in sampled:
                 request.append_output_token_id(token_id)
@@ -261,6 +270,7 @@ class Scheduler:
                 stop_reason=request.stop_reason,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 new_logprobs=req_logprobs[: len(new_ids)] if req_logprobs else None,
+                prompt_logprobs=req_prompt_lps,
             )
             outputs.append(out)
             if request.is_finished:

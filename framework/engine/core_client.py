@@ -327,7 +327,8 @@ class AsyncMPClient(EngineCoreClient):
                 if await self._output.poll(timeout=int(_LIVENESS_POLL_S * 1000)):
                     kind, payload = await self._output.recv_multipart()
                     if kind == DEAD_FRAME:
-                        self._mark_dead(EngineDeadError(f"engine core failed: {bytes(payload).decode(errors='replace')}"))
+                        message = bytes(payload).decode(errors="replace")
+                        self._mark_dead(EngineDeadError(f"engine core failed: {message}"))
                         return
                     outputs = decoder.decode(payload)
                     if outputs.utility_output is not None:

@@ -37,8 +37,9 @@ class TokenizerView:
     """What detokenization needs from one tokenizer, computed once and shared by all requests.
 
     Args:
-        tokenizer: a ``transformers`` tokenizer; a fast one (with ``backend_tokenizer``) is decoded through
-            the ``tokenizers`` library directly.
+        tokenizer: a ``transformers`` tokenizer; a fast one (with ``backend_tokenizer``) is decoded through a
+            private copy of its ``tokenizers.Tokenizer``, so decoding here never contends with another thread
+            that encodes (and may reconfigure truncation) with the original.
     """
 
     def __init__(self, tokenizer: Any) -> None:
@@ -46,7 +47,10 @@ class TokenizerView:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._decode: Callable[[list[int]], str]
         if backend is not None:
-            self._decode = lambda ids: backend.decode(ids, skip_special_tokens=False)
+            from tokenizers import Tokenizer
+
+            private = Tokenizer.from_str(backend.to_str())
+            self._decode = lambda ids: private.decode(ids, skip_special_tokens=False)
         else:
             self._decode = lambda ids: tokenizer.decode(
                 ids, skip_special_tokens=False, clean_up_tokenization_spaces=False

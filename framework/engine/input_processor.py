@@ -89,6 +89,7 @@ class InputProcessor:
         """
         arrival = time.time() if arrival_time is None else arrival_time
         if isinstance(prompt, str):
+            _check_encodable(prompt, prompt_param)
             prompt_text: str | None = prompt
             token_ids = list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)) if prompt else []
         else:
@@ -126,9 +127,9 @@ class InputProcessor:
             )
         if params.max_tokens is not None and prompt_len + params.max_tokens > max_len:
             raise InvalidRequestError(
-                f"max_tokens: this model's maximum context length is {max_len} tokens, but {prompt_len + params.max_tokens} "
-                f"were requested ({prompt_len} in the prompt, {params.max_tokens} for the completion); reduce "
-                "the prompt or max_tokens",
+                f"max_tokens: this model's maximum context length is {max_len} tokens, but "
+                f"{prompt_len + params.max_tokens} were requested ({prompt_len} in the prompt, "
+                f"{params.max_tokens} for the completion); reduce the prompt or max_tokens",
                 param="max_tokens",
             )
         max_tokens = params.max_tokens if params.max_tokens is not None else max_len - prompt_len
@@ -140,7 +141,25 @@ class InputProcessor:
                 f"min_tokens: only {max_tokens} tokens fit after the prompt, but min_tokens is {params.min_tokens}",
                 param="min_tokens",
             )
+        if params.bad_words:
+            return msgspec.structs.replace(
+                params, max_tokens=max_tokens, bad_words_token_ids=self._bad_words_token_ids(params)
+            )
         return msgspec.structs.replace(params, max_tokens=max_tokens)
+
+    def _bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
+        """``bad_words`` tokenized (alone and after a space, so both spellings are banned), plus any
+        ``bad_words_token_ids`` already given."""
+        sequences = [list(s) for s in params.bad_words_token_ids or []]
+        for word in params.bad_words or []:
+            stripped = word.lstrip()
+            if not stripped:
+                continue
+            for text in (stripped, " " + stripped):
+                ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
 
     def _fit_kv_cache(self, prompt_len: int, max_tokens: int, explicit: bool, prompt_param: str) -> int:
         """``max_tokens``, lowered to what the whole KV cache holds when the user did not set it."""
@@ -198,3 +217,13 @@ def _child_seed(seed: int, index: int) -> int:
     """``seed + index``, wrapped into the signed 64-bit range."""
     value = (seed + index) & 0xFFFF_FFFF_FFFF_FFFF
     return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _check_encodable(text: str, prompt_param: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"{prompt_param}: the prompt is not valid Unicode text ({exc.reason} at position {exc.start})",
+            param=prompt_param,
+        ) from exc

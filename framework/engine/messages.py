@@ -67,6 +67,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
         error: message when ``finish_reason`` is ERROR.
         new_logprobs: per new token, ``(token_ids, logprobs, sampled_rank)`` for the top ``logprobs``
             candidates plus the sampled token (first entry).
+        prompt_logprobs: with the request's first output when ``prompt_logprobs`` was asked: per prompt token
+            from the second on, ``(token_ids, logprobs, rank)`` with the actual prompt token first, then the
+            top ``prompt_logprobs`` candidates; ``rank`` is the 1-based rank of the actual token.
     """
 
     request_id: str
@@ -76,6 +79,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     error: str | None = None
     new_logprobs: list[tuple[list[int], list[float], int]] | None = None
+    prompt_logprobs: list[tuple[list[int], list[float], int]] | None = None
 
     @property
     def finished(self) -> bool:

@@ -23,7 +23,7 @@ from tokenmill.engine.detokenizer import IncrementalDetokenizer, TokenizerView
 from tokenmill.engine.input_processor import ProcessedRequest
 from tokenmill.engine.messages import EngineCoreOutput, FinishReason
 from tokenmill.errors import EngineGenerateError, InvalidRequestError
-from tokenmill.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tokenmill.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 ERROR_FINISH_REASON = "error"
@@ -104,13 +104,22 @@ def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
     into.finished = new.finished
     into.num_cached_tokens = new.num_cached_tokens
     into.metrics = new.metrics
+    if new.prompt_logprobs is not None:
+        into.prompt_logprobs = new.prompt_logprobs
 
 
 class _Sequence:
     """One engine-core request: its tokens, text and stop-string state."""
 
-    def __init__(self, engine_id: str, index: int, params: SamplingParams, parent: _Request, view: TokenizerView,
-                 prompt_token_ids: list[int]) -> None:
+    def __init__(
+        self,
+        engine_id: str,
+        index: int,
+        params: SamplingParams,
+        parent: _Request,
+        view: TokenizerView,
+        prompt_token_ids: list[int],
+    ) -> None:
         self.engine_id = engine_id
         self.index = index
         self.params = params
@@ -174,6 +183,8 @@ class _Request:
         self.num_cached_tokens = 0
         self.sequences: list[_Sequence] = []
         self.errored = False
+        self.prompt_logprobs: PromptLogprobs | None = None
+        self.prompt_logprobs_sent = False
 
     @property
     def finished(self) -> bool:
@@ -191,6 +202,11 @@ class _Request:
             outputs = [s.completion(kind) for s in self.sequences if s.updated]
         else:
             outputs = [s.completion(kind) for s in self.sequences]
+        prompt_logprobs = self.prompt_logprobs
+        if kind == RequestOutputKind.DELTA:
+            if self.prompt_logprobs_sent:
+                prompt_logprobs = None
+            self.prompt_logprobs_sent = prompt_logprobs is not None or self.prompt_logprobs_sent
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -199,6 +215,7 @@ class _Request:
             finished=finished,
             num_cached_tokens=self.num_cached_tokens,
             metrics=self.metrics,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
@@ -245,11 +262,6 @@ class OutputProcessor:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._requests)
-
-    def engine_request_ids(self, request_id: str) -> list[str]:
-        """Engine-core ids of the unfinished sequences of ``request_id`` (empty when unknown)."""
-        request = self._requests.get(request_id)
-        return [] if request is None else [s.engine_id for s in request.sequences if not s.finished]
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
         """Stop tracking requests; returns the engine-core ids to abort in the engine core.
@@ -307,6 +319,10 @@ class OutputProcessor:
                     request.metrics.first_token_time = now
                 request.metrics.last_token_time = now
             request.num_cached_tokens = max(request.num_cached_tokens, out.num_cached_tokens)
+            if out.prompt_logprobs is not None and request.prompt_logprobs is None:
+                decode = seq.detok is not None
+                entries = [self._logprob_entry(*entry, decode) for entry in out.prompt_logprobs]
+                request.prompt_logprobs = [None, *entries]
         for request in touched.values():
             if request.errored:
                 continue
@@ -365,18 +381,24 @@ class OutputProcessor:
         assert seq.logprobs is not None and seq.cumulative_logprob is not None
         decode = seq.detok is not None
         for token_ids, logprobs, sampled_rank in new_logprobs:
-            entry: dict[int, Logprob] = {}
-            for position, (token_id, logprob) in enumerate(zip(token_ids, logprobs)):
-                if token_id in entry:
-                    continue
-                entry[token_id] = Logprob(
-                    logprob=logprob,
-                    rank=sampled_rank if position == 0 else position,
-                    decoded_token=self._view.token_text(token_id) if decode else None,
-                )
-            seq.logprobs.append(entry)
+            seq.logprobs.append(self._logprob_entry(token_ids, logprobs, sampled_rank, decode))
             if logprobs:
                 seq.cumulative_logprob += logprobs[0]
+
+    def _logprob_entry(
+        self, token_ids: list[int], logprobs: list[float], rank: int, decode: bool
+    ) -> dict[int, Logprob]:
+        """``(ids, logprobs, rank)`` with the chosen token first (rank ``rank``), then the top candidates
+        (ranks 1, 2, ...) -> token id -> Logprob."""
+        entry: dict[int, Logprob] = {}
+        for position, (token_id, logprob) in enumerate(zip(token_ids, logprobs)):
+            if token_id not in entry:
+                entry[token_id] = Logprob(
+                    logprob=logprob,
+                    rank=rank if position == 0 else position,
+                    decoded_token=self._view.token_text(token_id) if decode else None,
+                )
+        return entry
 
     def _fail(self, seq: _Sequence, message: str, result: OutputProcessorResult) -> None:
         request = seq.parent

@@ -23,6 +23,7 @@ class CachedRequestState:
         sampling_params: its SamplingParams.
         block_ids: its KV blocks in order.
         num_computed_tokens: tokens whose KV is in the cache.
+        eos_token_id: EOS id masked until ``min_tokens`` outputs (``None``: none or ``ignore_eos``).
     """
 
     req_id: str
@@ -31,6 +32,7 @@ class CachedRequestState:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    eos_token_id: int | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -102,14 +104,62 @@ def build_batch_inputs(
 
 
 def build_sampling_metadata(states: list[CachedRequestState], vocab_size: int, device: torch.device) -> SamplingMetadata:
-    """Collect the sampling settings of ``states`` into batched tensors."""
+    """Collect the sampling settings of ``states`` (one row each) into batched tensors on ``device``.
+
+    Token ids outside ``[0, vocab_size)`` in ``logit_bias``, ``allowed_token_ids`` and bad words are ignored
+    here (the engine is expected to reject them up front).
+    """
     params = [s.sampling_params for s in states]
+    num_rows = len(states)
     temps = [p.temperature for p in params]
     all_greedy = all(t < 1e-5 for t in temps)
     top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
     top_p = [p.top_p for p in params]
     min_p = [p.min_p for p in params]
     logprobs = [p.logprobs for p in params if p.logprobs is not None]
+
+    def per_row(values: list[float], off: float) -> torch.Tensor | None:
+        if all(v == off for v in values):
+            return None
+        return torch.tensor(values, dtype=torch.float32, device=device)
+
+    presence = per_row([p.presence_penalty for p in params], 0.0)
+    frequency = per_row([p.frequency_penalty for p in params], 0.0)
+    repetition = per_row([p.repetition_penalty for p in params], 1.0)
+    output_counts = prompt_mask = None
+    if presence is not None or frequency is not None or repetition is not None:
+        output_counts = token_count_matrix([s.token_ids[s.num_prompt_tokens :] for s in states], vocab_size, device)
+    if repetition is not None:
+        prompt_counts = token_count_matrix([s.token_ids[: s.num_prompt_tokens] for s in states], vocab_size, device)
+        prompt_mask = prompt_counts > 0
+
+    allowed_mask = None
+    allowed_rows = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+    if allowed_rows:
+        rows, cols = [], []
+        for i in allowed_rows:
+            ids = [t for t in params[i].allowed_token_ids or () if 0 <= t < vocab_size]
+            rows += [i] * len(ids)
+            cols += ids
+        allowed_mask = torch.zeros(num_rows, vocab_size, dtype=torch.bool, device=device)
+        allowed_mask[torch.tensor(allowed_rows, dtype=torch.int64, device=device)] = True
+        allowed_mask[_pairs(rows, cols, device)] = False
+
+    banned_rows, banned_cols = [], []
+    for i, s in enumerate(states):
+        for t in _banned_tokens(s):
+            if 0 <= t < vocab_size:
+                banned_rows.append(i)
+                banned_cols.append(t)
+
+    bias_rows, bias_cols, bias_vals = [], [], []
+    for i, p in enumerate(params):
+        for t, b in (p.logit_bias or {}).items():
+            if 0 <= t < vocab_size:
+                bias_rows.append(i)
+                bias_cols.append(t)
+                bias_vals.append(b)
+
     return SamplingMetadata(
         temperature=torch.tensor(temps, dtype=torch.float32, device=device),
         all_greedy=all_greedy,
@@ -119,4 +169,58 @@ def build_sampling_metadata(states: list[CachedRequestState], vocab_size: int, d
         seeds={i: p.seed for i, p in enumerate(params) if p.seed is not None and p.temperature >= 1e-5},
         output_positions=[s.num_output_tokens for s in states],
         max_num_logprobs=max(logprobs) if logprobs else None,
+        presence_penalties=presence,
+        frequency_penalties=frequency,
+        repetition_penalties=repetition,
+        output_token_counts=output_counts,
+        prompt_token_mask=prompt_mask,
+        allowed_token_mask=allowed_mask,
+        banned_token_indices=torch.stack(_pairs(banned_rows, banned_cols, device)) if banned_rows else None,
+        logit_bias_indices=torch.stack(_pairs(bias_rows, bias_cols, device)) if bias_rows else None,
+        logit_bias_values=torch.tensor(bias_vals, dtype=torch.float32, device=device) if bias_rows else None,
+    )
+
+
+def token_count_matrix(seqs: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """``[B, V]`` float32: how often each token occurs in each sequence.
+
+    The sequences are padded into one ``[B, L]`` int64 tensor with the out-of-vocabulary id ``V`` and counted
+    with one ``scatter_add_`` into ``[B, V + 1]`` on the device; the padding column is dropped.
+    """
+    max_len = max((len(s) for s in seqs), default=0)
+    padded = np.full((len(seqs), max(max_len, 1)), vocab_size, dtype=np.int64)
+    for i, seq in enumerate(seqs):
+        padded[i, : len(seq)] = seq
+    np.putmask(padded, (padded < 0) | (padded > vocab_size), vocab_size)
+    ids = torch.from_numpy(padded).to(device)
+    counts = torch.zeros(len(seqs), vocab_size + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, ids, torch.ones(ids.shape, dtype=torch.float32, device=device))
+    return counts[:, :vocab_size]
+
+
+def _banned_tokens(state: CachedRequestState) -> list[int]:
+    """Tokens the next sample of ``state`` must not be (bad words, and stop tokens before ``min_tokens``).
+
+    A bad word ``w`` bans ``w[-1]`` when the output ends with ``w[:-1]`` (a one-token word is always banned).
+    """
+    p = state.sampling_params
+    out: list[int] = []
+    num_out = state.num_output_tokens
+    if num_out < p.min_tokens:
+        out += p.stop_token_ids
+        if state.eos_token_id is not None:
+            out.append(state.eos_token_id)
+    if p.bad_words_token_ids:
+        output = state.token_ids[state.num_prompt_tokens :]
+        for word in p.bad_words_token_ids:
+            prefix = word[:-1]
+            if len(prefix) <= num_out and (not prefix or output[num_out - len(prefix) :] == prefix):
+                out.append(word[-1])
+    return out
+
+
+def _pairs(rows: list[int], cols: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (
+        torch.tensor(rows, dtype=torch.int64, device=device),
+        torch.tensor(cols, dtype=torch.int64, device=device),
     )

@@ -11,7 +11,9 @@ from tokenmill.forward_context import set_forward_context
 from tokenmill.layers.attention import Attention
 from tokenmill.model_loader.loader import get_model, str_to_dtype
 from tokenmill.worker.input_batch import CachedRequestState, build_batch_inputs, build_sampling_metadata
-from tokenmill.worker.sampler import Sampler
+from tokenmill.worker.sampler import Sampler, gather_logprobs
+
+LogprobEntry = tuple[list[int], list[float], int]
 
 
 class ModelRunner:
@@ -35,6 +37,8 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
+        # req_id -> prompt logprobs accumulated over the chunks of its prefill so far
+        self.prompt_logprobs: dict[str, list[LogprobEntry]] = {}
         self.vocab_size = config.model_config.vocab_size
 
     def load_model(self) -> None:
@@ -73,7 +77,9 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
+            self.prompt_logprobs.pop(req_id, None)
         for new in so.scheduled_new_reqs:
+            self.prompt_logprobs.pop(new.req_id, None)
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,
                 token_ids=list(new.token_ids),
@@ -81,6 +87,7 @@ class ModelRunner:
                 sampling_params=new.sampling_params,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
+                eos_token_id=new.eos_token_id,
             )
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -101,7 +108,15 @@ class ModelRunner:
         batch = build_batch_inputs(states, counts, self.block_size, self.device)
         with set_forward_context(batch.attn_metadata):
             hidden = self.model(batch.input_ids, batch.positions)
+        self._accumulate_prompt_logprobs(states, counts, batch.attn_metadata.query_start_loc_cpu, hidden)
         sample_rows = [i for i, m in enumerate(batch.sample_mask) if m]
+        prompt_logprobs: list[list[LogprobEntry] | None] | None = None
+        for i in sample_rows:
+            done = self.prompt_logprobs.pop(req_ids[i], None)
+            if done is not None:
+                if prompt_logprobs is None:
+                    prompt_logprobs = [None] * len(req_ids)
+                prompt_logprobs[i] = done
         sampled_ids: list[list[int]] = [[] for _ in req_ids]
         logprobs: list | None = None
         if sample_rows:
@@ -123,4 +138,55 @@ class ModelRunner:
                 states[i].token_ids.append(tokens[j])
         for state, n in zip(states, counts):
             state.num_computed_tokens += n
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_ids, logprobs=logprobs)
+        return ModelRunnerOutput(
+            req_ids=req_ids, sampled_token_ids=sampled_ids, logprobs=logprobs, prompt_logprobs=prompt_logprobs
+        )
+
+    def _accumulate_prompt_logprobs(
+        self,
+        states: list[CachedRequestState],
+        counts: list[int],
+        query_start_loc: list[int],
+        hidden: torch.Tensor,
+    ) -> None:
+        """Logprobs of the prompt tokens this step's chunk predicts, appended to ``self.prompt_logprobs``.
+
+        The hidden state at prompt position ``p`` predicts prompt token ``p + 1``, so a chunk covering positions
+        ``[a, b)`` yields entries for tokens ``a + 1 .. min(b, P - 1)``. Only requests that asked for
+        ``prompt_logprobs`` and have no outputs yet (a request resumed after preemption already sent its
+        prompt logprobs) take part. All rows of the step go through one ``compute_logits`` call.
+
+        Args:
+            states: the step's requests (``num_computed_tokens`` not yet advanced).
+            counts: tokens scheduled per request.
+            query_start_loc: ``[B + 1]`` offsets of each request's tokens in the flattened batch.
+            hidden: ``[T, hidden]`` the model's output for the flattened batch.
+        """
+        rows: list[int] = []
+        targets: list[int] = []
+        spans: list[tuple[str, int, int, int]] = []  # req_id, first row, row count, k
+        for i, (state, n) in enumerate(zip(states, counts)):
+            k = state.sampling_params.prompt_logprobs
+            if k is None or state.num_output_tokens > 0:
+                continue
+            self.prompt_logprobs.setdefault(state.req_id, [])
+            start = state.num_computed_tokens
+            end = min(start + n, state.num_prompt_tokens - 1)
+            if end <= start:
+                continue
+            spans.append((state.req_id, len(rows), end - start, k))
+            rows.extend(range(query_start_loc[i], query_start_loc[i] + end - start))
+            targets.extend(state.token_ids[start + 1 : end + 1])
+        if not rows:
+            return
+        assert self.model is not None
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()
+        max_k = max(k for *_, k in spans)
+        ids, lps, ranks = gather_logprobs(
+            torch.log_softmax(logits, dim=-1), torch.tensor(targets, dtype=torch.int64, device=self.device), max_k
+        )
+        ids_l, lps_l, ranks_l = ids.tolist(), lps.tolist(), ranks.tolist()
+        for req_id, first, num, k in spans:
+            acc = self.prompt_logprobs[req_id]
+            for r in range(first, first + num):
+                acc.append((ids_l[r][: k + 1], lps_l[r][: k + 1], ranks_l[r]))

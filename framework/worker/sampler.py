@@ -1,8 +1,16 @@
 """Sampler: batched token selection on the device (no per-request Python loop over the vocabulary).
 
-Order of operations (vLLM's): raw log-probabilities for ``logprobs`` are taken from the model's logits before
-any processing; then temperature, top-k, top-p and min-p restrict the distribution and one token per row is
-drawn with the exponential-race trick (``argmax(p / q)``, ``q ~ Exp(1)``), which equals sampling from ``p``.
+Order of operations (vLLM V1's):
+
+1. Raw log-probabilities for ``logprobs`` are the ``log_softmax`` of the model's logits, before any processing.
+2. Hard restrictions: ``allowed_token_ids`` (every other token -inf), banned tokens (``bad_words`` and, until
+   ``min_tokens`` outputs exist, EOS and ``stop_token_ids``) set to -inf.
+3. ``logit_bias`` is added.
+4. Penalties: repetition (CTRL), then frequency and presence (OpenAI).
+5. Greedy rows take the argmax of the processed logits. Random rows divide by the temperature, apply top-k,
+   top-p and min-p, and draw one token with the exponential-race trick (``argmax(p / q)``, ``q ~ Exp(1)``),
+   which equals sampling from ``p``.
+
 Seeded rows draw their noise from their own generator, re-seeded from ``(seed, output position)`` every step,
 so a seeded request's tokens depend neither on the rest of the batch nor on preemption.
 """
@@ -18,7 +26,10 @@ _NEG_INF = float("-inf")
 
 @dataclass
 class SamplingMetadata:
-    """Per-row sampling settings of a batch of ``B`` rows.
+    """Per-row sampling settings of a batch of ``B`` rows over a vocabulary of ``V`` tokens.
+
+    Every optional tensor is ``None`` when no row of the batch uses the feature, so the common case costs
+    nothing.
 
     Attributes:
         temperature: ``[B]`` float32; rows with 0 are greedy.
@@ -29,6 +40,18 @@ class SamplingMetadata:
         seeds: row index -> seed for seeded rows (combined with ``output_positions``).
         output_positions: ``[B]`` list of each row's number of output tokens so far.
         max_num_logprobs: largest ``logprobs`` of a row, or ``None`` when no row wants logprobs.
+        presence_penalties: ``[B]`` float32 (0 = off), or ``None``.
+        frequency_penalties: ``[B]`` float32 (0 = off), or ``None``.
+        repetition_penalties: ``[B]`` float32 (1 = off), or ``None``.
+        output_token_counts: ``[B, V]`` float32, occurrences of each token among a row's outputs; set whenever
+            a penalty tensor is.
+        prompt_token_mask: ``[B, V]`` bool, token occurs in the row's prompt; set with ``repetition_penalties``.
+        allowed_token_mask: ``[B, V]`` bool, ``True`` where a token is *not* allowed (rows without
+            ``allowed_token_ids`` are all ``False``), or ``None``.
+        banned_token_indices: ``[2, N]`` int64 ``(row, token)`` pairs forced to -inf (bad words, min_tokens),
+            or ``None``.
+        logit_bias_indices: ``[2, M]`` int64 ``(row, token)`` pairs, or ``None``.
+        logit_bias_values: ``[M]`` float32 biases added at ``logit_bias_indices``.
     """
 
     temperature: torch.Tensor
@@ -39,6 +62,30 @@ class SamplingMetadata:
     seeds: dict[int, int]
     output_positions: list[int]
     max_num_logprobs: int | None
+    presence_penalties: torch.Tensor | None = None
+    frequency_penalties: torch.Tensor | None = None
+    repetition_penalties: torch.Tensor | None = None
+    output_token_counts: torch.Tensor | None = None
+    prompt_token_mask: torch.Tensor | None = None
+    allowed_token_mask: torch.Tensor | None = None
+    banned_token_indices: torch.Tensor | None = None
+    logit_bias_indices: torch.Tensor | None = None
+    logit_bias_values: torch.Tensor | None = None
+
+    @property
+    def needs_processing(self) -> bool:
+        """Whether any row changes its logits before sampling (other than temperature and truncation)."""
+        return any(
+            t is not None
+            for t in (
+                self.presence_penalties,
+                self.frequency_penalties,
+                self.repetition_penalties,
+                self.allowed_token_mask,
+                self.banned_token_indices,
+                self.logit_bias_indices,
+            )
+        )
 
 
 @dataclass
@@ -58,8 +105,11 @@ class SamplerOutput:
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        """``logits``: ``[B, V]`` float32 -> one token per row."""
+        """``logits``: ``[B, V]`` (any float dtype) -> one token per row."""
+        logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if md.max_num_logprobs is not None else None
+        if md.needs_processing:
+            logits = process_logits(logits, md)
         greedy = logits.argmax(dim=-1)
         if md.all_greedy:
             sampled = greedy
@@ -79,8 +129,7 @@ class Sampler:
             x = apply_top_p(x, md.top_p)
         probs = torch.softmax(x, dim=-1)
         if md.min_p is not None:
-            top = probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < md.min_p.unsqueeze(1) * top, 0.0)
+            probs = apply_min_p(probs, md.min_p)
         q = torch.empty_like(probs).exponential_()
         for row, seed in md.seeds.items():
             gen = torch.Generator(device=probs.device)
@@ -91,16 +140,95 @@ class Sampler:
 
     @staticmethod
     def _gather_logprobs(raw: torch.Tensor, sampled: torch.Tensor, k: int, out: SamplerOutput) -> None:
-        sampled_lp = raw.gather(1, sampled.unsqueeze(1))
-        ranks = (raw > sampled_lp).sum(dim=-1) + 1
-        if k > 0:
-            top_lp, top_ids = raw.topk(k, dim=-1)
-            out.logprob_token_ids = torch.cat([sampled.unsqueeze(1), top_ids], dim=1)
-            out.logprobs = torch.cat([sampled_lp, top_lp], dim=1)
-        else:
-            out.logprob_token_ids = sampled.unsqueeze(1)
-            out.logprobs = sampled_lp
-        out.sampled_ranks = ranks
+        ids, lps, ranks = gather_logprobs(raw, sampled, k)
+        out.logprob_token_ids, out.logprobs, out.sampled_ranks = ids, lps, ranks
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The logprob and 1-based rank of ``token_ids`` plus each row's top ``k``.
+
+    Args:
+        logprobs: ``[N, V]`` float32 log-probabilities.
+        token_ids: ``[N]`` int64, the token of interest per row (sampled, or the actual next prompt token).
+        k: number of top candidates (0: none).
+
+    Returns:
+        ``ids [N, 1 + k]`` int64 (``token_ids`` first), ``lps [N, 1 + k]`` float32, ``ranks [N]`` int64 where
+        rank 1 is the most likely token (ties share the better rank).
+    """
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    if k > 0:
+        top_lp, top_ids = logprobs.topk(k, dim=-1)
+        return torch.cat([token_ids.unsqueeze(1), top_ids], dim=1), torch.cat([chosen, top_lp], dim=1), ranks
+    return token_ids.unsqueeze(1), chosen, ranks
+
+
+def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Apply allowed tokens, banned tokens, logit bias and penalties to ``[B, V]`` float32 logits (new tensor)."""
+    if md.allowed_token_mask is not None:
+        logits = logits.masked_fill(md.allowed_token_mask, _NEG_INF)
+    else:
+        logits = logits.clone()
+    if md.banned_token_indices is not None:
+        rows, cols = md.banned_token_indices
+        logits[rows, cols] = _NEG_INF
+    if md.logit_bias_indices is not None:
+        rows, cols = md.logit_bias_indices
+        assert md.logit_bias_values is not None
+        logits.index_put_((rows, cols), md.logit_bias_values, accumulate=True)
+    return apply_penalties(
+        logits,
+        md.output_token_counts,
+        md.prompt_token_mask,
+        md.presence_penalties,
+        md.frequency_penalties,
+        md.repetition_penalties,
+    )
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    output_counts: torch.Tensor | None,
+    prompt_mask: torch.Tensor | None,
+    presence: torch.Tensor | None,
+    frequency: torch.Tensor | None,
+    repetition: torch.Tensor | None,
+) -> torch.Tensor:
+    """Repetition, frequency and presence penalties on ``[B, V]`` float32 logits.
+
+    - Repetition (CTRL, Keskar et al. 2019, as in vLLM and transformers): for tokens seen in the prompt or the
+      output, ``l / r`` when ``l > 0`` else ``l * r``; ``repetition`` is ``[B]``, 1 = off.
+    - Frequency and presence (OpenAI API reference, "Parameter details"):
+      ``l - c * frequency - (c > 0) * presence`` with ``c`` the token's count in the output so far.
+
+    Args:
+        output_counts: ``[B, V]`` float32 counts of output tokens (required with any penalty).
+        prompt_mask: ``[B, V]`` bool, token in prompt (required with ``repetition``).
+        presence, frequency, repetition: ``[B]`` float32 or ``None``.
+    """
+    if presence is None and frequency is None and repetition is None:
+        return logits
+    assert output_counts is not None
+    in_output = output_counts > 0
+    if repetition is not None:
+        assert prompt_mask is not None
+        rep = repetition.unsqueeze(1)
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(in_output | prompt_mask, penalised, logits)
+    if frequency is not None:
+        logits = logits - frequency.unsqueeze(1) * output_counts
+    if presence is not None:
+        logits = logits - presence.unsqueeze(1) * in_output.to(logits.dtype)
+    return logits
+
+
+def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zero the probabilities below ``min_p[row]`` times the row's largest (Nguyen et al. 2024); ``[B, V]``."""
+    top = probs.max(dim=-1, keepdim=True).values
+    return probs.masked_fill(probs < min_p.unsqueeze(1) * top, 0.0)
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:

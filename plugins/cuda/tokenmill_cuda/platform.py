@@ -5,14 +5,18 @@ Device queries run only in workers (after selection), never in the process that 
 
 from __future__ import annotations
 
+import importlib.util
 from typing import TYPE_CHECKING, ClassVar
 
 from tokenmill.platforms import Platform
+from tokenmill.platforms.interface import DEFAULT_ATTN_BACKEND
 
 if TYPE_CHECKING:
     import torch
 
     from tokenmill.config import EngineConfig
+
+TRITON_ATTN_BACKEND = "tokenmill.attention.backends.triton_paged:TritonPagedAttentionBackend"
 
 
 class CudaPlatform(Platform):
@@ -22,6 +26,13 @@ class CudaPlatform(Platform):
     supported_dtypes: ClassVar[tuple[str, ...]] = ("bfloat16", "float16", "float32")
     default_dtype: ClassVar[str] = "bfloat16"
     supports_graph_capture: ClassVar[bool] = True
+
+    @classmethod
+    def get_attn_backend_cls(cls, config: EngineConfig) -> str:
+        """The Triton paged-attention backend when triton is installed, else the torch backend."""
+        if importlib.util.find_spec("triton") is not None:
+            return TRITON_ATTN_BACKEND
+        return DEFAULT_ATTN_BACKEND
 
     @classmethod
     def get_device_name(cls, device_id: int = 0) -> str:

@@ -1,0 +1,220 @@
+"""LLM: the offline API (``tokenmill.LLM``): batch generation and chat in this process."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgspec
+
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.output_processor import ERROR_FINISH_REASON
+from tokenmill.engine_args import EngineArgs
+from tokenmill.errors import EngineGenerateError
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+
+ChatMessage = dict[str, Any]
+
+
+class LLM:
+    """Generate text with a model, offline.
+
+    Args:
+        model: a Hugging Face model directory, a hub id, a ``.gguf`` file, or ``None`` for the embedded
+            default model.
+        **engine_kwargs: any :class:`tokenmill.EngineArgs` field (``max_model_len=2048``, ``dtype="float32"``,
+            ``kv_cache_memory="2GiB"``, ...).
+
+    Raises:
+        TypeError: an unknown keyword argument (the message lists the valid ones).
+    """
+
+    def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
+        valid = {f.name for f in dataclasses.fields(EngineArgs)}
+        unknown = sorted(set(engine_kwargs) - valid)
+        if unknown:
+            raise TypeError(f"LLM() got unknown engine arguments {unknown}; valid ones: {sorted(valid - {'model'})}")
+        engine_args = EngineArgs(model=model, **engine_kwargs)
+        self._init(LLMEngine.from_engine_args(engine_args))
+
+    @classmethod
+    def from_llm_engine(cls, llm_engine: LLMEngine) -> LLM:
+        """Wrap an existing engine (e.g. one built with a custom EngineCore)."""
+        llm = cls.__new__(cls)
+        llm._init(llm_engine)
+        return llm
+
+    def _init(self, llm_engine: LLMEngine) -> None:
+        self.llm_engine = llm_engine
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]] | Sequence[Mapping[str, Any]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Complete each prompt; returns one finished RequestOutput per prompt, in order.
+
+        Args:
+            prompts: a text, a list of texts, one prompt as token ids (``list[int]``), a list of token-id
+                prompts, or ``{"prompt": text}`` / ``{"prompt_token_ids": ids}`` dicts.
+            sampling_params: one for all prompts, or one per prompt (default: ``SamplingParams()``).
+            use_tqdm: show a progress bar over requests.
+
+        Raises:
+            InvalidRequestError: a prompt or parameter is invalid (nothing keeps running).
+            EngineGenerateError: the engine core failed a request.
+        """
+        return self._run(_normalize_prompts(prompts), sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[ChatMessage] | Sequence[Sequence[ChatMessage]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+    ) -> list[RequestOutput]:
+        """Answer one conversation (a list of ``{"role", "content"}`` messages) or a list of them.
+
+        The conversation is rendered with the tokenizer's chat template (or ``chat_template``).
+
+        Raises:
+            ValueError: no chat template, or both ``add_generation_prompt`` and ``continue_final_message``.
+            InvalidRequestError / EngineGenerateError: as :meth:`generate`.
+        """
+        if add_generation_prompt and continue_final_message:
+            raise ValueError(
+                "continue_final_message=True continues the last message, so add_generation_prompt must be False"
+            )
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        tokenizer = self.get_tokenizer()
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("chat: the tokenizer has no chat template; pass chat_template=...")
+        prompts: list[str | list[int]] = []
+        for conversation in conversations:
+            prompts.append(
+                tokenizer.apply_chat_template(
+                    [_flatten_content(m) for m in conversation],
+                    tokenize=False,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    chat_template=chat_template,
+                )
+            )
+        return self._run(prompts, sampling_params, use_tqdm, add_special_tokens=False, prompt_param="messages")
+
+    def _run(
+        self,
+        prompts: list[str | list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+        *,
+        add_special_tokens: bool = True,
+        prompt_param: str = "prompt",
+    ) -> list[RequestOutput]:
+        if sampling_params is None:
+            params_list = [SamplingParams()] * len(prompts)
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"sampling_params: got {len(params_list)} for {len(prompts)} prompts (give one, or one per prompt)"
+                )
+        engine = self.llm_engine
+        request_ids: list[str] = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                request_id = str(next(self._request_counter))
+                engine.add_request(
+                    request_id,
+                    prompt,
+                    msgspec.structs.replace(params, output_kind=RequestOutputKind.FINAL_ONLY),
+                    add_special_tokens=add_special_tokens,
+                    prompt_param=prompt_param,
+                )
+                request_ids.append(request_id)
+            finished = self._run_engine(len(request_ids), use_tqdm)
+        except BaseException:
+            engine.abort_request(request_ids)
+            raise
+        failed = [
+            f"request {o.request_id}: {c.stop_reason}"
+            for o in finished.values()
+            for c in o.outputs
+            if c.finish_reason == ERROR_FINISH_REASON
+        ]
+        if failed:
+            raise EngineGenerateError("the engine core failed requests: " + "; ".join(failed))
+        return [finished[i] for i in request_ids if i in finished]
+
+    def _run_engine(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+        from tqdm.auto import tqdm
+
+        finished: dict[str, RequestOutput] = {}
+        start = time.perf_counter()
+        prompt_tokens = output_tokens = 0
+        with tqdm(total=total, desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
+            while self.llm_engine.has_unfinished_requests():
+                for output in self.llm_engine.step():
+                    if not output.finished:
+                        continue
+                    finished[output.request_id] = output
+                    prompt_tokens += len(output.prompt_token_ids)
+                    output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                    elapsed = max(time.perf_counter() - start, 1e-9)
+                    bar.set_postfix_str(
+                        f"input: {prompt_tokens / elapsed:.1f} toks/s, output: {output_tokens / elapsed:.1f} toks/s",
+                        refresh=False,
+                    )
+                    bar.update(1)
+        return finished
+
+
+def _normalize_prompts(prompts: Any) -> list[str | list[int]]:
+    if isinstance(prompts, (str, Mapping)):
+        prompts = [prompts]
+    prompts = list(prompts)
+    if prompts and all(_is_token_id(p) for p in prompts):
+        return [list(prompts)]
+    normalized: list[str | list[int]] = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise TypeError(f"prompts[{i}]: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            normalized.append(prompt)
+        elif isinstance(prompt, Sequence) and all(_is_token_id(t) for t in prompt):
+            normalized.append(list(prompt))
+        else:
+            raise TypeError(f"prompts[{i}]: expected a string or a list of token ids, got {type(prompt).__name__}")
+    return normalized
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _flatten_content(message: Mapping[str, Any]) -> dict[str, Any]:
+    """OpenAI-style content parts (``[{"type": "text", "text": ...}]``) -> one string, as templates expect."""
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = [part["text"] for part in content if isinstance(part, Mapping) and part.get("type") == "text"]
+        return {**message, "content": "\n".join(texts)}
+    return dict(message)

@@ -1,0 +1,100 @@
+"""Paged attention with Triton kernels (portable: NVIDIA and AMD GPUs; CPU under ``TRITON_INTERPRET=1``).
+
+KV cache layout per layer: ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (keys, then values), the
+same as :mod:`tokenmill.attention.backends.torch_paged`, so the two backends can read each other's caches.
+One kernel writes the step's new keys/values into their slots (``slot_mapping``); a second attends over the
+paged cache for the whole flattened batch in one launch: prefill chunks (with or without a cached prefix)
+and decodes mixed, grouped-query attention, causal, no padding. The kernels live in
+:mod:`tokenmill.attention.ops.triton_paged_attention` (FlashAttention-2 online softmax over KV blocks,
+Dao 2023; paging after Kwon et al. 2023).
+
+Triton is imported lazily (when an impl is created), so this module imports where triton is missing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadata
+
+
+def triton_available() -> bool:
+    """Whether ``import triton`` can work here (looks the package up without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+class TritonPagedAttentionBackend(AttentionBackend):
+    name = "TRITON_PAGED"
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return TritonPagedAttentionImpl
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+
+class TritonPagedAttentionImpl(AttentionImpl):
+    """Attention layer state for :class:`TritonPagedAttentionBackend`.
+
+    Raises:
+        ImportError: triton is not installed (the message says which backend to use instead).
+    """
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int) -> None:
+        super().__init__(num_heads, head_size, scale, num_kv_heads)
+        try:
+            from tokenmill.attention.ops import triton_paged_attention as ops
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise ImportError(
+                f"the TRITON_PAGED attention backend needs triton ({exc}); install it (`pip install triton`) "
+                "or use the TORCH_PAGED backend"
+            ) from exc
+        self._ops = ops
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata | None,
+    ) -> torch.Tensor:
+        """See :meth:`AttentionImpl.forward`. ``query`` ``[T, Hq*D]``, ``key``/``value`` ``[T, Hkv*D]``,
+        ``kv_cache`` ``[2, num_blocks, block_size, Hkv, D]`` -> ``[T, Hq*D]`` in ``query``'s dtype."""
+        num_tokens = query.shape[0]
+        q = query.view(num_tokens, self.num_heads, self.head_size)
+        k = key.view(num_tokens, self.num_kv_heads, self.head_size)
+        v = value.view(num_tokens, self.num_kv_heads, self.head_size)
+        if attn_metadata is None:
+            return self._causal_sdpa(q, k, v).reshape(num_tokens, -1)
+        n = attn_metadata.num_actual_tokens
+        self._ops.reshape_and_cache(k[:n], v[:n], kv_cache, attn_metadata.slot_mapping[:n])
+        out = torch.empty_like(q) if n == num_tokens else torch.zeros_like(q)
+        self._ops.paged_attention(
+            q[:n],
+            kv_cache,
+            attn_metadata.block_table,
+            attn_metadata.query_start_loc,
+            attn_metadata.seq_lens,
+            self.scale,
+            attn_metadata.max_query_len,
+            out=out[:n],
+        )
+        return out.reshape(num_tokens, -1)
+
+    def _causal_sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Dummy/profiling run: causal attention over the batch as one sequence, ``[T, H, D]`` layouts."""
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            is_causal=True,
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return o.transpose(0, 1)

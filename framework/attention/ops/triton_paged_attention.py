@@ -1,0 +1,339 @@
+"""Triton kernels for paged attention: the KV-cache write and attention over a flattened, unpadded batch.
+
+Portable Triton only (no vendor intrinsics), so the same code runs on NVIDIA and AMD GPUs and, with
+``TRITON_INTERPRET=1``, on CPU tensors (slowly; that is how the tests run it).
+
+KV cache layout (one layer), the same as the torch backend's::
+
+    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_size]   kv_cache[0] = keys, kv_cache[1] = values
+
+Token ``p`` of a request lives in block ``block_table[req, p // block_size]`` at offset ``p % block_size``
+(PagedAttention, Kwon et al. 2023, "Efficient Memory Management for Large Language Model Serving with
+PagedAttention", SOSP 2023).
+
+Attention kernel: one program per (query tile, KV head). A query tile is ``BLOCK_Q`` consecutive query tokens
+of one request times the ``GROUP`` query heads that share the KV head (grouped-query attention), flattened
+into ``BLOCK_M = BLOCK_Q * GROUP_P2`` rows so that one K/V tile loaded from the cache serves every head of
+the group. Keys are visited ``BLOCK_N`` positions at a time with the online softmax of FlashAttention-2
+(Dao 2023, "FlashAttention-2: Faster Attention with Better Parallelism and Work Partitioning", Algorithm 1):
+running row max ``m``, running denominator ``l``, rescaled accumulator, one division at the end. Scores use
+base 2 (``exp2`` with the scale pre-multiplied by ``log2(e)``).
+
+Prefill chunks, chunks on top of a cached prefix and decodes mix freely: query ``i`` of a request with
+``q_len`` new tokens and ``seq_len`` tokens in total sits at position ``seq_len - q_len + i`` and sees keys
+``0 .. seq_len - q_len + i`` (causal). Tiles never straddle requests. The program → (request, tile) map is
+found on the device by a binary search over ``query_start_loc`` (no host sync, no extra metadata):
+request ``r`` owns the program ids ``[qsl[r] // BLOCK_Q + r, qsl[r + 1] // BLOCK_Q + r + 1)``, which is at
+least ``ceil(q_len_r / BLOCK_Q)`` ids; the spare ones exit at once. The grid is therefore
+``T // BLOCK_Q + B`` programs along axis 0 for ``T`` tokens and ``B`` requests.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
+    stride_kc_blk,
+    stride_kc_tok,
+    stride_kc_head,
+    stride_vc_blk,
+    stride_vc_tok,
+    stride_vc_head,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    KV_BLOCK_SIZE: tl.constexpr,
+):
+    """One program per new token: copy its ``[Hkv, D]`` key and value into cache slot ``slot_mapping[t]``.
+
+    A negative slot means "no slot" (padding) and is skipped.
+    """
+    t = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    blk = slot // KV_BLOCK_SIZE
+    off = slot % KV_BLOCK_SIZE
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_SIZE)
+    t64 = t.to(tl.int64)
+    k = tl.load(key_ptr + t64 * stride_k_tok + offs_h[:, None] * stride_k_head + offs_d[None, :], mask=mask)
+    v = tl.load(value_ptr + t64 * stride_v_tok + offs_h[:, None] * stride_v_head + offs_d[None, :], mask=mask)
+    kc = k_cache_ptr + blk * stride_kc_blk + off * stride_kc_tok + offs_h[:, None] * stride_kc_head + offs_d[None, :]
+    vc = v_cache_ptr + blk * stride_vc_blk + off * stride_vc_tok + offs_h[:, None] * stride_vc_head + offs_d[None, :]
+    tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def reshape_and_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write new keys/values into their cache slots.
+
+    Args:
+        key, value: ``[T, Hkv, D]`` (any float dtype; converted to the cache's). The last dim must be
+            contiguous.
+        kv_cache: ``[2, num_blocks, block_size, Hkv, D]``; its last dim must be contiguous.
+        slot_mapping: ``[T]`` int64 (or int32), ``block_id * block_size + offset``; negative = skip.
+    """
+    num_tokens, num_kv_heads, head_size = key.shape
+    if num_tokens == 0:
+        return
+    _check_last_dim_contiguous(key=key, value=value, kv_cache=kv_cache)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _reshape_and_cache_kernel[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_SIZE=head_size,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_size),
+        KV_BLOCK_SIZE=k_cache.shape[1],
+    )
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    scale_log2,
+    num_reqs,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_kc_blk,
+    stride_kc_tok,
+    stride_kc_head,
+    stride_vc_blk,
+    stride_vc_tok,
+    stride_vc_head,
+    stride_bt,
+    HEAD_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_P2: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    KV_BLOCK_SIZE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """Causal attention of one (query tile, KV head); see the module docstring for the mapping."""
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+
+    # Request of this program: the largest r with qsl[r] // BLOCK_Q + r <= pid. (``pid * 0`` makes the
+    # bounds int32 tensors: loop-carried values may not start as constexprs, and num_reqs == 1 is one.)
+    lo = pid * 0
+    hi = pid * 0 + (num_reqs - 1)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        go_right = first <= pid
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid - 1)
+    req = lo
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    tile = pid - (q_start // BLOCK_Q + req)
+    if tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx_len = seq_len - q_len  # tokens already cached before this step's chunk
+
+    offs_m = tl.arange(0, BLOCK_M)
+    q_idx = tile * BLOCK_Q + offs_m // GROUP_P2  # query index inside the request
+    head_in_group = offs_m % GROUP_P2
+    row_valid = (q_idx < q_len) & (head_in_group < GROUP)
+    q_head = kvh * GROUP + head_in_group
+    tok = (q_start + q_idx).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_valid = offs_d < HEAD_SIZE
+
+    q_ptrs = q_ptr + tok[:, None] * stride_q_tok + q_head[:, None] * stride_q_head + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+    if DOT_FP32:  # float32 inputs (exact IEEE products, no TF32), or bfloat16 under the interpreter
+        q = q.to(tl.float32)
+    q_pos = ctx_len + q_idx  # [BLOCK_M] absolute position of each row's query
+
+    # Keys needed by this tile: 0 .. position of its last valid query.
+    last_q = tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len) - 1
+    kv_end = ctx_len + last_q + 1
+
+    # Finite "minus infinity" for the running max so fully masked rows never compute (-inf) - (-inf).
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    kc_head = k_cache_ptr + kvh * stride_kc_head
+    vc_head = v_cache_ptr + kvh * stride_vc_head
+
+    for start_n in range(0, kv_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < kv_end
+        blk = tl.load(bt_row + offs_n // KV_BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+        in_blk = offs_n % KV_BLOCK_SIZE
+        k_off = blk * stride_kc_blk + in_blk * stride_kc_tok  # [BLOCK_N]
+        v_off = blk * stride_vc_blk + in_blk * stride_vc_tok
+        # K^T tile [BLOCK_D, BLOCK_N] and V tile [BLOCK_N, BLOCK_D], gathered through the block table.
+        k = tl.load(kc_head + k_off[None, :] + offs_d[:, None], mask=d_valid[:, None] & n_valid[None, :], other=0.0)
+        v = tl.load(vc_head + v_off[:, None] + offs_d[None, :], mask=n_valid[:, None] & d_valid[None, :], other=0.0)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+        if DOT_FP32:
+            s = tl.dot(q, k, input_precision="ieee")
+        else:
+            s = tl.dot(q, k)
+        s = s * scale_log2
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if DOT_FP32:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_i[:, None]
+    o_ptrs = out_ptr + tok[:, None] * stride_o_tok + q_head[:, None] * stride_o_head + offs_d[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    out: torch.Tensor | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of a flattened batch over the paged KV cache (the new tokens must be cached already).
+
+    Args:
+        query: ``[T, Hq, D]`` float16/bfloat16/float32, last dim contiguous.
+        kv_cache: ``[2, num_blocks, block_size, Hkv, D]``, last dim contiguous; ``Hq % Hkv == 0``.
+        block_table: ``[B, max_blocks]`` int32, KV block ids of each request.
+        query_start_loc: ``[B + 1]`` int32, first token of each request in ``query`` (last entry = T).
+        seq_lens: ``[B]`` int32, cached + new tokens of each request.
+        scale: softmax scale.
+        max_query_len: longest query of the batch (picks the tile shape; decode-only batches get small tiles).
+        out: optional ``[T, Hq, D]`` output buffer (last dim contiguous).
+        block_n: keys per inner-loop step (power of two, >= 16); default chosen from ``D``.
+
+    Returns:
+        ``[T, Hq, D]`` in ``query``'s dtype (``out`` when given).
+    """
+    num_tokens, num_heads, head_size = query.shape
+    num_kv_heads = kv_cache.shape[3]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
+    if out is None:
+        out = torch.empty_like(query)
+    num_reqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_reqs == 0:
+        return out
+    _check_last_dim_contiguous(query=query, kv_cache=kv_cache, out=out)
+    group = num_heads // num_kv_heads
+    group_p2 = triton.next_power_of_2(group)
+    block_d = max(16, triton.next_power_of_2(head_size))
+    # Rows per tile: >= 16 (the smallest tl.dot M), 64 when prefill tokens are present.
+    block_m = max(16 if max_query_len <= 1 else 64, group_p2)
+    block_q = block_m // group_p2
+    if block_n is None:
+        block_n = 64 if block_d <= 64 else 32
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    grid = (num_tokens // block_q + num_reqs, num_kv_heads)
+    _paged_attention_kernel[grid](
+        out,
+        query,
+        k_cache,
+        v_cache,
+        block_table,
+        query_start_loc,
+        seq_lens,
+        float(scale) * _LOG2E,
+        num_reqs,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_table.stride(0),
+        HEAD_SIZE=head_size,
+        BLOCK_D=block_d,
+        GROUP=group,
+        GROUP_P2=group_p2,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        KV_BLOCK_SIZE=k_cache.shape[1],
+        DOT_FP32=query.dtype == torch.float32 or (query.dtype == torch.bfloat16 and _interpreting()),
+        num_warps=4,
+    )
+    return out
+
+
+def _interpreting() -> bool:
+    """Whether kernels run under the Triton interpreter (``TRITON_INTERPRET=1``). Its ``tl.dot`` gives wrong
+    results for bfloat16 operands (triton 3.9, seen here), so bfloat16 products are done in float32 there."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}: the last dimension must be contiguous (stride 1), got strides {t.stride()}")
+
+
+__all__ = ["paged_attention", "reshape_and_cache"]

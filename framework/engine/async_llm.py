@@ -1,0 +1,194 @@
+"""AsyncLLM: the asyncio front end used by the OpenAI server (EngineCore in its own process)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.core_client import AsyncMPClient
+from tokenmill.engine.input_processor import InputProcessor
+from tokenmill.engine.messages import SchedulerStats
+from tokenmill.engine.output_processor import OutputProcessor, RequestOutputCollector
+from tokenmill.engine_args import EngineArgs
+from tokenmill.errors import EngineDeadError
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncLLM:
+    """Serve many concurrent ``generate`` calls from one engine-core process.
+
+    One background task (started by the first request) reads the engine core's outputs, runs the
+    OutputProcessor and hands each request's outputs to its ``generate`` call.
+
+    Args:
+        engine_config: the full configuration; the READY handshake fills ``num_gpu_blocks`` and
+            ``max_model_len``.
+        tokenizer: a ``transformers`` tokenizer (default: the model's; it loads while the engine starts).
+        engine_core_cls: ``"module:Class"`` of the EngineCore the child process builds (tests use fakes).
+        startup_timeout_s: give up waiting for READY after this long (default: wait while the process lives).
+
+    Raises:
+        RuntimeError: the engine core failed to start; the message carries its error.
+    """
+
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        *,
+        tokenizer: Any = None,
+        engine_core_cls: str | None = None,
+        startup_timeout_s: float | None = None,
+    ) -> None:
+        self.engine_config = engine_config
+        self.model_config = engine_config.model_config
+        self.engine_core = AsyncMPClient(engine_config, engine_core_cls)
+        try:
+            if tokenizer is None:
+                from tokenmill.tokenizer import get_tokenizer
+
+                tokenizer = get_tokenizer(self.model_config)
+            self.engine_core.wait_for_ready(startup_timeout_s)
+        except BaseException:
+            self.engine_core.shutdown()
+            raise
+        self.tokenizer = tokenizer
+        self.input_processor = InputProcessor(self.model_config, tokenizer, engine_config.cache_config)
+        self.output_processor = OutputProcessor(tokenizer)
+        self._output_handler: asyncio.Task[None] | None = None
+        self._dead_error: EngineDeadError | None = None
+        self._last_stats: SchedulerStats | None = None
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> AsyncLLM:
+        """Build the configuration, start the engine-core process and wait until it is READY.
+
+        Raises:
+            RuntimeError: the engine core failed to start (its error in the message).
+            ValueError / FileNotFoundError: from the configuration.
+        """
+        return cls(engine_args.create_engine_config(), **kwargs)
+
+    # -- requests --------------------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        add_special_tokens: bool = True,
+        prompt_param: str = "prompt",
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Run one request; yields RequestOutputs per ``sampling_params.output_kind``, the last finished.
+
+        Stopping the iteration early (``aclose``, cancellation, a client disconnect) aborts the request.
+
+        Raises:
+            InvalidRequestError: bad prompt or parameters (before anything is yielded).
+            EngineDeadError: the engine core is dead or dies meanwhile.
+            EngineGenerateError: the engine core failed this request.
+        """
+        self._check_alive()
+        processed = self.input_processor.process(
+            request_id,
+            prompt,
+            sampling_params,
+            arrival_time=arrival_time,
+            priority=priority,
+            add_special_tokens=add_special_tokens,
+            prompt_param=prompt_param,
+        )
+        collector = RequestOutputCollector(sampling_params.output_kind)
+        self.output_processor.add_request(processed, collector)
+        finished = False
+        try:
+            self._ensure_output_handler()
+            for engine_request in processed.engine_requests:
+                await self.engine_core.add_request_async(engine_request)
+            while not finished:
+                output = collector.get_nowait() or await collector.get()
+                finished = output.finished
+                yield output
+        except BaseException:
+            if not finished:
+                self._abort_now(request_id)
+            raise
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request; its ``generate`` ends with ``finish_reason="abort"``. Unknown ids are ignored."""
+        self._abort_now(request_id)
+
+    def _abort_now(self, request_id: str) -> None:
+        self.engine_core.abort_requests(self.output_processor.abort_requests([request_id]))
+
+    # -- output handling -------------------------------------------------------------------------------
+
+    def _ensure_output_handler(self) -> None:
+        if self._output_handler is None:
+            self._output_handler = asyncio.get_running_loop().create_task(
+                self._handle_outputs(), name="async-llm-output-handler"
+            )
+
+    async def _handle_outputs(self) -> None:
+        try:
+            while True:
+                outputs = await self.engine_core.get_output_async()
+                if outputs.scheduler_stats is not None:
+                    self._last_stats = outputs.scheduler_stats
+                result = self.output_processor.process_outputs(outputs.outputs)
+                self.engine_core.abort_requests(result.reqs_to_abort)
+        except asyncio.CancelledError:
+            raise
+        except EngineDeadError as exc:
+            self._dead_error = exc
+            self.output_processor.propagate_error(exc)
+        except Exception as exc:
+            logger.exception("AsyncLLM output handler failed")
+            self._dead_error = EngineDeadError(f"AsyncLLM output handler failed: {exc!r}")
+            self.output_processor.propagate_error(self._dead_error)
+
+    # -- health and stats ------------------------------------------------------------------------------
+
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        """Why the engine cannot serve requests, or ``None`` while it can."""
+        return self._dead_error or self.engine_core.dead_error
+
+    def _check_alive(self) -> None:
+        error = self.dead_error
+        if error is not None:
+            raise error
+
+    async def check_health(self) -> None:
+        """Raises EngineDeadError when the engine core is dead."""
+        self._check_alive()
+
+    async def get_stats(self) -> SchedulerStats | None:
+        """The scheduler stats of the last engine step seen (``None`` before the first)."""
+        return self._last_stats
+
+    async def reset_prefix_cache(self) -> bool:
+        self._check_alive()
+        return bool(await self.engine_core.call_utility_async("reset_prefix_cache"))
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()
+
+    def shutdown(self) -> None:
+        """Stop the output handler and the engine-core process (terminate, wait up to 5 s, kill)."""
+        handler = self._output_handler
+        if handler is not None and not handler.done() and not handler.get_loop().is_closed():
+            handler.cancel()
+        self.engine_core.shutdown()

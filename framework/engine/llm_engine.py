@@ -1,0 +1,129 @@
+"""LLMEngine: the synchronous front end (EngineCore in this process, no ZMQ), used by ``LLM``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.core_client import InprocClient
+from tokenmill.engine.input_processor import InputProcessor
+from tokenmill.engine.messages import SchedulerStats
+from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine_args import EngineArgs
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    """Add requests, call :meth:`step` until :meth:`has_unfinished_requests` is false.
+
+    Args:
+        engine_config: the full configuration (the EngineCore fills in ``num_gpu_blocks``).
+        tokenizer: a ``transformers`` tokenizer (default: the model's, via :func:`tokenmill.tokenizer.get_tokenizer`).
+        engine_core_cls: EngineCore class or ``"module:Class"`` path (tests inject fakes here).
+    """
+
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        *,
+        tokenizer: Any = None,
+        engine_core_cls: str | type | None = None,
+    ) -> None:
+        self.engine_config = engine_config
+        self.model_config = engine_config.model_config
+        if tokenizer is None:
+            from tokenmill.tokenizer import get_tokenizer
+
+            tokenizer = get_tokenizer(self.model_config)
+        self.tokenizer = tokenizer
+        self.engine_core = InprocClient(engine_config, engine_core_cls)
+        self.input_processor = InputProcessor(self.model_config, tokenizer, engine_config.cache_config)
+        self.output_processor = OutputProcessor(tokenizer)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> LLMEngine:
+        """Build the configuration from ``engine_args`` and start the engine (loads the model)."""
+        return cls(engine_args.create_engine_config(), **kwargs)
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        *,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        add_special_tokens: bool = True,
+        prompt_param: str = "prompt",
+    ) -> None:
+        """Validate and queue a request.
+
+        Raises:
+            InvalidRequestError: bad prompt or parameters, a duplicate id, or the engine core rejected it.
+        """
+        processed = self.input_processor.process(
+            request_id,
+            prompt,
+            params,
+            arrival_time=arrival_time,
+            priority=priority,
+            add_special_tokens=add_special_tokens,
+            prompt_param=prompt_param,
+        )
+        self.output_processor.add_request(processed)
+        added: list[str] = []
+        try:
+            for engine_request in processed.engine_requests:
+                self.engine_core.add_request(engine_request)
+                added.append(engine_request.request_id)
+        except BaseException:
+            self.output_processor.abort_requests([request_id])
+            self.engine_core.abort_requests(added)
+            raise
+
+    def abort_request(self, request_id: str | Sequence[str]) -> None:
+        """Drop requests (unknown ids are ignored); they produce no further outputs."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self.engine_core.abort_requests(self.output_processor.abort_requests(ids))
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the outputs of requests that changed (per their ``output_kind``).
+
+        A request the engine core failed comes back finished with ``finish_reason == "error"`` and the
+        message in ``stop_reason``.
+
+        Raises:
+            RuntimeError: the front end waits for requests the engine core no longer has.
+        """
+        if not self.engine_core.has_unfinished_requests():
+            if self.output_processor.has_unfinished_requests():
+                raise RuntimeError(
+                    f"engine core has no unfinished requests but {self.output_processor.get_num_unfinished_requests()} "
+                    "are still waiting for outputs (the engine core dropped them without a finish reason)"
+                )
+            return []
+        outputs = self.engine_core.get_output()
+        result = self.output_processor.process_outputs(outputs.outputs)
+        self.engine_core.abort_requests(result.reqs_to_abort)
+        return result.request_outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()
+
+    def get_stats(self) -> SchedulerStats:
+        """Engine-core gauges now."""
+        return self.engine_core.get_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()

@@ -1,0 +1,111 @@
+"""Fixtures for the server tests: an app over a fake engine (fast) and a real ``tokenmill serve`` process."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from tokenmill.entrypoints.openai.api_server import build_app
+
+from tests.entrypoints.fake_engine import FakeAsyncLLM, server_args
+
+SERVER_START_TIMEOUT_S = 180.0
+REAL_SERVED_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+@pytest.fixture
+def fake_engine(monkeypatch: pytest.MonkeyPatch) -> FakeAsyncLLM:
+    monkeypatch.delenv("TOKENMILL_API_KEY", raising=False)
+    return FakeAsyncLLM()
+
+
+@pytest.fixture
+def fake_app(fake_engine: FakeAsyncLLM) -> FastAPI:
+    return build_app(fake_engine, server_args())
+
+
+@pytest.fixture
+def client(fake_app: FastAPI) -> Iterator[TestClient]:
+    with TestClient(fake_app, raise_server_exceptions=False) as c:
+        yield c
+
+
+def free_port() -> int:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class RealServer:
+    url: str
+    process: subprocess.Popen[bytes]
+    log_path: str
+
+    def log_tail(self, chars: int = 4000) -> str:
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            return f.read()[-chars:]
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # the server and its engine-core child
+        process.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def real_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealServer]:
+    """``tokenmill serve`` with the embedded default model on a free port of 127.0.0.1."""
+    from tokenmill.model_loader.default_model import (
+        DefaultModelMissingError,
+        default_model_path,
+    )
+
+    try:
+        default_model_path()
+    except DefaultModelMissingError as exc:
+        pytest.skip(str(exc))
+    if importlib.util.find_spec("tokenmill.engine.async_llm") is None:
+        pytest.skip("tokenmill.engine.async_llm is not implemented yet")
+    port = free_port()
+    log_path = str(tmp_path_factory.mktemp("server") / "server.log")
+    cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--port", str(port),
+           "--max-model-len", "2048", "--kv-cache-memory", "512MiB"]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("TOKENMILL_API_KEY", None)
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    server = RealServer(f"http://127.0.0.1:{port}", process, log_path)
+    try:
+        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"tokenmill serve exited with {process.returncode}:\n{server.log_tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                pytest.fail(f"tokenmill serve not healthy after {SERVER_START_TIMEOUT_S:.0f} s:\n"
+                            f"{server.log_tail()}")
+            time.sleep(0.5)
+        yield server
+    finally:
+        _stop(process)

@@ -1,0 +1,195 @@
+"""A fake ``AsyncLLM`` and tokenizer: the server's logic tested without a model.
+
+The tokenizer is one token per character (id = code point); the engine "generates" a fixed reply one
+character per token, honouring ``max_tokens``, ``n``, ``logprobs`` and the output kind, and records what it
+was asked (sampling params, aborts) so tests can check the server's side of the contract.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+from tokenmill.errors import EngineDeadError, InvalidRequestError
+from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+
+REPLY = "Paris is the capital of France."
+VOCAB_SIZE = 1000
+SERVED_NAME = "fake-org/fake-model"
+DEFAULT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def server_args(**overrides: object) -> argparse.Namespace:
+    """The ``args`` of ``build_app`` with server defaults (no API key, the tokenizer's chat template)."""
+    args = argparse.Namespace(api_key=None, chat_template=None)
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    return args
+
+
+class FakeTokenizer:
+    """One token per character; ids are code points (below ``VOCAB_SIZE`` for the text tests use)."""
+
+    def __init__(self) -> None:
+        self.chat_template: str | None = DEFAULT_TEMPLATE
+        self.bos_token = None
+        self.eos_token = "</s>"
+
+    def apply_chat_template(self, conversation: list[dict[str, Any]], tools: Any = None,
+                            chat_template: str | None = None, add_generation_prompt: bool = False,
+                            continue_final_message: bool = False, tokenize: bool = True,
+                            **kwargs: Any) -> str | list[int]:
+        template = chat_template or self.chat_template
+        if template is None:
+            raise ValueError("tokenizer.chat_template is not set")
+
+        def raise_exception(message: str) -> None:
+            raise jinja2.TemplateError(message)
+
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment()
+        env.globals["raise_exception"] = raise_exception
+        text = env.from_string(template).render(messages=conversation,
+                                                 add_generation_prompt=add_generation_prompt, **kwargs)
+        return self.encode(text) if tokenize else text
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, token_ids: list[int], **kwargs: Any) -> str:
+        return "".join(chr(t) for t in token_ids)
+
+
+@dataclass
+class Call:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+
+
+@dataclass
+class FakeAsyncLLM:
+    """Same interface as ``tokenmill.engine.async_llm.AsyncLLM``.
+
+    Knobs: ``delay_s`` between tokens; ``fail_with`` raised before the first output; ``die_after`` tokens
+    after which ``EngineDeadError`` is raised (and ``errored`` turns true); ``cached_tokens`` reported.
+    """
+
+    max_model_len: int = 128
+    delay_s: float = 0.0
+    fail_with: BaseException | None = None
+    die_after: int | None = None
+    cached_tokens: int = 0
+    reply: str = REPLY
+    dead: bool = False
+    calls: list[Call] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    active: set[str] = field(default_factory=set)
+    shutdown_called: bool = False
+    on_abort: Callable[[str], None] | None = None
+
+    def __post_init__(self) -> None:
+        self.tokenizer = FakeTokenizer()
+        self.model_config = SimpleNamespace(max_model_len=self.max_model_len, served_model_name=SERVED_NAME,
+                                            vocab_size=VOCAB_SIZE, model="/models/fake")
+        self.engine_config = SimpleNamespace(model_config=self.model_config)
+
+    @property
+    def errored(self) -> bool:
+        return self.dead
+
+    async def check_health(self) -> None:
+        if self.dead:
+            raise EngineDeadError("fake engine is dead")
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+        self.active.discard(request_id)
+
+    def shutdown(self) -> None:
+        self.shutdown_called = True
+
+    async def generate(self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str
+                       ) -> AsyncGenerator[RequestOutput, None]:
+        self.calls.append(Call(request_id, prompt, sampling_params))
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt: must not be empty", param="prompt")
+        if any(not 0 <= t < VOCAB_SIZE for t in ids):
+            raise InvalidRequestError("prompt: token id out of vocabulary", param="prompt")
+        max_tokens = sampling_params.max_tokens or (self.max_model_len - len(ids))
+        if len(ids) + max_tokens > self.max_model_len:
+            raise InvalidRequestError("max_tokens: too long", param="max_tokens")
+        if self.dead:
+            raise EngineDeadError("fake engine is dead")
+        if self.fail_with is not None:
+            raise self.fail_with
+        self.active.add(request_id)
+        finished = False
+        try:
+            texts = {i: "" for i in range(sampling_params.n)}
+            tokens: dict[int, list[int]] = {i: [] for i in range(sampling_params.n)}
+            logprobs: dict[int, list[dict[int, Logprob]]] = {i: [] for i in range(sampling_params.n)}
+            steps = min(max_tokens, len(self.reply))
+            for step in range(steps):
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
+                else:
+                    await asyncio.sleep(0)
+                if self.die_after is not None and step >= self.die_after:
+                    self.dead = True
+                    raise EngineDeadError("fake engine died")
+                last = step == steps - 1
+                reason = None
+                if last:
+                    reason = "stop" if max_tokens > len(self.reply) else "length"
+                deltas = []
+                for i in range(sampling_params.n):
+                    ch = self.reply[step]
+                    lp = self._logprobs(ch, sampling_params.logprobs)
+                    texts[i] += ch
+                    tokens[i].append(ord(ch))
+                    if lp is not None:
+                        logprobs[i].append(lp)
+                    deltas.append(CompletionOutput(index=i, text=ch, token_ids=[ord(ch)],
+                                                   logprobs=[lp] if lp is not None else None,
+                                                   finish_reason=reason))
+                finished = last
+                if sampling_params.output_kind == RequestOutputKind.DELTA:
+                    yield RequestOutput(request_id, None, ids, deltas, finished=last,
+                                        num_cached_tokens=self.cached_tokens)
+            if sampling_params.output_kind != RequestOutputKind.DELTA:
+                outputs = [
+                    CompletionOutput(index=i, text=texts[i], token_ids=tokens[i],
+                                     logprobs=logprobs[i] if sampling_params.logprobs is not None else None,
+                                     finish_reason=deltas[i].finish_reason)
+                    for i in range(sampling_params.n)
+                ]
+                yield RequestOutput(request_id, None, ids, outputs, finished=True,
+                                    num_cached_tokens=self.cached_tokens)
+        finally:
+            self.active.discard(request_id)
+            if not finished:
+                self.aborted.append(request_id)
+                if self.on_abort is not None:
+                    self.on_abort(request_id)
+
+    @staticmethod
+    def _logprobs(ch: str, k: int | None) -> dict[int, Logprob] | None:
+        if k is None:
+            return None
+        entry = {ord(ch): Logprob(-0.25, rank=1, decoded_token=ch)}
+        for r in range(k):
+            alt = chr(ord("a") + r)
+            if ord(alt) not in entry:
+                entry[ord(alt)] = Logprob(-2.0 - r, rank=r + 2, decoded_token=alt)
+        return entry

@@ -1,0 +1,176 @@
+"""``tokenmill serve`` as a process, with the fake engine in place of AsyncLLM: real uvicorn, signals,
+engine death, client disconnects over TCP. No model needed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import closing, contextmanager
+
+import httpx
+import pytest
+
+from tests.entrypoints.conftest import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# Runs the real CLI with tokenmill.engine.async_llm replaced by the fake engine. Knobs via environment:
+# FAKE_START_S (seconds from_engine_args blocks), FAKE_DIE_AFTER_S (engine dies that long after start),
+# FAKE_DELAY_S (seconds per token).
+_LAUNCHER = """
+import asyncio, os, sys, time, types
+from tests.entrypoints.fake_engine import FakeAsyncLLM
+
+class AsyncLLM(FakeAsyncLLM):
+    @classmethod
+    def from_engine_args(cls, engine_args):
+        time.sleep(float(os.environ.get("FAKE_START_S", "0")))
+        engine = cls(max_model_len=engine_args.max_model_len or 128,
+                     delay_s=float(os.environ.get("FAKE_DELAY_S", "0")))
+        engine.on_abort = lambda rid: print("FAKE ABORTED", rid, flush=True)
+        die = os.environ.get("FAKE_DIE_AFTER_S")
+        if die:
+            asyncio.get_running_loop().call_later(float(die), setattr, engine, "dead", True)
+        print("FAKE ENGINE STARTED", flush=True)
+        return engine
+
+    def shutdown(self):
+        print("FAKE ENGINE SHUTDOWN", flush=True)
+
+module = types.ModuleType("tokenmill.engine.async_llm")
+module.AsyncLLM = AsyncLLM
+sys.modules["tokenmill.engine.async_llm"] = module
+from tokenmill.entrypoints.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+class Proc:
+    def __init__(self, process: subprocess.Popen[str], url: str) -> None:
+        self.process = process
+        self.url = url
+        self.output = ""
+
+    def finish(self, timeout: float = 20) -> int:
+        out, _ = self.process.communicate(timeout=timeout)
+        self.output += out
+        return self.process.returncode
+
+
+@contextmanager
+def launch(*extra: str, env: dict[str, str] | None = None, port: int | None = None) -> Iterator[Proc]:
+    port = port or free_port()
+    cmd = [sys.executable, "-c", _LAUNCHER, "serve", "--port", str(port), "--max-model-len", "128", *extra]
+    full_env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
+    full_env.pop("TOKENMILL_API_KEY", None)
+    process = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    proc = Proc(process, f"http://127.0.0.1:{port}")
+    try:
+        yield proc
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate(timeout=10)
+
+
+def wait_healthy(proc: Proc, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.process.poll() is None, proc.finish()
+        try:
+            if httpx.get(proc.url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError("server did not become healthy")
+
+
+def test_serve_streams_and_stops_cleanly_on_sigterm() -> None:
+    with launch(env={"FAKE_DELAY_S": "0.02"}) as proc:
+        wait_healthy(proc)
+        # Events arrive one by one over real TCP, not all at the end.
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 20, "stream": True}
+        arrivals = []
+        with httpx.stream("POST", proc.url + "/v1/chat/completions", json=body, timeout=10) as r:
+            assert r.headers["x-request-id"]
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    arrivals.append(time.monotonic())
+        assert len(arrivals) >= 20 and arrivals[-1] - arrivals[1] > 0.2
+        # A client that goes away mid-stream aborts its request.
+        body["max_tokens"] = 100
+        with httpx.stream("POST", proc.url + "/v1/chat/completions", json=body, timeout=10) as r:
+            next(r.iter_lines())
+        time.sleep(0.5)
+        proc.process.send_signal(signal.SIGTERM)
+        assert proc.finish() == 0, proc.output
+    assert "Uvicorn running on " + proc.url in proc.output
+    assert "FAKE ABORTED chatcmpl-" in proc.output
+    assert "FAKE ENGINE SHUTDOWN" in proc.output
+
+
+def test_serve_non_stream_disconnect_aborts() -> None:
+    with launch(env={"FAKE_DELAY_S": "0.05"}) as proc:
+        wait_healthy(proc)
+        body = {"prompt": "x", "max_tokens": 100}
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(proc.url + "/v1/completions", json=body, timeout=0.5)
+        time.sleep(0.5)
+        proc.process.send_signal(signal.SIGINT)
+        assert proc.finish() == 0
+    assert "FAKE ABORTED cmpl-" in proc.output
+
+
+def test_engine_death_makes_health_503_and_exits_nonzero() -> None:
+    with launch(env={"FAKE_DIE_AFTER_S": "2"}) as proc:
+        wait_healthy(proc)
+        saw_503 = False
+        deadline = time.monotonic() + 20
+        while proc.process.poll() is None and time.monotonic() < deadline:
+            try:
+                saw_503 |= httpx.get(proc.url + "/health", timeout=1).status_code == 503
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        assert proc.finish() == 1, proc.output
+    assert "FAKE ENGINE SHUTDOWN" in proc.output
+    assert "engine core is dead" in proc.output
+    del saw_503  # the 503 window can be shorter than the poll interval; exit code 1 is the contract
+
+
+def test_sigterm_during_engine_start() -> None:
+    with launch(env={"FAKE_START_S": "30"}) as proc:
+        time.sleep(3)  # interpreter up, engine "starting"
+        start = time.monotonic()
+        proc.process.send_signal(signal.SIGTERM)
+        assert proc.finish() == 0, proc.output
+        assert time.monotonic() - start < 10
+
+
+def test_port_in_use_fails_fast() -> None:
+    with closing(socket.socket()) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with launch(env={"FAKE_START_S": "30"}, port=port) as proc:
+            assert proc.finish() == 1
+    assert "tokenmill serve: error:" in proc.output
+    assert "FAKE ENGINE STARTED" not in proc.output
+
+
+def test_api_key_flag() -> None:
+    with launch("--api-key", "k1") as proc:
+        wait_healthy(proc)
+        assert httpx.get(proc.url + "/v1/models").status_code == 401
+        r = httpx.get(proc.url + "/v1/models", headers={"Authorization": "Bearer k1"})
+        assert json.loads(r.text)["data"][0]["id"]
+        proc.process.send_signal(signal.SIGTERM)
+        assert proc.finish() == 0
