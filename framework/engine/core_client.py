@@ -189,10 +189,15 @@ class AsyncMPClient(EngineCoreClient):
                 "parent_pid": os.getpid(),
             },
         )
-        self.proc.start()
         self._finalizer = weakref.finalize(
             self, _release, self.proc, [self._input, self._output], self._ctx, self._tmpdir
         )
+        try:
+            self.proc.start()
+        except BaseException:
+            self._closed = True
+            self._finalizer()
+            raise
 
     # -- startup ---------------------------------------------------------------------------------------
 
