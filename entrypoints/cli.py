@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from tokenmill import __version__
 
 LOG_LEVEL_ENV = "TOKENMILL_LOGGING_LEVEL"
-_UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 def _add_plugin_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -29,11 +28,7 @@ def _add_plugin_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     from tokenmill.engine_args import EngineArgs
-    from tokenmill.entrypoints.openai.api_server import (
-        API_KEY_ENV,
-        DEFAULT_HOST,
-        DEFAULT_PORT,
-    )
+    from tokenmill.entrypoints.openai.cli_args import add_server_args
 
     parser = subparsers.add_parser(
         "serve",
@@ -44,23 +39,14 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
                         help="Model directory (Hugging Face layout), .gguf file or hub id.")
     parser.add_argument("--model", default=None, help="Same as MODEL.")
-    server = parser.add_argument_group("server")
-    server.add_argument("--host", default=DEFAULT_HOST,
-                        help=f"Address to listen on (default {DEFAULT_HOST}: local connections only; "
-                             "use 0.0.0.0 to accept connections from the network).")
-    server.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"Port (default {DEFAULT_PORT}).")
-    server.add_argument("--api-key", default=None,
-                        help=f"Require 'Authorization: Bearer KEY' on /v1 routes (also ${API_KEY_ENV}).")
-    server.add_argument("--chat-template", default=None, metavar="FILE",
-                        help="Jinja chat template file (or inline template) replacing the tokenizer's.")
-    server.add_argument("--uvicorn-log-level", default="info", choices=_UVICORN_LOG_LEVELS)
+    add_server_args(parser)
     EngineArgs.add_cli_args(parser)
     _add_plugin_cli_args(parser)
     parser.set_defaults(func=_run_serve)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from tokenmill.entrypoints.openai.api_server import run_server
+    from tokenmill.entrypoints.openai.launcher import run_server
     from tokenmill.model_loader.default_model import DefaultModelMissingError
 
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
@@ -80,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"tokenmill {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_serve_parser(subparsers)
+    from tokenmill.entrypoints.bench import add_bench_parser
+
+    add_bench_parser(subparsers, _add_plugin_cli_args)
     return parser
 
 

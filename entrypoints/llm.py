@@ -60,6 +60,7 @@ class LLM:
         prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]] | Sequence[Mapping[str, Any]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Complete each prompt; returns one finished RequestOutput per prompt, in order.
 
@@ -68,12 +69,15 @@ class LLM:
                 prompts, or ``{"prompt": text}`` / ``{"prompt_token_ids": ids}`` dicts.
             sampling_params: one for all prompts, or one per prompt (default: ``SamplingParams()``).
             use_tqdm: show a progress bar over requests.
+            priority: one per prompt; lower runs earlier under ``scheduling_policy="priority"`` (ignored by
+                ``"fcfs"``). Default: all 0.
 
         Raises:
             InvalidRequestError: a prompt or parameter is invalid (nothing keeps running).
             EngineGenerateError: the engine core failed a request.
+            ValueError: ``sampling_params`` or ``priority`` is a list of the wrong length.
         """
-        return self._run(_normalize_prompts(prompts), sampling_params, use_tqdm)
+        return self._run(_normalize_prompts(prompts), sampling_params, use_tqdm, priority=priority)
 
     def chat(
         self,
@@ -122,7 +126,11 @@ class LLM:
         *,
         add_special_tokens: bool = True,
         prompt_param: str = "prompt",
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"priority: got {len(priorities)} for {len(prompts)} prompts (give one per prompt)")
         if sampling_params is None:
             params_list = [SamplingParams()] * len(prompts)
         elif isinstance(sampling_params, SamplingParams):
@@ -136,12 +144,13 @@ class LLM:
         engine = self.llm_engine
         request_ids: list[str] = []
         try:
-            for prompt, params in zip(prompts, params_list):
+            for prompt, params, prio in zip(prompts, params_list, priorities):
                 request_id = str(next(self._request_counter))
                 engine.add_request(
                     request_id,
                     prompt,
                     msgspec.structs.replace(params, output_kind=RequestOutputKind.FINAL_ONLY),
+                    priority=prio,
                     add_special_tokens=add_special_tokens,
                     prompt_param=prompt_param,
                 )

@@ -1,9 +1,11 @@
-"""The OpenAI-compatible HTTP server: FastAPI routes over an ``AsyncLLM``, served by uvicorn.
+"""The OpenAI-compatible HTTP app: FastAPI routes over an ``AsyncLLM`` (see docs/serving.md).
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``GET /v1/models/{model}``, ``GET /health`` (200, or 503 once the engine is dead), ``GET /version``.
-With an API key (``--api-key`` or ``TOKENMILL_API_KEY``) every ``/v1`` route needs
-``Authorization: Bearer <key>``; ``/health`` and ``/version`` stay open for probes.
+``GET /v1/models/{model}``, ``POST /tokenize``, ``POST /detokenize``, ``GET /health`` (200, or 503 once
+the engine is dead), ``GET /version``, ``GET /metrics`` (Prometheus). With an API key (``--api-key`` or
+``TOKENMILL_API_KEY``) the ``/v1`` routes and ``/tokenize`` / ``/detokenize`` need
+``Authorization: Bearer <key>``; ``/health``, ``/version`` and ``/metrics`` stay open for probes and scrapers.
+Running the app (uvicorn, signals, engine death) is :mod:`tokenmill.entrypoints.openai.launcher`.
 """
 
 from __future__ import annotations
@@ -14,51 +16,64 @@ import contextlib
 import hmac
 import logging
 import os
-import re
-import signal
-import socket
-import uuid
 from collections.abc import AsyncIterator, Callable
-from types import FrameType
-from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import Response
 from tokenmill import __version__
+from tokenmill.entrypoints.openai.chat_template import ChatRenderer, load_chat_template
 from tokenmill.entrypoints.openai.errors import (
     SERVER_ERROR,
     AuthenticationError,
     error_response,
     install_exception_handlers,
     parse_json_body,
+    read_json_object,
 )
+from tokenmill.entrypoints.openai.middleware import (
+    DEFAULT_MAX_BODY_BYTES,
+    BodySizeLimitMiddleware,
+    RequestIdMiddleware,
+)
+from tokenmill.entrypoints.openai.openapi import ERROR_RESPONSES, install_openapi, json_body
 from tokenmill.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
 )
-from tokenmill.entrypoints.openai.serving_chat import (
-    OpenAIServingChat,
-    load_chat_template,
+from tokenmill.entrypoints.openai.responses import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeResponse,
+    VersionResponse,
 )
+from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenmill.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tokenmill.entrypoints.openai.serving_engine import EngineClient, Tokenization
 from tokenmill.entrypoints.openai.serving_models import OpenAIServingModels
+from tokenmill.entrypoints.openai.serving_tokenization import OpenAIServingTokenization, parse_tokenize_request
 from tokenmill.errors import EngineDeadError
+from tokenmill.metrics.prometheus import CONTENT_TYPE, PrometheusStatLogger
+from tokenmill.metrics.stats import RequestStatsTracker
 
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "TOKENMILL_API_KEY"
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
-REQUEST_ID_HEADER = "X-Request-Id"
-_ENGINE_WATCH_INTERVAL_S = 1.0
-_GRACEFUL_SHUTDOWN_S = 5
-_REQUEST_ID_RE = re.compile(r"^[\x21-\x7e]{1,256}$")
+# /metrics asks an idle engine core for fresh gauges; it never waits longer than this (seconds).
+_METRICS_REFRESH_TIMEOUT_S = 1.0
+_STREAM_DOC = {"text/event-stream": {"schema": {"type": "string"}, "description": "with `stream: true`"}}
 
 
 class ServerState:
-    """Whether the engine is dead, and who to tell when it dies (``run_server`` stops uvicorn)."""
+    """Whether the engine is dead, and who to tell when it dies (the launcher stops uvicorn)."""
 
     def __init__(self) -> None:
         self.engine_dead = False
@@ -76,34 +91,6 @@ class ServerState:
             listener()
 
 
-class RequestIdMiddleware:
-    """Echo ``X-Request-Id`` (the client's when it sent a sane one, else a new one) on every response.
-
-    The id is also available to handlers as ``request.state.request_id``.
-    """
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        given = next((v.decode("latin-1") for k, v in scope.get("headers", [])
-                      if k.lower() == b"x-request-id"), None)
-        request_id = given if given is not None and _REQUEST_ID_RE.match(given) else uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = request_id
-
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
-                headers.append((b"x-request-id", request_id.encode("latin-1")))
-                message = {**message, "headers": headers}
-            await send(message)
-
-        await self.app(scope, receive, send_with_id)
-
-
 def _api_key_dependency(api_key: str | None) -> Callable[[Request], None]:
     expected = api_key.encode("utf-8") if api_key else None
 
@@ -117,13 +104,43 @@ def _api_key_dependency(api_key: str | None) -> Callable[[Request], None]:
     return require_api_key
 
 
+def _split_list(value: str | list[str] | None, default: list[str]) -> list[str]:
+    """A CLI list value: a list, a JSON list (``'["a", "b"]'``) or comma-separated text."""
+    if value is None:
+        return default
+    if isinstance(value, list):
+        return value
+    text = value.strip()
+    if text.startswith("["):
+        import json
+
+        return [str(v) for v in json.loads(text)]
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def _add_cors(app: FastAPI, args: argparse.Namespace) -> None:
+    origins = _split_list(getattr(args, "allowed_origins", None), [])
+    if not origins:
+        return
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=origins,
+        allow_credentials=bool(getattr(args, "allow_credentials", False)),
+        allow_methods=_split_list(getattr(args, "allowed_methods", None), ["*"]),
+        allow_headers=_split_list(getattr(args, "allowed_headers", None), ["*"]),
+        expose_headers=["X-Request-Id"],
+    )
+
+
 def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     Args:
         engine: an ``AsyncLLM`` (or anything with the same interface).
-        args: parsed CLI arguments; read: ``api_key`` (else ``$TOKENMILL_API_KEY``), ``chat_template``
-            (file or inline template). Missing attributes take their defaults.
+        args: parsed CLI arguments; read (missing ones take their defaults): ``api_key`` (else
+            ``$TOKENMILL_API_KEY``), ``chat_template`` (file or inline template), ``allowed_origins``,
+            ``allowed_methods``, ``allowed_headers``, ``allow_credentials`` (CORS; off without origins),
+            ``max_request_body_bytes``.
 
     Raises:
         FileNotFoundError: ``chat_template`` is neither a file nor a template.
@@ -134,9 +151,16 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
                                  int(model_config.max_model_len))
     state = ServerState()
     tokenization = Tokenization(engine.tokenizer)
-    chat_template = load_chat_template(getattr(args, "chat_template", None))
-    serving_chat = OpenAIServingChat(engine, models, tokenization, state.mark_engine_dead, chat_template)
-    serving_completion = OpenAIServingCompletion(engine, models, tokenization, state.mark_engine_dead)
+    renderer = ChatRenderer(engine.tokenizer, load_chat_template(getattr(args, "chat_template", None)))
+    stat_logger = PrometheusStatLogger(served_name)
+    stats = RequestStatsTracker([stat_logger])
+    add_listener = getattr(engine, "add_stats_listener", None)
+    if add_listener is not None:
+        add_listener(stats.on_engine_outputs)
+    common = (engine, models, tokenization, state.mark_engine_dead)
+    serving_chat = OpenAIServingChat(*common, renderer=renderer, stats=stats)
+    serving_completion = OpenAIServingCompletion(*common, stats=stats)
+    serving_tokenization = OpenAIServingTokenization(*common, renderer=renderer)
     api_key = getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None
 
     @contextlib.asynccontextmanager
@@ -148,169 +172,83 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
     app.state.engine = engine
     app.state.server_state = state
     app.state.models = models
+    app.state.stats = stats
+    app.state.stat_logger = stat_logger
     install_exception_handlers(app, state.mark_engine_dead)
+    app.add_middleware(BodySizeLimitMiddleware,
+                       max_bytes=int(getattr(args, "max_request_body_bytes", None) or DEFAULT_MAX_BODY_BYTES))
+    _add_cors(app, args)
     app.add_middleware(RequestIdMiddleware)
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_dependency(api_key))])
+    auth = [Depends(_api_key_dependency(api_key))]
+    v1 = APIRouter(prefix="/v1", dependencies=auth, responses=ERROR_RESPONSES)
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", openapi_extra=json_body(ChatCompletionRequest),
+             responses={200: {"model": ChatCompletionResponse, "content": _STREAM_DOC}})
     async def create_chat_completion(raw_request: Request) -> Response:
         request = await parse_json_body(raw_request, ChatCompletionRequest)
         return await serving_chat.create_chat_completion(request, raw_request)
 
-    @v1.post("/completions")
+    @v1.post("/completions", openapi_extra=json_body(CompletionRequest),
+             responses={200: {"model": CompletionResponse, "content": _STREAM_DOC}})
     async def create_completion(raw_request: Request) -> Response:
         request = await parse_json_body(raw_request, CompletionRequest)
         return await serving_completion.create_completion(request, raw_request)
 
-    @v1.get("/models")
+    @v1.get("/models", response_model=ModelList)
     async def list_models() -> Response:
         return Response(models.list_models().model_dump_json(), media_type="application/json")
 
-    @v1.get("/models/{model:path}")
+    @v1.get("/models/{model:path}", response_model=ModelCard)
     async def retrieve_model(model: str) -> Response:
         return Response(models.card(model).model_dump_json(), media_type="application/json")
 
     app.include_router(v1)
+    tok = APIRouter(dependencies=auth, responses=ERROR_RESPONSES)
 
-    @app.get("/health")
+    @tok.post("/tokenize", openapi_extra=json_body(TokenizeCompletionRequest, TokenizeChatRequest),
+              response_model=TokenizeResponse)
+    async def tokenize(raw_request: Request) -> Response:
+        request = parse_tokenize_request(await read_json_object(raw_request))
+        result = await serving_tokenization.tokenize(request)
+        return Response(result.model_dump_json(), media_type="application/json")
+
+    @tok.post("/detokenize", openapi_extra=json_body(DetokenizeRequest), response_model=DetokenizeResponse)
+    async def detokenize(raw_request: Request) -> Response:
+        request = await parse_json_body(raw_request, DetokenizeRequest)
+        result = await serving_tokenization.detokenize(request)
+        return Response(result.model_dump_json(), media_type="application/json")
+
+    app.include_router(tok)
+
+    @app.get("/health", responses={503: {"model": ERROR_RESPONSES[500]["model"],
+                                         "description": "The engine is dead"}})
     async def health() -> Response:
+        """200 while the engine runs; 503 once it is dead (the server then exits)."""
         if state.engine_dead or engine.errored:
             state.mark_engine_dead()
-            return error_response(503, "The inference engine is not running.", SERVER_ERROR)
+            return error_response(503, "The inference engine is not running.", SERVER_ERROR, code="engine_dead")
         try:
             await engine.check_health()
         except EngineDeadError:
             state.mark_engine_dead()
-            return error_response(503, "The inference engine is not running.", SERVER_ERROR)
+            return error_response(503, "The inference engine is not running.", SERVER_ERROR, code="engine_dead")
         return Response(status_code=200)
 
-    @app.get("/version")
-    async def version() -> JSONResponse:
-        return JSONResponse({"version": __version__})
+    @app.get("/version", response_model=VersionResponse)
+    async def version() -> Response:
+        return Response(VersionResponse(version=__version__).model_dump_json(), media_type="application/json")
 
+    @app.get("/metrics", responses={200: {"content": {CONTENT_TYPE: {"schema": {"type": "string"}}},
+                                          "description": "Prometheus text format"}})
+    async def metrics() -> Response:
+        """Prometheus metrics; gauges are refreshed from the engine core first (at most 1 s)."""
+        refresh = getattr(engine, "refresh_stats", None)
+        if refresh is not None and not state.engine_dead and not engine.errored:
+            with contextlib.suppress(asyncio.TimeoutError, EngineDeadError):
+                await asyncio.wait_for(refresh(), timeout=_METRICS_REFRESH_TIMEOUT_S)
+        return Response(stat_logger.render(), media_type=CONTENT_TYPE)
+
+    install_openapi(app, [ChatCompletionRequest, CompletionRequest, TokenizeCompletionRequest,
+                          TokenizeChatRequest, DetokenizeRequest])
     return app
-
-
-# --------------------------------------------------------------------------------------------- running
-
-
-class _SignalState:
-    """SIGINT/SIGTERM during startup interrupt it. Once a uvicorn server is set, uvicorn handles them while it
-    serves (draining connections) and re-raises them when it stops; they must then only stop the server,
-    never kill the process before the engine core is shut down."""
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self.server: Any = None
-
-    def handle(self, signum: int, frame: FrameType | None) -> None:
-        self.received = signum
-        if self.server is None:
-            raise KeyboardInterrupt(f"signal {signum}")
-        self.server.should_exit = True
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    """Bind the listening socket before the (slow) engine start, so a busy port fails fast.
-
-    Raises:
-        OSError: the address is in use or not available.
-    """
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if family == socket.AF_INET6:
-        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-    sock.bind(address)
-    sock.set_inheritable(False)
-    return sock
-
-
-def run_server(args: argparse.Namespace) -> int:
-    """Start the engine and serve the API until SIGINT/SIGTERM or engine death.
-
-    The server listens on ``args.host:args.port``, by default ``127.0.0.1:8000``: unlike vLLM (which binds
-    ``0.0.0.0``) tokenmill only accepts local connections unless ``--host 0.0.0.0`` is given, so a model is
-    never exposed to the network by accident.
-
-    Returns:
-        The process exit code: 0 after a requested shutdown, 1 when the engine core died.
-
-    Raises:
-        OSError: the address cannot be bound.
-        FileNotFoundError: the model or ``--chat-template`` does not exist.
-    """
-    import uvicorn
-    from tokenmill.engine_args import EngineArgs
-
-    signals = _SignalState()
-    previous = {sig: signal.signal(sig, signals.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        load_chat_template(getattr(args, "chat_template", None))
-        host = getattr(args, "host", None) or DEFAULT_HOST
-        port = DEFAULT_PORT if getattr(args, "port", None) is None else int(args.port)
-        sock = _bind(host, port)
-        try:
-            engine_args = EngineArgs.from_cli_args(args)
-            return asyncio.run(_serve(args, engine_args, sock, signals, uvicorn))
-        except KeyboardInterrupt:
-            logger.info("interrupted (signal %s); stopped", signals.received)
-            return 0
-        finally:
-            sock.close()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-async def _serve(args: argparse.Namespace, engine_args: Any, sock: socket.socket, signals: _SignalState,
-                 uvicorn: Any) -> int:
-    from tokenmill.engine.async_llm import AsyncLLM
-
-    host, port = sock.getsockname()[:2]
-    logger.info("starting the engine (model: %s)", engine_args.model or "embedded default")
-    engine = AsyncLLM.from_engine_args(engine_args)
-    watcher: asyncio.Task[None] | None = None
-    try:
-        app = build_app(engine, args)
-        state: ServerState = app.state.server_state
-        config = uvicorn.Config(
-            app,
-            log_level=getattr(args, "uvicorn_log_level", None) or "info",
-            timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
-            timeout_keep_alive=5,
-        )
-        server = uvicorn.Server(config)
-
-        def stop_serving() -> None:
-            server.should_exit = True
-
-        state.add_engine_dead_listener(stop_serving)
-        watcher = asyncio.ensure_future(_watch(engine, server, state, f"http://{_url_host(host)}:{port}"))
-        signals.server = server
-        await server.serve(sockets=[sock])
-        return 1 if state.engine_dead else 0
-    finally:
-        if watcher is not None:
-            watcher.cancel()
-        logger.info("shutting down the engine")
-        engine.shutdown()
-
-
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
-
-
-async def _watch(engine: EngineClient, server: Any, state: ServerState, url: str) -> None:
-    """Log readiness once uvicorn serves; stop the server when the engine dies with no request in flight."""
-    announced = False
-    while True:
-        await asyncio.sleep(0.1 if not announced else _ENGINE_WATCH_INTERVAL_S)
-        if not announced and server.started:
-            announced = True
-            logger.info("Uvicorn running on %s (Press CTRL+C to quit)", url)
-            logger.info("tokenmill API server ready")
-        if engine.errored:
-            state.mark_engine_dead()
-            return

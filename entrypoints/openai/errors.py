@@ -6,6 +6,9 @@ Every error leaves the server as ``{"error": {"message", "type", "param", "code"
 cause                                                  status  type                       param
 =====================================================  ======  =========================  ===================
 body is not JSON, or JSON but not an object            400     invalid_request_error      null
+a string holds a lone UTF-16 surrogate (not Unicode)   400     invalid_request_error      the field path
+Content-Type present but not JSON                      415     invalid_request_error      null
+body larger than the limit (default 32 MiB)            413     invalid_request_error      null
 a field fails validation (pydantic)                    400     invalid_request_error      the field path
 InvalidRequestError / SamplingParamsError              400     invalid_request_error      its ``param``
 unknown model                                          404     NotFoundError              "model"
@@ -46,6 +49,18 @@ _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _UNION_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "bytes"})
 
 
+class RequestTooLargeError(Exception):
+    """The request body exceeds the server's limit (HTTP 413)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"The request body exceeds the limit of {limit} bytes.")
+        self.limit = limit
+
+
+class UnsupportedMediaTypeError(Exception):
+    """The body is declared as something other than JSON (HTTP 415)."""
+
+
 class ModelNotFoundError(Exception):
     """The request names a model this server does not serve."""
 
@@ -84,6 +99,10 @@ def error_from_exception(exc: BaseException) -> tuple[int, dict[str, Any]]:
         return 400, error_body(str(exc), INVALID_REQUEST, exc.param, getattr(exc, "code", None))
     if isinstance(exc, ModelNotFoundError):
         return 404, error_body(str(exc), NOT_FOUND, "model", "model_not_found")
+    if isinstance(exc, RequestTooLargeError):
+        return 413, error_body(str(exc), INVALID_REQUEST, code="request_too_large")
+    if isinstance(exc, UnsupportedMediaTypeError):
+        return 415, error_body(str(exc), INVALID_REQUEST, code="unsupported_media_type")
     if isinstance(exc, EngineDeadError):
         return 500, error_body("The inference engine stopped; the server is shutting down.", SERVER_ERROR,
                                code="engine_dead")
@@ -125,13 +144,33 @@ def validation_error_response(errors: Sequence[Any]) -> JSONResponse:
     return error_response(400, f"{param}: {first.get('msg', 'invalid value')}", param=param)
 
 
-async def parse_json_body(request: Request, model: type[M]) -> M:
-    """Read the request body as JSON (whatever the Content-Type) and validate it as ``model``.
+def check_json_content_type(request: Request) -> None:
+    """Accept ``application/json`` (and ``*/*+json``), or no Content-Type at all.
 
     Raises:
-        InvalidRequestError: the body is empty, not JSON, or not a JSON object (``param=None``).
-        pydantic.ValidationError: a field is invalid (the handler turns it into a 400 with ``param``).
+        UnsupportedMediaTypeError: another media type (form data, ``text/plain``, ...). Refusing these also
+            keeps browsers' cross-origin "simple" requests (which cannot send JSON) away from the API.
     """
+    content_type = request.headers.get("content-type")
+    if content_type is None:
+        return
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    if media_type != "application/json" and not media_type.endswith("+json"):
+        raise UnsupportedMediaTypeError(
+            f"Unsupported Content-Type {media_type or content_type!r}: send the body as 'application/json'."
+        )
+
+
+async def read_json_object(request: Request) -> dict[str, Any]:
+    """The request body as a JSON object.
+
+    Raises:
+        UnsupportedMediaTypeError: the Content-Type is not JSON.
+        RequestTooLargeError: the body exceeds the server's limit (raised while reading).
+        InvalidRequestError: the body is empty, not JSON (or nested absurdly deep), not a JSON object, or
+            holds a string that is not valid Unicode (``param`` names its field).
+    """
+    check_json_content_type(request)
     raw = await request.body()
     if not raw.strip():
         raise InvalidRequestError("The request body is empty; expected a JSON object.", param=None)
@@ -139,11 +178,54 @@ async def parse_json_body(request: Request, model: type[M]) -> M:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequestError(f"The request body is not valid JSON: {exc}", param=None) from exc
+    except RecursionError as exc:
+        raise InvalidRequestError("The request body is nested too deeply.", param=None) from exc
     if not isinstance(data, dict):
         raise InvalidRequestError(
             f"The request body must be a JSON object, got a JSON {type(data).__name__}.", param=None
         )
-    return model.model_validate(data)
+    path = _find_lone_surrogate(data, ())
+    if path is not None:
+        param = param_from_loc(path)
+        raise InvalidRequestError(f"{param or 'body'}: the text holds a lone UTF-16 surrogate (not valid Unicode)",
+                                  param=param)
+    return data
+
+
+async def parse_json_body(request: Request, model: type[M]) -> M:
+    """Read the request body as a JSON object (see :func:`read_json_object`) and validate it as ``model``.
+
+    Raises:
+        UnsupportedMediaTypeError, RequestTooLargeError, InvalidRequestError: see :func:`read_json_object`.
+        pydantic.ValidationError: a field is invalid (the handler turns it into a 400 with ``param``).
+    """
+    return model.model_validate(await read_json_object(request))
+
+
+def _find_lone_surrogate(value: Any, path: tuple[int | str, ...]) -> tuple[int | str, ...] | None:
+    """Location of the first string (value or key) that cannot be encoded as UTF-8, else ``None``."""
+    stack: list[tuple[Any, tuple[int | str, ...]]] = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            if not _is_unicode(item):
+                return where
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                if not _is_unicode(key):
+                    return where
+                stack.append((child, (*where, key)))
+        elif isinstance(item, list):
+            stack.extend((child, (*where, i)) for i, child in enumerate(item))
+    return None
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def install_exception_handlers(app: FastAPI, on_engine_dead: Callable[[], None]) -> None:
@@ -179,7 +261,8 @@ def install_exception_handlers(app: FastAPI, on_engine_dead: Callable[[], None])
 
     app.add_exception_handler(RequestValidationError, on_request_validation)  # type: ignore[arg-type]
     app.add_exception_handler(ValidationError, on_validation)  # type: ignore[arg-type]
-    for cls in (InvalidRequestError, ModelNotFoundError, EngineDeadError, EngineGenerateError):
+    for cls in (InvalidRequestError, ModelNotFoundError, EngineDeadError, EngineGenerateError, RequestTooLargeError,
+                UnsupportedMediaTypeError):
         app.add_exception_handler(cls, on_known)
     app.add_exception_handler(AuthenticationError, on_auth)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, on_http)  # type: ignore[arg-type]

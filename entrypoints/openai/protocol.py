@@ -1,12 +1,14 @@
-"""Pydantic models of the OpenAI HTTP API (chat completions, completions, models, errors).
+"""Pydantic models of the HTTP API's requests (chat, completions, tokenize, detokenize) and shared parts.
 
 Request fields follow the OpenAI API reference plus the sampling extras vLLM accepts (``top_k``, ``min_p``,
-``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ...). Unknown request fields are ignored, as
-OpenAI-compatible servers commonly do, so newer clients keep working.
+``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``allowed_token_ids``, ``bad_words``,
+``prompt_logprobs``, ...). Unknown request fields are ignored, as OpenAI-compatible servers commonly do, so
+newer clients keep working. Response models live in :mod:`tokenmill.entrypoints.openai.responses`.
 
 Pydantic checks types; value ranges are checked once, by :class:`tokenmill.sampling_params.SamplingParams`,
 whose errors name the field. Checks that involve several fields live in ``check()`` and raise
-:class:`tokenmill.errors.InvalidRequestError` with ``param`` set.
+:class:`tokenmill.errors.InvalidRequestError` with ``param`` set. Checks that need the model (vocabulary,
+context length) are done by the serving classes.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
@@ -27,6 +29,10 @@ DEFAULT_MIN_P = 0.0
 DEFAULT_REPETITION_PENALTY = 1.0
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 MAX_TOP_LOGPROBS = 20
+# Most sequences (prompts x n) one request may ask for; more is refused rather than queued.
+MAX_SEQUENCES_PER_REQUEST = 1024
+# SamplingParams' own limit on n (it names ``n`` in its error; larger values are left to it).
+_MAX_N = 128
 
 
 def random_id(prefix: str) -> str:
@@ -34,7 +40,8 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def _now() -> int:
+def now_s() -> int:
+    """Unix time in whole seconds (the ``created`` field)."""
     return int(time.time())
 
 
@@ -84,7 +91,11 @@ class UsageInfo(OpenAIBaseModel):
 
 
 class StreamOptions(OpenAIBaseModel):
+    """``include_usage``: one last chunk with the usage; ``continuous_usage_stats`` (vLLM): usage so far in
+    every chunk."""
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 # ------------------------------------------------------------------------------------------- requests
@@ -116,6 +127,9 @@ class _SamplingRequest(OpenAIBaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     echo: bool = False
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def check(self) -> None:
         """Checks across fields.
@@ -125,29 +139,47 @@ class _SamplingRequest(OpenAIBaseModel):
         """
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options: only allowed when stream is true", param="stream_options")
-        if self.logit_bias:
-            for key, value in self.logit_bias.items():
-                if not key.lstrip("-").isdigit():
-                    raise InvalidRequestError(f"logit_bias: keys must be token ids, got {key!r}", param="logit_bias")
-                if not -100.0 <= value <= 100.0:
-                    raise InvalidRequestError(f"logit_bias: values must be in [-100, 100], got {value}",
-                                              param="logit_bias")
-            raise InvalidRequestError("logit_bias: not supported by this server yet", param="logit_bias")
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidRequestError("prompt_logprobs: not available when stream is true",
+                                      param="prompt_logprobs")
+        for key, value in (self.logit_bias or {}).items():
+            if not key.strip().lstrip("-").isdigit():
+                raise InvalidRequestError(f"logit_bias: keys must be token ids, got {key!r}", param="logit_bias")
+            if not -100.0 <= value <= 100.0:
+                raise InvalidRequestError(f"logit_bias: values must be in [-100, 100], got {value}",
+                                          param="logit_bias")
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def _sampling_params(self, max_tokens: int, logprobs: int | None, output_kind: RequestOutputKind
-                         ) -> SamplingParams:
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.continuous_usage_stats)
+
+    def token_id_fields(self) -> dict[str, list[int]]:
+        """Token ids the request names, by field (the server checks them against the vocabulary)."""
+        fields: dict[str, list[int]] = {}
+        if self.logit_bias:
+            fields["logit_bias"] = [int(k) for k in self.logit_bias]
+        if self.allowed_token_ids is not None:
+            fields["allowed_token_ids"] = list(self.allowed_token_ids)
+        if self.stop_token_ids:
+            fields["stop_token_ids"] = list(self.stop_token_ids)
+        return fields
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
+                         output_kind: RequestOutputKind, vocab_size: int) -> SamplingParams:
         def pick(value: Any, default: Any) -> Any:
             return default if value is None else value
 
+        top_k = pick(self.top_k, DEFAULT_TOP_K)
         return SamplingParams(
             n=self.n,
             temperature=pick(self.temperature, DEFAULT_TEMPERATURE),
             top_p=pick(self.top_p, DEFAULT_TOP_P),
-            top_k=pick(self.top_k, DEFAULT_TOP_K),
+            # Beyond the vocabulary top-k keeps everything; clamping keeps the value a small integer.
+            top_k=min(top_k, vocab_size) if isinstance(top_k, int) else top_k,
             min_p=pick(self.min_p, DEFAULT_MIN_P),
             seed=self.seed,
             presence_penalty=pick(self.presence_penalty, 0.0),
@@ -162,17 +194,26 @@ class _SamplingRequest(OpenAIBaseModel):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             output_kind=output_kind,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
+            bad_words=list(self.bad_words) if self.bad_words else None,
         )
 
 
 class ChatMessage(OpenAIBaseModel):
-    """One input message; ``content`` is a string or a list of ``{"type": "text", "text": ...}`` parts."""
+    """One input message; ``content`` is a string or a list of ``{"type": "text", "text": ...}`` parts.
+
+    ``tool_calls`` of earlier assistant turns and ``tool_call_id`` of tool results are passed to the chat
+    template as they are.
+    """
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
     # pydantic reports only ValueError (not TypeError) from validators as a validation error.
     @field_validator("content", mode="before")
@@ -205,39 +246,22 @@ class ChatMessage(OpenAIBaseModel):
             message["name"] = self.name
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls is not None:
+            message["tool_calls"] = self.tool_calls
         return message
 
 
-class ChatCompletionRequest(_SamplingRequest):
-    """``POST /v1/chat/completions``.
-
-    ``max_completion_tokens`` (or the older ``max_tokens``) left out means "up to the context length".
-    """
+class _ChatTemplateFields(OpenAIBaseModel):
+    """How chat messages become a prompt (shared by chat completions and ``/tokenize``)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
-    # vLLM's extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def check(self) -> None:
-        super().check()
-        if self.top_logprobs is not None:
-            if not self.logprobs:
-                raise InvalidRequestError("top_logprobs: requires logprobs to be true", param="top_logprobs")
-            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-                raise InvalidRequestError(
-                    f"top_logprobs: must be between 0 and {MAX_TOP_LOGPROBS}, got {self.top_logprobs}",
-                    param="top_logprobs",
-                )
+    def check_template_fields(self) -> None:
+        """Raises InvalidRequestError for contradictory template options."""
         if self.continue_final_message:
             if self.add_generation_prompt:
                 raise InvalidRequestError(
@@ -249,6 +273,33 @@ class ChatCompletionRequest(_SamplingRequest):
                     "continue_final_message: the last message must have role 'assistant'",
                     param="continue_final_message",
                 )
+
+
+class ChatCompletionRequest(_ChatTemplateFields, _SamplingRequest):
+    """``POST /v1/chat/completions``.
+
+    ``max_completion_tokens`` (or the older ``max_tokens``) left out means "up to the context length".
+    """
+
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        super().check()
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise InvalidRequestError("top_logprobs: requires logprobs to be true", param="top_logprobs")
+            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise InvalidRequestError(
+                    f"top_logprobs: must be between 0 and {MAX_TOP_LOGPROBS}, got {self.top_logprobs}",
+                    param="top_logprobs",
+                )
+        self.check_template_fields()
         if self.tools:
             raise InvalidRequestError("tools: tool calling is not supported by this server yet", param="tools")
         if self.response_format and self.response_format.get("type", "text") != "text":
@@ -265,10 +316,11 @@ class ChatCompletionRequest(_SamplingRequest):
     def max_tokens_param(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
-    def to_sampling_params(self, max_tokens: int, output_kind: RequestOutputKind) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int | None, output_kind: RequestOutputKind,
+                           vocab_size: int) -> SamplingParams:
         """Raises :class:`~tokenmill.sampling_params.SamplingParamsError` for an out-of-range value."""
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs, output_kind)
+        return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs, output_kind, vocab_size)
 
 
 class CompletionRequest(_SamplingRequest):
@@ -287,9 +339,13 @@ class CompletionRequest(_SamplingRequest):
             raise InvalidRequestError("suffix: not supported by this server", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequestError("best_of: only best_of equal to n is supported", param="best_of")
-        if self.echo and self.logprobs is not None:
-            raise InvalidRequestError("echo: cannot be combined with logprobs yet", param="echo")
-        self.prompts()
+        prompts = self.prompts()
+        if 0 < self.n <= _MAX_N and len(prompts) * self.n > MAX_SEQUENCES_PER_REQUEST:
+            raise InvalidRequestError(
+                f"prompt: {len(prompts)} prompts x n={self.n} exceeds {MAX_SEQUENCES_PER_REQUEST} sequences per "
+                "request; send several requests",
+                param="prompt",
+            )
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list (one entry per prompt, each text or token ids).
@@ -312,131 +368,40 @@ class CompletionRequest(_SamplingRequest):
                 raise InvalidRequestError("prompt: must not be empty", param="prompt")
         return prompts
 
-    def to_sampling_params(self, max_tokens: int, output_kind: RequestOutputKind) -> SamplingParams:
+    @property
+    def effective_prompt_logprobs(self) -> int | None:
+        """Prompt logprobs to ask the engine for: ``prompt_logprobs``, and ``logprobs`` when echoing."""
+        wanted = [v for v in (self.prompt_logprobs, self.logprobs if self.echo else None) if v is not None]
+        return max(wanted) if wanted else None
+
+    def to_sampling_params(self, max_tokens: int | None, output_kind: RequestOutputKind,
+                           vocab_size: int) -> SamplingParams:
         """Raises :class:`~tokenmill.sampling_params.SamplingParamsError` for an out-of-range value."""
-        return self._sampling_params(max_tokens, self.logprobs, output_kind)
+        return self._sampling_params(max_tokens, self.logprobs, self.effective_prompt_logprobs, output_kind,
+                                     vocab_size)
 
 
-# ------------------------------------------------------------------------------------- chat responses
+# ------------------------------------------------------------------------------------- tokenization
 
 
-class ChatTopLogprob(OpenAIBaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
+class TokenizeCompletionRequest(OpenAIBaseModel):
+    """``POST /tokenize`` with a text prompt (vLLM's shape)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
 
 
-class ChatLogprobToken(ChatTopLogprob):
-    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+class TokenizeChatRequest(_ChatTemplateFields):
+    """``POST /tokenize`` with chat messages, rendered by the chat template first (vLLM's shape)."""
+
+    model: str | None = None
+    return_token_strs: bool | None = False
 
 
-class ChatChoiceLogprobs(OpenAIBaseModel):
-    content: list[ChatLogprobToken] | None = None
+class DetokenizeRequest(OpenAIBaseModel):
+    """``POST /detokenize`` (vLLM's shape)."""
 
-
-class ChatResponseMessage(OpenAIBaseModel):
-    role: str = "assistant"
-    content: str | None = None
-
-
-class ChatCompletionChoice(OpenAIBaseModel):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionResponse(OpenAIBaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatCompletionChoice]
-    usage: UsageInfo
-    system_fingerprint: str | None = None
-
-
-class DeltaMessage(OpenAIBaseModel):
-    """A streamed piece of a message; absent fields are left out of the JSON (``{}`` in the final chunk)."""
-
-    role: str | None = None
-    content: str | None = None
-
-    @model_serializer(mode="plain")
-    def _drop_none(self) -> dict[str, Any]:
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
-
-
-class ChatCompletionStreamChoice(OpenAIBaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionStreamResponse(OpenAIBaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatCompletionStreamChoice]
-    usage: UsageInfo | None = None
-
-
-# ------------------------------------------------------------------------------- completion responses
-
-
-class CompletionLogprobs(OpenAIBaseModel):
-    """The legacy completions logprobs shape; ``text_offset`` counts characters from the choice's text start."""
-
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-
-class CompletionChoice(OpenAIBaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class CompletionResponse(OpenAIBaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo
-    system_fingerprint: str | None = None
-
-
-class CompletionStreamResponse(OpenAIBaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-# ---------------------------------------------------------------------------------------------- models
-
-
-class ModelCard(OpenAIBaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=_now)
-    owned_by: str = "tokenmill"
-    root: str | None = None
-    parent: str | None = None
-    max_model_len: int | None = None
-
-
-class ModelList(OpenAIBaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard] = Field(default_factory=list)
+    model: str | None = None
+    tokens: list[int]

@@ -1,94 +1,64 @@
-"""``POST /v1/chat/completions``: chat template, generation, and the OpenAI response or SSE stream."""
+"""``POST /v1/chat/completions``: chat template, generation, and the OpenAI response or SSE stream.
+
+Streaming follows OpenAI: per choice, a first chunk with ``delta.role`` (and empty content), content chunks,
+then one chunk with an empty delta and the ``finish_reason``; with ``n > 1`` every chunk carries its choice's
+``index``. With ``stream_options.include_usage`` every chunk has ``"usage": null`` and one last chunk with
+``choices: []`` carries the usage; without it no chunk has a ``usage`` key. An error after the stream started
+is sent as ``data: {"error": ...}`` followed by ``data: [DONE]``.
+"""
 
 from __future__ import annotations
 
-import inspect
 import logging
-import os
 import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
 
-import jinja2
 from fastapi import Request
 from fastapi.responses import Response
-from tokenmill.entrypoints.openai.protocol import (
-    ChatChoiceLogprobs,
+from tokenmill.entrypoints.openai.chat_template import ChatRenderer
+from tokenmill.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_json
+from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, UsageInfo, random_id
+from tokenmill.entrypoints.openai.responses import (
     ChatCompletionChoice,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
-    ChatLogprobToken,
     ChatResponseMessage,
-    ChatTopLogprob,
     DeltaMessage,
-    UsageInfo,
-    random_id,
 )
-from tokenmill.entrypoints.openai.serving_engine import (
+from tokenmill.entrypoints.openai.serving_engine import EngineClient, OpenAIServing, Tokenization
+from tokenmill.entrypoints.openai.serving_models import OpenAIServingModels
+from tokenmill.entrypoints.openai.streaming import (
     CLIENT_CLOSED_REQUEST,
-    MIN_LOGPROB,
     SSE_DONE,
-    EngineClient,
-    OpenAIServing,
-    Tokenization,
     close_quietly,
     run_unless_disconnected,
     sse_event,
     sse_response,
-    token_text,
-    top_logprobs_of,
 )
-from tokenmill.entrypoints.openai.serving_models import OpenAIServingModels
-from tokenmill.errors import EngineGenerateError, InvalidRequestError
-from tokenmill.outputs import CompletionOutput, RequestOutput, SampleLogprobs
+from tokenmill.errors import EngineGenerateError
+from tokenmill.metrics.stats import RequestStatsTracker
+from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind
 
 logger = logging.getLogger(__name__)
 
-_TEMPLATE_ERRORS = (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError)
-
-
-def load_chat_template(value: str | None) -> str | None:
-    """The ``--chat-template`` argument as template text: a file's contents, or the value itself when it is
-    an inline Jinja template.
-
-    Raises:
-        FileNotFoundError: ``value`` is neither an existing file nor a template.
-    """
-    if value is None:
-        return None
-    path = os.path.expanduser(value)
-    if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    if "{{" in value or "{%" in value:
-        return value
-    raise FileNotFoundError(f"chat_template: {value!r} is neither a file nor a Jinja template")
-
-
-def _reserved_template_kwargs(tokenizer: Any) -> frozenset[str]:
-    try:
-        params = inspect.signature(tokenizer.apply_chat_template).parameters
-    except (TypeError, ValueError):
-        return frozenset({"conversation", "tokenize", "chat_template"})
-    return frozenset(name for name, p in params.items() if p.kind is not inspect.Parameter.VAR_KEYWORD)
+Gen = AsyncGenerator[RequestOutput, None]
 
 
 class OpenAIServingChat(OpenAIServing):
     """Handles chat completion requests.
 
     Args:
-        chat_template: template text that replaces the tokenizer's own (``None``: the tokenizer's).
+        renderer: turns messages into prompt text (the chat template).
     """
 
     def __init__(self, engine: EngineClient, models: OpenAIServingModels, tokenization: Tokenization,
-                 on_engine_dead: Any, chat_template: str | None = None) -> None:
-        super().__init__(engine, models, tokenization, on_engine_dead)
-        self.chat_template = chat_template
-        self._reserved_kwargs = _reserved_template_kwargs(tokenization.tokenizer)
+                 on_engine_dead: Any, renderer: ChatRenderer, stats: RequestStatsTracker | None = None) -> None:
+        super().__init__(engine, models, tokenization, on_engine_dead, stats)
+        self.renderer = renderer
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         """Run one chat request.
@@ -98,51 +68,42 @@ class OpenAIServingChat(OpenAIServing):
             InvalidRequestError: invalid fields, template failure, prompt too long (``param`` set).
             EngineDeadError, EngineGenerateError: from the engine (non-streaming, or before the first token).
         """
+        arrival = time.time()
         model_name = self.models.resolve(request.model)
         request.check()
+        for param, ids in request.token_id_fields().items():
+            self.check_token_ids(ids, param)
         prompt_ids = await self.tokenization.run(self._render_and_encode, request)
         max_tokens = self.resolve_max_tokens(
             len(prompt_ids), request.requested_max_tokens, "messages", request.max_tokens_param
         )
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
-        params = request.to_sampling_params(max_tokens, kind)
+        params = self.make_sampling_params(
+            lambda: request.to_sampling_params(max_tokens, kind, self.vocab_size), request.max_tokens_param
+        )
         request_id = random_id("chatcmpl")
         echo = request.messages[-1].text() if request.echo and request.messages[-1].role == "assistant" else ""
-        logger.debug("request %s: %d prompt tokens, max_tokens %d", request_id, len(prompt_ids), max_tokens)
-        gen = self.engine.generate(prompt_ids, params, request_id)
+        logger.info("request %s (X-Request-Id %s): %d prompt tokens, max_tokens %s", request_id,
+                    getattr(raw_request.state, "request_id", "-"), len(prompt_ids), max_tokens)
+        gen = self.generate(prompt_ids, params, request_id, arrival)
         if request.stream:
             return await self._stream(request, raw_request, gen, request_id, model_name, len(prompt_ids), echo)
         return await self._full(request, raw_request, gen, request_id, model_name, len(prompt_ids), echo)
 
     def _render_and_encode(self, request: ChatCompletionRequest) -> list[int]:
         """Apply the chat template and tokenize (runs in the tokenizer thread)."""
-        extra = dict(request.chat_template_kwargs or {})
-        clash = sorted(set(extra) & self._reserved_kwargs)
-        if clash:
-            raise InvalidRequestError(f"chat_template_kwargs: reserved keys {clash}", param="chat_template_kwargs")
-        messages = [m.to_template_dict() for m in request.messages]
-        try:
-            text = self.tokenization.tokenizer.apply_chat_template(
-                messages,
-                tokenize=False,
-                add_generation_prompt=request.add_generation_prompt,
-                continue_final_message=request.continue_final_message,
-                chat_template=self.chat_template,
-                **extra,
-            )
-        except _TEMPLATE_ERRORS as exc:
-            raise InvalidRequestError(
-                f"messages: the chat template could not be applied: {exc}", param="messages"
-            ) from exc
-        if not isinstance(text, str):
-            raise InvalidRequestError("messages: the chat template did not produce text", param="messages")
+        text = self.renderer.render(
+            [m.to_template_dict() for m in request.messages],
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            template_kwargs=request.chat_template_kwargs,
+        )
         return self.tokenization.encode(text, add_special_tokens=request.add_special_tokens)
 
     # ------------------------------------------------------------------------------------ non-streaming
 
-    async def _full(self, request: ChatCompletionRequest, raw_request: Request,
-                    gen: AsyncGenerator[RequestOutput, None], request_id: str, model_name: str,
-                    prompt_len: int, echo: str) -> Response:
+    async def _full(self, request: ChatCompletionRequest, raw_request: Request, gen: Gen, request_id: str,
+                    model_name: str, prompt_len: int, echo: str) -> Response:
         async def collect() -> tuple[RequestOutput | None, dict[int, CompletionOutput]]:
             last: RequestOutput | None = None
             by_index: dict[int, CompletionOutput] = {}
@@ -160,11 +121,12 @@ class OpenAIServingChat(OpenAIServing):
         last, by_index = result
         if last is None:
             raise EngineGenerateError(f"request {request_id}: the engine returned no output")
+        tokenizer = self.tokenization.tokenizer
         k = request.top_logprobs or 0
         choices = []
         for index in sorted(by_index):
             o = by_index[index]
-            logprobs = self._logprobs(o.token_ids, o.logprobs, k) if request.logprobs else None
+            logprobs = chat_logprobs(tokenizer, o.token_ids, o.logprobs, k) if request.logprobs else None
             choices.append(ChatCompletionChoice(
                 index=index,
                 message=ChatResponseMessage(role="assistant", content=echo + o.text),
@@ -177,14 +139,17 @@ class OpenAIServingChat(OpenAIServing):
             sum(len(o.token_ids) for o in by_index.values()),
             last.num_cached_tokens,
         )
-        response = ChatCompletionResponse(id=request_id, model=model_name, choices=choices, usage=usage)
+        response = ChatCompletionResponse(
+            id=request_id, model=model_name, choices=choices, usage=usage,
+            prompt_logprobs=prompt_logprobs_json(last.prompt_logprobs) if request.prompt_logprobs is not None
+            else None,
+        )
         return Response(response.model_dump_json(), media_type="application/json")
 
     # ---------------------------------------------------------------------------------------- streaming
 
-    async def _stream(self, request: ChatCompletionRequest, raw_request: Request,
-                      gen: AsyncGenerator[RequestOutput, None], request_id: str, model_name: str,
-                      prompt_len: int, echo: str) -> Response:
+    async def _stream(self, request: ChatCompletionRequest, raw_request: Request, gen: Gen, request_id: str,
+                      model_name: str, prompt_len: int, echo: str) -> Response:
         # The first output is awaited before answering, so that a request the engine rejects gets a
         # plain 400 rather than a stream that starts and then fails.
         async def first_output() -> RequestOutput | None:
@@ -201,18 +166,23 @@ class OpenAIServingChat(OpenAIServing):
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         return sse_response(self._chunks(request, gen, first, request_id, model_name, prompt_len, echo))
 
-    async def _chunks(self, request: ChatCompletionRequest, gen: AsyncGenerator[RequestOutput, None],
-                      first: RequestOutput | None, request_id: str, model_name: str, prompt_len: int,
-                      echo: str) -> AsyncGenerator[str, None]:
+    async def _chunks(self, request: ChatCompletionRequest, gen: Gen, first: RequestOutput | None,
+                      request_id: str, model_name: str, prompt_len: int, echo: str) -> AsyncGenerator[str, None]:
         created = int(time.time())
-
-        def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
-            return sse_event(ChatCompletionStreamResponse(
-                id=request_id, created=created, model=model_name, choices=choices, usage=usage
-            ))
-
+        include_usage = request.include_usage
+        continuous = include_usage and request.continuous_usage
+        exclude = None if include_usage else {"usage"}
+        tokenizer = self.tokenization.tokenizer
         k = request.top_logprobs or 0
         prompt_tokens, completion_tokens, cached_tokens = prompt_len, 0, 0
+
+        def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
+            if usage is None and continuous:
+                usage = UsageInfo.of(prompt_tokens, completion_tokens, cached_tokens)
+            return sse_event(ChatCompletionStreamResponse(
+                id=request_id, created=created, model=model_name, choices=choices, usage=usage
+            ), exclude)
+
         finished: set[int] = set()
         try:
             try:
@@ -231,7 +201,7 @@ class OpenAIServingChat(OpenAIServing):
                         completion_tokens += len(o.token_ids)
                         logprobs = None
                         if request.logprobs and o.logprobs:
-                            logprobs = self._logprobs(o.token_ids, o.logprobs, k)
+                            logprobs = chat_logprobs(tokenizer, o.token_ids, o.logprobs, k)
                         if o.text or logprobs is not None:
                             yield chunk([ChatCompletionStreamChoice(
                                 index=o.index, delta=DeltaMessage(content=o.text), logprobs=logprobs
@@ -243,32 +213,10 @@ class OpenAIServingChat(OpenAIServing):
                                 stop_reason=o.stop_reason,
                             )])
                     output = await anext(gen, None)
-                if request.include_usage:
+                if include_usage:
                     yield chunk([], usage=UsageInfo.of(prompt_tokens, completion_tokens, cached_tokens))
             except Exception as exc:  # noqa: BLE001 - any failure must reach the client as an SSE error event
                 yield self.sse_error(exc, request_id)
             yield SSE_DONE
         finally:
             await close_quietly(gen)
-
-    # ----------------------------------------------------------------------------------------- logprobs
-
-    def _logprobs(self, token_ids: list[int], logprobs: SampleLogprobs | None, k: int) -> ChatChoiceLogprobs:
-        tokenizer = self.tokenization.tokenizer
-        content: list[ChatLogprobToken] = []
-        for token_id, entry in zip(token_ids, logprobs or []):
-            sampled = entry.get(token_id)
-            text = token_text(tokenizer, token_id, sampled) if sampled is not None else str(
-                tokenizer.decode([token_id]))
-            tops = []
-            for tid, lp in top_logprobs_of(entry, k):
-                t = token_text(tokenizer, tid, lp)
-                tops.append(ChatTopLogprob(token=t, logprob=max(lp.logprob, MIN_LOGPROB),
-                                           bytes=list(t.encode("utf-8"))))
-            content.append(ChatLogprobToken(
-                token=text,
-                logprob=max(sampled.logprob, MIN_LOGPROB) if sampled is not None else MIN_LOGPROB,
-                bytes=list(text.encode("utf-8")),
-                top_logprobs=tops,
-            ))
-        return ChatChoiceLogprobs(content=content)

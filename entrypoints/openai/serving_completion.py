@@ -1,5 +1,9 @@
 """``POST /v1/completions``: one or more prompts (text or token ids), optional echo, the OpenAI response or
-SSE stream. Choice ``i * n + j`` is output ``j`` of prompt ``i``."""
+SSE stream. Choice ``i * n + j`` is output ``j`` of prompt ``i``.
+
+With ``echo`` and ``logprobs`` the prompt's tokens lead the choice's logprobs (the first with ``null``), as
+OpenAI's legacy API does; ``prompt_logprobs`` (vLLM's extra) adds the engine's per-prompt-token entries.
+"""
 
 from __future__ import annotations
 
@@ -12,30 +16,26 @@ from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response
-from tokenmill.entrypoints.openai.protocol import (
+from tokenmill.entrypoints.openai.logprobs import completion_logprobs, echo_logprobs, prompt_logprobs_json
+from tokenmill.entrypoints.openai.protocol import CompletionRequest, UsageInfo, random_id
+from tokenmill.entrypoints.openai.responses import (
     CompletionChoice,
     CompletionLogprobs,
-    CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
-    UsageInfo,
-    random_id,
 )
-from tokenmill.entrypoints.openai.serving_engine import (
+from tokenmill.entrypoints.openai.serving_engine import OpenAIServing
+from tokenmill.entrypoints.openai.streaming import (
     CLIENT_CLOSED_REQUEST,
-    MIN_LOGPROB,
     SSE_DONE,
-    OpenAIServing,
     close_quietly,
     merge_async_iterators,
     run_unless_disconnected,
     sse_event,
     sse_response,
-    token_text,
-    top_logprobs_of,
 )
 from tokenmill.errors import EngineGenerateError
-from tokenmill.outputs import CompletionOutput, RequestOutput, SampleLogprobs
+from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind
 
 logger = logging.getLogger(__name__)
@@ -87,8 +87,11 @@ class OpenAIServingCompletion(OpenAIServing):
             InvalidRequestError: invalid fields, empty prompt, out-of-vocabulary token ids, prompt too long.
             EngineDeadError, EngineGenerateError: from the engine (non-streaming, or before the first token).
         """
+        arrival = time.time()
         model_name = self.models.resolve(request.model)
         request.check()
+        for param, ids in request.token_id_fields().items():
+            self.check_token_ids(ids, param)
         prompts = request.prompts()
         prompt_ids = await self.tokenization.run(self._encode_all, prompts, request.add_special_tokens)
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
@@ -96,19 +99,22 @@ class OpenAIServingCompletion(OpenAIServing):
         for ids in prompt_ids:
             self.check_token_ids(ids, "prompt")
             max_tokens = self.resolve_max_tokens(len(ids), request.max_tokens, "prompt")
-            params.append(request.to_sampling_params(max_tokens, kind))
+            params.append(self.make_sampling_params(
+                lambda m=max_tokens: request.to_sampling_params(m, kind, self.vocab_size), "max_tokens"
+            ))
         echoes = [""] * len(prompts)
         if request.echo:
             echoes = await self.tokenization.run(self._prompt_texts, prompts)
         request_id = random_id("cmpl")
+        logger.info("request %s (X-Request-Id %s): %d prompt(s), %d prompt tokens", request_id,
+                    getattr(raw_request.state, "request_id", "-"), len(prompts), sum(map(len, prompt_ids)))
         gens = [
-            self.engine.generate(ids, p, request_id if len(prompt_ids) == 1 else f"{request_id}-{i}")
+            self.generate(ids, p, request_id if len(prompt_ids) == 1 else f"{request_id}-{i}", arrival)
             for i, (ids, p) in enumerate(zip(prompt_ids, params))
         ]
-        lens = [len(ids) for ids in prompt_ids]
         if request.stream:
-            return await self._stream(request, raw_request, gens, request_id, model_name, lens, echoes)
-        return await self._full(request, raw_request, gens, request_id, model_name, lens, echoes)
+            return await self._stream(request, raw_request, gens, request_id, model_name, prompt_ids, echoes)
+        return await self._full(request, raw_request, gens, request_id, model_name, prompt_ids, echoes)
 
     def _encode_all(self, prompts: list[str | list[int]], add_special_tokens: bool) -> list[list[int]]:
         return [self.tokenization.encode(p, add_special_tokens) if isinstance(p, str) else list(p)
@@ -117,10 +123,22 @@ class OpenAIServingCompletion(OpenAIServing):
     def _prompt_texts(self, prompts: list[str | list[int]]) -> list[str]:
         return [p if isinstance(p, str) else self.tokenization.decode(p) for p in prompts]
 
+    def _logprobs(self, request: CompletionRequest, output: RequestOutput | None, o: CompletionOutput,
+                  prompt_ids: list[int], echo: str, with_echo: bool, start: int) -> CompletionLogprobs | None:
+        """The choice's logprobs (``None`` unless asked); ``with_echo``: lead with the prompt's tokens."""
+        if request.logprobs is None:
+            return None
+        tokenizer = self.tokenization.tokenizer
+        result = None
+        if with_echo:
+            result = echo_logprobs(tokenizer, prompt_ids, output.prompt_logprobs if output else None,
+                                   request.logprobs)
+        return completion_logprobs(tokenizer, o.token_ids, o.logprobs, request.logprobs, start, result)
+
     # ------------------------------------------------------------------------------------ non-streaming
 
     async def _full(self, request: CompletionRequest, raw_request: Request, gens: list[Gen], request_id: str,
-                    model_name: str, prompt_lens: list[int], echoes: list[str]) -> Response:
+                    model_name: str, prompt_ids: list[list[int]], echoes: list[str]) -> Response:
         completed, results = await run_unless_disconnected(raw_request, _gather_or_cancel(*map(_collect, gens)))
         if not completed or results is None:
             logger.info("request %s: client disconnected, aborted", request_id)
@@ -130,17 +148,17 @@ class OpenAIServingCompletion(OpenAIServing):
         for i, (last, by_index) in enumerate(results):
             if last is None:
                 raise EngineGenerateError(f"request {request_id}: the engine returned no output")
-            prompt_tokens += len(last.prompt_token_ids) or prompt_lens[i]
+            prompt_tokens += len(last.prompt_token_ids) or len(prompt_ids[i])
             cached_tokens += last.num_cached_tokens
+            prompt_lps = prompt_logprobs_json(last.prompt_logprobs) if request.prompt_logprobs is not None else None
             for j in sorted(by_index):
                 o = by_index[j]
                 completion_tokens += len(o.token_ids)
-                logprobs = None
-                if request.logprobs is not None:
-                    logprobs = self._logprobs(o.token_ids, o.logprobs, request.logprobs, len(echoes[i]))
                 choices.append(CompletionChoice(
-                    index=i * request.n + j, text=echoes[i] + o.text, logprobs=logprobs,
-                    finish_reason=o.finish_reason, stop_reason=o.stop_reason,
+                    index=i * request.n + j, text=echoes[i] + o.text,
+                    logprobs=self._logprobs(request, last, o, prompt_ids[i], echoes[i], request.echo,
+                                            len(echoes[i])),
+                    finish_reason=o.finish_reason, stop_reason=o.stop_reason, prompt_logprobs=prompt_lps,
                 ))
         response = CompletionResponse(
             id=request_id, model=model_name, choices=choices,
@@ -151,7 +169,8 @@ class OpenAIServingCompletion(OpenAIServing):
     # ---------------------------------------------------------------------------------------- streaming
 
     async def _stream(self, request: CompletionRequest, raw_request: Request, gens: list[Gen],
-                      request_id: str, model_name: str, prompt_lens: list[int], echoes: list[str]) -> Response:
+                      request_id: str, model_name: str, prompt_ids: list[list[int]], echoes: list[str]
+                      ) -> Response:
         # First outputs are awaited before answering so that rejected prompts get a plain 400.
         try:
             completed, firsts = await run_unless_disconnected(
@@ -166,32 +185,46 @@ class OpenAIServingCompletion(OpenAIServing):
                 await close_quietly(g)
             logger.info("request %s: client disconnected, aborted", request_id)
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        streams = [_first_then_rest(first, g) for first, g in zip(firsts, gens)]
-        return sse_response(self._chunks(request, streams, request_id, model_name, prompt_lens, echoes))
+        return sse_response(self._chunks(request, gens, firsts, request_id, model_name, prompt_ids, echoes))
 
-    async def _chunks(self, request: CompletionRequest, streams: list[Gen], request_id: str, model_name: str,
-                      prompt_lens: list[int], echoes: list[str]) -> AsyncGenerator[str, None]:
+    async def _chunks(self, request: CompletionRequest, gens: list[Gen], firsts: list[RequestOutput | None],
+                      request_id: str, model_name: str, prompt_ids: list[list[int]], echoes: list[str]
+                      ) -> AsyncGenerator[str, None]:
         created = int(time.time())
         n = request.n
+        include_usage = request.include_usage
+        continuous = include_usage and request.continuous_usage
+        exclude = None if include_usage else {"usage"}
+        prompt_tokens = [len(ids) for ids in prompt_ids]
+        cached_tokens = [0] * len(gens)
+        completion_tokens = 0
+
+        def usage_now() -> UsageInfo:
+            return UsageInfo.of(sum(prompt_tokens), completion_tokens, sum(cached_tokens))
 
         def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
+            if usage is None and continuous:
+                usage = usage_now()
             return sse_event(CompletionStreamResponse(
                 id=request_id, created=created, model=model_name, choices=choices, usage=usage
-            ))
+            ), exclude)
 
-        prompt_tokens = list(prompt_lens)
-        cached_tokens = [0] * len(streams)
-        completion_tokens = 0
-        text_offsets = [0] * (len(streams) * n)
+        text_offsets = [0] * (len(gens) * n)
         finished: set[int] = set()
-        merged = merge_async_iterators(*streams)
+        merged = merge_async_iterators(*(_first_then_rest(first, g) for first, g in zip(firsts, gens)))
         try:
             try:
                 for i, echo in enumerate(echoes):
-                    if echo:
-                        for j in range(n):
-                            text_offsets[i * n + j] = len(echo)
-                            yield chunk([CompletionChoice(index=i * n + j, text=echo)])
+                    if not echo:
+                        continue
+                    lps = None
+                    if request.logprobs is not None:
+                        first = firsts[i]
+                        lps = echo_logprobs(self.tokenization.tokenizer, prompt_ids[i],
+                                            first.prompt_logprobs if first else None, request.logprobs)
+                    for j in range(n):
+                        text_offsets[i * n + j] = len(echo)
+                        yield chunk([CompletionChoice(index=i * n + j, text=echo, logprobs=lps)])
                 async for i, output in merged:
                     prompt_tokens[i] = len(output.prompt_token_ids) or prompt_tokens[i]
                     cached_tokens[i] = output.num_cached_tokens
@@ -202,7 +235,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         completion_tokens += len(o.token_ids)
                         logprobs = None
                         if request.logprobs is not None and o.logprobs:
-                            logprobs = self._logprobs(o.token_ids, o.logprobs, request.logprobs,
+                            logprobs = self._logprobs(request, output, o, prompt_ids[i], echoes[i], False,
                                                       text_offsets[index])
                         text_offsets[index] += len(o.text)
                         if o.text or logprobs is not None:
@@ -211,32 +244,12 @@ class OpenAIServingCompletion(OpenAIServing):
                             finished.add(index)
                             yield chunk([CompletionChoice(index=index, text="", finish_reason=o.finish_reason,
                                                           stop_reason=o.stop_reason)])
-                if request.include_usage:
-                    yield chunk([], usage=UsageInfo.of(sum(prompt_tokens), completion_tokens, sum(cached_tokens)))
+                if include_usage:
+                    yield chunk([], usage=usage_now())
             except Exception as exc:  # noqa: BLE001 - any failure must reach the client as an SSE error event
                 yield self.sse_error(exc, request_id)
             yield SSE_DONE
         finally:
             await close_quietly(merged)
-
-    # ----------------------------------------------------------------------------------------- logprobs
-
-    def _logprobs(self, token_ids: list[int], logprobs: SampleLogprobs | None, k: int,
-                  start_offset: int) -> CompletionLogprobs:
-        """Legacy logprobs of generated tokens; ``start_offset`` is the character offset of the first one."""
-        tokenizer = self.tokenization.tokenizer
-        result = CompletionLogprobs()
-        offset = start_offset
-        for token_id, entry in zip(token_ids, logprobs or []):
-            sampled = entry.get(token_id)
-            text = token_text(tokenizer, token_id, sampled) if sampled is not None else str(
-                tokenizer.decode([token_id]))
-            result.tokens.append(text)
-            result.token_logprobs.append(max(sampled.logprob, MIN_LOGPROB) if sampled is not None else None)
-            result.top_logprobs.append(
-                {token_text(tokenizer, tid, lp): max(lp.logprob, MIN_LOGPROB) for tid, lp in top_logprobs_of(entry, k)}
-                if k > 0 else None
-            )
-            result.text_offset.append(offset)
-            offset += len(text)
-        return result
+            for g in gens:
+                await close_quietly(g)

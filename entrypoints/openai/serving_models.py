@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from tokenmill.entrypoints.openai.errors import ModelNotFoundError
-from tokenmill.entrypoints.openai.protocol import ModelCard, ModelList
+from tokenmill.entrypoints.openai.responses import ModelCard, ModelList
 
 
 class OpenAIServingModels:
@@ -30,7 +30,7 @@ class OpenAIServingModels:
         return self.served_model_names[0]
 
     def resolve(self, requested: str | None) -> str:
-        """The name to report for a request asking for ``requested`` (``None``: the default model).
+        """The name to report for a request asking for ``requested`` (``None`` or ``""``: the default model).
 
         Raises:
             ModelNotFoundError: ``requested`` is not served here.

@@ -87,9 +87,18 @@ class AttentionImpl(ABC):
 
 
 class AttentionBackend(ABC):
-    """A family of attention kernels and the KV-cache layout they read."""
+    """A family of attention kernels and the KV-cache layout they read.
+
+    Attributes:
+        name: the backend's name.
+        supports_graph_capture: the impl reads only device tensors of :class:`AttentionMetadata` (never
+            ``query_start_loc_cpu`` / ``seq_lens_cpu``, whose values are placeholders in a captured graph) and
+            launches the same kernels for the same shapes, so a decode step can be captured once as a device
+            graph and replayed with new contents in the same buffers.
+    """
 
     name: str = ""
+    supports_graph_capture: bool = False
 
     @staticmethod
     @abstractmethod

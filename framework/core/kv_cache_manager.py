@@ -51,6 +51,10 @@ class KVCacheManager:
         At least one token is always left to compute (the model must produce logits for the last one), so a
         prompt whose every block is cached hits ``(num_tokens - 1) // block_size`` blocks at most.
 
+        This only looks: it changes no reference count and no statistic, so the scheduler may ask again every
+        step while the request waits. It reports the lookup with :meth:`record_prefix_cache_lookup` once the
+        request is admitted.
+
         Returns:
             (blocks, number of tokens they hold). The blocks are not yet referenced: pass them to
             :meth:`allocate_slots`.
@@ -65,9 +69,18 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_prefix_cache_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's prefix-cache lookup (once per admission, not per attempt).
+
+        Args:
+            num_queried_tokens: the tokens looked up (the request's prompt, plus outputs after a preemption).
+            num_hit_tokens: of those, the tokens served by the cache.
+        """
+        if self.enable_caching:
+            self.prefix_cache_queries += num_queried_tokens
+            self.prefix_cache_hits += num_hit_tokens
 
     def can_fit(self, num_tokens: int) -> bool:
         """Whether a sequence of ``num_tokens`` tokens fits in the whole cache."""

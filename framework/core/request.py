@@ -6,7 +6,7 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
-from tokenmill.engine.messages import FinishReason
+from tokenmill.engine.messages import EngineCoreEvent, EngineCoreEventType, FinishReason
 
 if TYPE_CHECKING:
     from tokenmill.engine.messages import EngineCoreRequest
@@ -83,6 +83,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
+        self.events: list[EngineCoreEvent] = []
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, max_model_len: int) -> Request:
@@ -115,6 +116,17 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    def record_event(self, event_type: EngineCoreEventType, timestamp: float | None = None) -> None:
+        """Note a lifecycle event (``timestamp``: ``time.time()`` seconds, default now) for the next output."""
+        self.events.append(EngineCoreEvent(event_type, time.time() if timestamp is None else timestamp))
+
+    def take_events(self) -> list[EngineCoreEvent] | None:
+        """The events recorded since the last call (``None`` when there are none)."""
+        if not self.events:
+            return None
+        events, self.events = self.events, []
+        return events
 
     def append_output_token_id(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

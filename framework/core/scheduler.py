@@ -9,6 +9,7 @@ queue, to be recomputed from its prompt and outputs so far.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -22,7 +23,7 @@ from tokenmill.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
-from tokenmill.engine.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from tokenmill.engine.messages import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from tokenmill.errors import InvalidRequestError
 
 
@@ -76,21 +77,29 @@ class Scheduler:
                 "and at least one token must be generated",
                 "prompt",
             )
+        capacity = self.kv_cache_manager.num_blocks * self.block_size
+        if not self.kv_cache_manager.can_fit(request.num_prompt_tokens + 1):
+            raise InvalidRequestError(
+                f"the prompt has {request.num_prompt_tokens} tokens but the whole KV cache holds {capacity} "
+                "tokens (at least one token must be generated); shorten the prompt or give the engine a larger "
+                "KV cache (--kv-cache-memory)",
+                "prompt",
+            )
         longest = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
         if not self.kv_cache_manager.can_fit(longest):
-            capacity = self.kv_cache_manager.num_blocks * self.block_size
             raise InvalidRequestError(
                 f"the request needs up to {longest} tokens of KV cache but the whole cache holds {capacity} "
                 "tokens; lower max_tokens or give the engine a larger KV cache (--kv-cache-memory)",
                 "max_tokens",
             )
         self.requests[request.request_id] = request
+        request.record_event(EngineCoreEventType.QUEUED)
         self._enqueue(request)
 
     def _enqueue(self, request: Request, front: bool = False) -> None:
         if self.policy == "priority":
             self.waiting.append(request)
-            self.waiting = deque(sorted(self.waiting, key=lambda r: (r.priority, r.arrival_time)))
+            self.waiting = deque(sorted(self.waiting, key=_priority_key))
         elif front:
             self.waiting.appendleft(request)
         else:
@@ -162,7 +171,8 @@ class Scheduler:
             # Prompt logprobs need the hidden state of every prompt position, so such a request reads
             # nothing from the prefix cache (its blocks are still cached for others).
             wants_prompt_logprobs = request.sampling_params.prompt_logprobs is not None
-            if request.num_computed_tokens == 0 and not wants_prompt_logprobs:
+            looked_up = request.num_computed_tokens == 0 and not wants_prompt_logprobs
+            if looked_up:
                 hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             else:
                 hits, num_hit_tokens = [], 0
@@ -176,11 +186,15 @@ class Scheduler:
             if new_blocks is None:
                 break
             self.waiting.popleft()
+            if looked_up:
+                # Counted here, once per admission: a request that waits several steps is looked up each time.
+                self.kv_cache_manager.record_prefix_cache_lookup(request.num_tokens, num_hit_tokens)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
             request.num_computed_tokens += num_hit_tokens
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            request.record_event(EngineCoreEventType.SCHEDULED)
+            self._add_running(request)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
             new_reqs.append(self._new_request_data(request))
@@ -198,6 +212,17 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=finished,
         )
+
+    def _add_running(self, request: Request) -> None:
+        """Append to ``running``; under the ``priority`` policy keep it ordered by (priority, arrival).
+
+        The running loop serves requests in list order and a request short of blocks preempts only requests
+        after it, so the ordering guarantees a request is never preempted in favour of a lower-priority one.
+        """
+        if self.policy == "priority":
+            bisect.insort(self.running, request, key=_priority_key)
+        else:
+            self.running.append(request)
 
     def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
         num_new = request.num_tokens - request.num_computed_tokens
@@ -221,13 +246,14 @@ class Scheduler:
         # Only requests not yet scheduled this step are candidates, so nothing scheduled is undone.
         candidates = self.running[first_unscheduled:]
         if self.policy == "priority":
-            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+            return max(candidates, key=_priority_key)
         return candidates[-1]
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
+        request.record_event(EngineCoreEventType.PREEMPTED)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self._num_preemptions += 1
@@ -271,6 +297,7 @@ class Scheduler:
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 new_logprobs=req_logprobs[: len(new_ids)] if req_logprobs else None,
                 prompt_logprobs=req_prompt_lps,
+                events=request.take_events(),
             )
             outputs.append(out)
             if request.is_finished:
@@ -298,3 +325,8 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
+
+
+def _priority_key(request: Request) -> tuple[int, float]:
+    """Sort key of the ``priority`` policy: lower ``priority`` first, then earlier arrival."""
+    return (request.priority, request.arrival_time)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Sequence
+import time
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core_client import AsyncMPClient
 from tokenmill.engine.input_processor import InputProcessor
-from tokenmill.engine.messages import SchedulerStats
+from tokenmill.engine.messages import EngineCoreOutputs, SchedulerStats
 from tokenmill.engine.output_processor import OutputProcessor, RequestOutputCollector
 from tokenmill.engine_args import EngineArgs
 from tokenmill.errors import EngineDeadError
@@ -18,6 +19,10 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# Called with every EngineCoreOutputs the engine core sends (and every stats snapshot pulled by
+# ``refresh_stats``) and the front end's ``time.time()`` when it was handled.
+StatsListener = Callable[[EngineCoreOutputs, float], None]
 
 
 class AsyncLLM:
@@ -63,6 +68,7 @@ class AsyncLLM:
         self._output_handler: asyncio.Task[None] | None = None
         self._dead_error: EngineDeadError | None = None
         self._last_stats: SchedulerStats | None = None
+        self._stats_listeners: list[StatsListener] = []
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> AsyncLLM:
@@ -143,6 +149,7 @@ class AsyncLLM:
                 outputs = await self.engine_core.get_output_async()
                 if outputs.scheduler_stats is not None:
                     self._last_stats = outputs.scheduler_stats
+                self._notify_stats(outputs)
                 result = self.output_processor.process_outputs(outputs.outputs)
                 self.engine_core.abort_requests(result.reqs_to_abort)
         except asyncio.CancelledError:
@@ -178,6 +185,37 @@ class AsyncLLM:
     async def get_stats(self) -> SchedulerStats | None:
         """The scheduler stats of the last engine step seen (``None`` before the first)."""
         return self._last_stats
+
+    def add_stats_listener(self, listener: StatsListener) -> None:
+        """Call ``listener(outputs, now)`` for every engine-core step (before its outputs reach the requests)
+        and every snapshot taken by :meth:`refresh_stats`. A listener that raises is logged and kept."""
+        self._stats_listeners.append(listener)
+
+    def _notify_stats(self, outputs: EngineCoreOutputs) -> None:
+        if not self._stats_listeners:
+            return
+        now = time.time()
+        for listener in self._stats_listeners:
+            try:
+                listener(outputs, now)
+            except Exception:
+                logger.exception("stats listener failed")
+
+    async def refresh_stats(self) -> SchedulerStats | None:
+        """Ask the engine core for its stats now (an idle engine core sends none, e.g. after aborts).
+
+        The snapshot also goes to the stats listeners. Returns ``None`` when the engine core cannot answer.
+        """
+        import msgspec
+
+        try:
+            raw = await self.engine_core.call_utility_async("get_stats")
+            stats = msgspec.convert(raw, SchedulerStats)
+        except (EngineDeadError, RuntimeError, msgspec.ValidationError):
+            return None
+        self._last_stats = stats
+        self._notify_stats(EngineCoreOutputs(scheduler_stats=stats))
+        return stats
 
     async def reset_prefix_cache(self) -> bool:
         self._check_alive()

@@ -8,6 +8,7 @@ import time
 from tokenmill.config import EngineConfig
 from tokenmill.core.request import Request
 from tokenmill.core.scheduler import Scheduler
+from tokenmill.engine.input_processor import check_token_ids_in_vocab
 from tokenmill.engine.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from tokenmill.errors import InvalidRequestError
 from tokenmill.executor.base import Executor
@@ -43,13 +44,17 @@ class EngineCore:
         """Queue a request.
 
         Raises:
-            InvalidRequestError: ``n != 1``, or the request can never run (see ``Scheduler.add_request``).
+            InvalidRequestError: ``n != 1``, a token id outside the vocabulary (prompt, ``logit_bias``,
+                ``allowed_token_ids``, ``stop_token_ids``, ``bad_words_token_ids``; the front end checks these
+                first, this is the backstop for requests that bypass it), or the request can never run (see
+                ``Scheduler.add_request``).
         """
         if request.sampling_params.n != 1:
             raise InvalidRequestError("the engine core takes n == 1 requests (the front end fans out n)", "n")
         vocab = self.config.model_config.vocab_size
         if any(t < 0 or t >= vocab for t in request.prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        check_token_ids_in_vocab(request.sampling_params, vocab)
         req = Request.from_engine_core_request(request, self.config.model_config.max_model_len)
         self.scheduler.add_request(req)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +12,7 @@ import msgspec
 from tokenmill.config import CacheConfig, ModelConfig
 from tokenmill.engine.messages import EngineCoreRequest
 from tokenmill.errors import InvalidRequestError
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams, SamplingParamsError
 
 
 def child_request_id(index: int, parent_id: str) -> str:
@@ -59,7 +59,8 @@ class InputProcessor:
         eos = getattr(tokenizer, "eos_token_id", None)
         model_eos = model_config.eos_token_ids
         self.eos_token_id: int | None = int(eos) if eos is not None else (model_eos[0] if model_eos else None)
-        self._extra_eos_ids = [t for t in model_eos if t != self.eos_token_id]
+        vocab = model_config.vocab_size
+        self._extra_eos_ids = [t for t in model_eos if t != self.eos_token_id and 0 <= t < vocab]
 
     def process(
         self,
@@ -84,8 +85,10 @@ class InputProcessor:
             prompt_param: the name errors give the prompt (``"messages"`` for chat requests).
 
         Raises:
-            InvalidRequestError: empty prompt, token id outside the vocabulary, prompt + ``max_tokens``
-                longer than the context or than the whole KV cache, stop strings without detokenization.
+            InvalidRequestError: empty prompt, token id outside the vocabulary (in the prompt, ``logit_bias``,
+                ``allowed_token_ids``, ``stop_token_ids``, ``bad_words_token_ids`` or tokenized ``bad_words``),
+                prompt + ``max_tokens`` longer than the context or than the whole KV cache, stop strings
+                without detokenization.
         """
         arrival = time.time() if arrival_time is None else arrival_time
         if isinstance(prompt, str):
@@ -96,6 +99,7 @@ class InputProcessor:
             prompt_text = None
             token_ids = list(prompt)
         self._check_prompt(token_ids, prompt_param)
+        check_token_ids_in_vocab(params, self.model_config.vocab_size)
         params = self._resolve_params(params, len(token_ids), prompt_param)
         return ProcessedRequest(
             request_id=request_id,
@@ -151,12 +155,14 @@ class InputProcessor:
         """``bad_words`` tokenized (alone and after a space, so both spellings are banned), plus any
         ``bad_words_token_ids`` already given."""
         sequences = [list(s) for s in params.bad_words_token_ids or []]
+        vocab = self.model_config.vocab_size
         for word in params.bad_words or []:
             stripped = word.lstrip()
             if not stripped:
                 continue
             for text in (stripped, " " + stripped):
                 ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+                _check_ids_in_vocab("bad_words", ids, vocab)
                 if ids and ids not in sequences:
                     sequences.append(ids)
         return sequences
@@ -211,6 +217,32 @@ class InputProcessor:
             )
             for rid, p in ids_and_params
         ]
+
+
+def check_token_ids_in_vocab(params: SamplingParams, vocab_size: int) -> None:
+    """Reject token ids outside ``[0, vocab_size)`` in the token-valued sampling fields.
+
+    ``SamplingParams`` alone only knows ids must be non-negative; the vocabulary size comes from the model.
+    The front end calls this before a request reaches the engine core, and ``EngineCore.add_request`` calls it
+    again for requests that bypass the front end (the worker would otherwise silently drop such ids).
+
+    Raises:
+        SamplingParamsError: naming ``logit_bias``, ``allowed_token_ids``, ``stop_token_ids`` or
+            ``bad_words_token_ids``, whichever holds the first bad id.
+    """
+    _check_ids_in_vocab("logit_bias", params.logit_bias or (), vocab_size)
+    _check_ids_in_vocab("allowed_token_ids", params.allowed_token_ids or (), vocab_size)
+    _check_ids_in_vocab("stop_token_ids", params.stop_token_ids, vocab_size)
+    for sequence in params.bad_words_token_ids or ():
+        _check_ids_in_vocab("bad_words_token_ids", sequence, vocab_size)
+
+
+def _check_ids_in_vocab(param: str, token_ids: Iterable[Any], vocab_size: int) -> None:
+    for t in token_ids:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise SamplingParamsError(
+                param, f"token id {t!r} is out of vocabulary (valid ids are 0..{vocab_size - 1})"
+            )
 
 
 def _child_seed(seed: int, index: int) -> int:

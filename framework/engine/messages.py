@@ -33,6 +33,27 @@ class EngineCoreRequestType(enum.Enum):
     UTILITY = b"\x02"
 
 
+class EngineCoreEventType(enum.IntEnum):
+    """What happened to a request in the engine core (see :class:`EngineCoreEvent`)."""
+
+    QUEUED = 1  # added to the scheduler's waiting queue
+    SCHEDULED = 2  # admitted to the running batch (again after a preemption)
+    PREEMPTED = 3  # sent back to the waiting queue to be recomputed
+
+
+class EngineCoreEvent(msgspec.Struct, array_like=True):
+    """A timestamped event of one request in the engine core.
+
+    Attributes:
+        type: what happened.
+        timestamp: ``time.time()`` in the engine core when it happened (seconds; the same clock as the front
+            end's ``arrival_time``, so front-end metrics can mix the two).
+    """
+
+    type: EngineCoreEventType
+    timestamp: float
+
+
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     """A tokenized request, as the engine core receives it.
 
@@ -70,6 +91,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
         prompt_logprobs: with the request's first output when ``prompt_logprobs`` was asked: per prompt token
             from the second on, ``(token_ids, logprobs, rank)`` with the actual prompt token first, then the
             top ``prompt_logprobs`` candidates; ``rank`` is the 1-based rank of the actual token.
+        events: engine-core events of the request since its previous output, oldest first (queued, scheduled,
+            preempted; ``None`` when none). Front ends derive queue / prefill / decode times from them.
     """
 
     request_id: str
@@ -80,6 +103,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     error: str | None = None
     new_logprobs: list[tuple[list[int], list[float], int]] | None = None
     prompt_logprobs: list[tuple[list[int], list[float], int]] | None = None
+    events: list[EngineCoreEvent] | None = None
 
     @property
     def finished(self) -> bool:

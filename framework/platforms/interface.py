@@ -64,6 +64,16 @@ class Platform:
         return DEFAULT_ATTN_BACKEND
 
     @classmethod
+    def graph_capture_cls(cls) -> str | None:
+        """``"module:Class"`` of the platform's device-graph capture (a
+        :class:`tokenmill.worker.graph_runner.GraphCapture` subclass), or ``None`` (default): no graphs.
+
+        Only consulted when :attr:`supports_graph_capture` is true; decode steps are then captured per batch
+        size bucket and replayed unless ``--enforce-eager`` (see ``tokenmill.worker.graph_runner``).
+        """
+        return None
+
+    @classmethod
     def get_device_name(cls, device_id: int = 0) -> str:
         """Human-readable name of device ``device_id`` (e.g. the GPU or CPU model)."""
         raise cls._not_implemented("get_device_name")

@@ -113,7 +113,7 @@ def build_sampling_metadata(states: list[CachedRequestState], vocab_size: int, d
     num_rows = len(states)
     temps = [p.temperature for p in params]
     all_greedy = all(t < 1e-5 for t in temps)
-    top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+    top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
     top_p = [p.top_p for p in params]
     min_p = [p.min_p for p in params]
     logprobs = [p.logprobs for p in params if p.logprobs is not None]

@@ -10,6 +10,7 @@ from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.forward_context import set_forward_context
 from tokenmill.layers.attention import Attention
 from tokenmill.model_loader.loader import get_model, str_to_dtype
+from tokenmill.worker.graph_runner import GraphRunner
 from tokenmill.worker.input_batch import CachedRequestState, build_batch_inputs, build_sampling_metadata
 from tokenmill.worker.sampler import Sampler, gather_logprobs
 
@@ -40,6 +41,7 @@ class ModelRunner:
         # req_id -> prompt logprobs accumulated over the chunks of its prefill so far
         self.prompt_logprobs: dict[str, list[LogprobEntry]] = {}
         self.vocab_size = config.model_config.vocab_size
+        self.graph_runner: GraphRunner | None = None  # device graphs for decode steps (platform-provided)
 
     def load_model(self) -> None:
         self.model = get_model(self.config.model_config, self.device)
@@ -73,6 +75,7 @@ class ModelRunner:
             cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.kv_cache = cache
             self.kv_caches.append(cache)
+        self.graph_runner = GraphRunner.create_if_enabled(self)  # captures against the new cache
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
@@ -106,8 +109,11 @@ class ModelRunner:
         states = [self.requests[r] for r in req_ids]
         counts = [so.num_scheduled_tokens[r] for r in req_ids]
         batch = build_batch_inputs(states, counts, self.block_size, self.device)
-        with set_forward_context(batch.attn_metadata):
-            hidden = self.model(batch.input_ids, batch.positions)
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            hidden = self.graph_runner.run(batch)  # decode-only step: replay the captured graph (padded)
+        else:
+            with set_forward_context(batch.attn_metadata):
+                hidden = self.model(batch.input_ids, batch.positions)
         self._accumulate_prompt_logprobs(states, counts, batch.attn_metadata.query_start_loc_cpu, hidden)
         sample_rows = [i for i, m in enumerate(batch.sample_mask) if m]
         prompt_logprobs: list[list[LogprobEntry] | None] | None = None

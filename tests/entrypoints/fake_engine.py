@@ -1,14 +1,18 @@
 """A fake ``AsyncLLM`` and tokenizer: the server's logic tested without a model.
 
 The tokenizer is one token per character (id = code point); the engine "generates" a fixed reply one
-character per token, honouring ``max_tokens``, ``n``, ``logprobs`` and the output kind, and records what it
-was asked (sampling params, aborts) so tests can check the server's side of the contract.
+character per token, honouring ``max_tokens``, ``n``, ``logprobs``, ``prompt_logprobs`` and the output kind,
+and records what it was asked (sampling params, aborts) so tests can check the server's side of the contract.
+Like ``AsyncLLM`` it reports every step to its stats listeners (engine-core outputs with queued / scheduled
+events and scheduler stats), so the server's metrics can be tested too. Sampling params are msgpack-encoded
+as the real ZMQ hop does, so values the real engine could not carry fail here too.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -16,6 +20,15 @@ from typing import Any
 
 import jinja2
 import jinja2.sandbox
+import msgspec
+from tokenmill.engine.input_processor import child_request_id
+from tokenmill.engine.messages import (
+    EngineCoreEvent,
+    EngineCoreEventType,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    SchedulerStats,
+)
 from tokenmill.errors import EngineDeadError, InvalidRequestError
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
@@ -96,6 +109,7 @@ class FakeAsyncLLM:
     active: set[str] = field(default_factory=set)
     shutdown_called: bool = False
     on_abort: Callable[[str], None] | None = None
+    stats_listeners: list[Callable[[EngineCoreOutputs, float], None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.tokenizer = FakeTokenizer()
@@ -111,6 +125,24 @@ class FakeAsyncLLM:
         if self.dead:
             raise EngineDeadError("fake engine is dead")
 
+    def add_stats_listener(self, listener: Callable[[EngineCoreOutputs, float], None]) -> None:
+        self.stats_listeners.append(listener)
+
+    def _stats(self) -> SchedulerStats:
+        return SchedulerStats(num_running_reqs=len(self.active), num_waiting_reqs=0,
+                              kv_cache_usage=min(1.0, 0.01 * len(self.active)))
+
+    def _notify(self, outputs: list[EngineCoreOutput]) -> None:
+        batch = EngineCoreOutputs(outputs=outputs, scheduler_stats=self._stats())
+        for listener in self.stats_listeners:
+            listener(batch, time.time())
+
+    async def refresh_stats(self) -> SchedulerStats:
+        stats = self._stats()
+        for listener in self.stats_listeners:
+            listener(EngineCoreOutputs(scheduler_stats=stats), time.time())
+        return stats
+
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
         self.active.discard(request_id)
@@ -121,6 +153,7 @@ class FakeAsyncLLM:
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str
                        ) -> AsyncGenerator[RequestOutput, None]:
         self.calls.append(Call(request_id, prompt, sampling_params))
+        msgspec.msgpack.encode(sampling_params)  # what the real engine sends over ZMQ must encode
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise InvalidRequestError("prompt: must not be empty", param="prompt")
@@ -135,6 +168,9 @@ class FakeAsyncLLM:
             raise self.fail_with
         self.active.add(request_id)
         finished = False
+        engine_ids = [request_id] if sampling_params.n == 1 else [
+            child_request_id(i, request_id) for i in range(sampling_params.n)]
+        queued = time.time()
         try:
             texts = {i: "" for i in range(sampling_params.n)}
             tokens: dict[int, list[int]] = {i: [] for i in range(sampling_params.n)}
@@ -164,9 +200,15 @@ class FakeAsyncLLM:
                                                    logprobs=[lp] if lp is not None else None,
                                                    finish_reason=reason))
                 finished = last
+                if last:
+                    self.active.discard(request_id)
+                events = [EngineCoreEvent(EngineCoreEventType.QUEUED, queued),
+                          EngineCoreEvent(EngineCoreEventType.SCHEDULED, queued)] if step == 0 else None
+                self._notify([EngineCoreOutput(eid, [ord(self.reply[step])], events=events) for eid in engine_ids])
+                prompt_lps = self._prompt_logprobs(ids, sampling_params.prompt_logprobs) if step == 0 else None
                 if sampling_params.output_kind == RequestOutputKind.DELTA:
                     yield RequestOutput(request_id, None, ids, deltas, finished=last,
-                                        num_cached_tokens=self.cached_tokens)
+                                        num_cached_tokens=self.cached_tokens, prompt_logprobs=prompt_lps)
             if sampling_params.output_kind != RequestOutputKind.DELTA:
                 outputs = [
                     CompletionOutput(index=i, text=texts[i], token_ids=tokens[i],
@@ -175,13 +217,29 @@ class FakeAsyncLLM:
                     for i in range(sampling_params.n)
                 ]
                 yield RequestOutput(request_id, None, ids, outputs, finished=True,
-                                    num_cached_tokens=self.cached_tokens)
+                                    num_cached_tokens=self.cached_tokens,
+                                    prompt_logprobs=self._prompt_logprobs(ids, sampling_params.prompt_logprobs))
         finally:
             self.active.discard(request_id)
             if not finished:
                 self.aborted.append(request_id)
                 if self.on_abort is not None:
                     self.on_abort(request_id)
+
+    @staticmethod
+    def _prompt_logprobs(ids: list[int], k: int | None) -> list[dict[int, Logprob] | None] | None:
+        """``None`` for the first prompt token, then the actual token at -1.0 (rank 2) and ``k`` candidates."""
+        if k is None:
+            return None
+        entries: list[dict[int, Logprob] | None] = [None]
+        for t in ids[1:]:
+            entry = {t: Logprob(-1.0, rank=2, decoded_token=chr(t))}
+            for r in range(k):
+                alt = ord("a") + r
+                if alt not in entry:
+                    entry[alt] = Logprob(-0.5 - r, rank=r + 1, decoded_token=chr(alt))
+            entries.append(entry)
+        return entries
 
     @staticmethod
     def _logprobs(ch: str, k: int | None) -> dict[int, Logprob] | None:

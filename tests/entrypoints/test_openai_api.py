@@ -1,24 +1,20 @@
-"""The OpenAI server's logic against a fake engine: response shapes, SSE format, errors, auth, disconnects."""
+"""The OpenAI server's logic against a fake engine: response shapes, streaming rules, sampling fields, logprobs,
+chat templates, auth, request ids, models and client disconnects."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import logging
 from typing import Any
 
 import openai
 import pytest
 from fastapi.testclient import TestClient
 from tokenmill.entrypoints.openai.api_server import build_app
-from tokenmill.entrypoints.openai.errors import param_from_loc
-from tokenmill.errors import EngineGenerateError, InvalidRequestError
 from tokenmill.sampling_params import RequestOutputKind
 
 from tests.entrypoints.fake_engine import REPLY, SERVED_NAME, FakeAsyncLLM, server_args
-
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
+from tests.entrypoints.helpers import CHAT, COMPLETIONS, assert_error, sse_chunks, sse_events
 
 
 def chat_body(**overrides: Any) -> dict[str, Any]:
@@ -26,30 +22,6 @@ def chat_body(**overrides: Any) -> dict[str, Any]:
                             "max_tokens": 64, "temperature": 0}
     body.update(overrides)
     return body
-
-
-def sse_events(text: str) -> list[str]:
-    """The ``data:`` payloads of an SSE body, checking the framing on the way."""
-    assert text.endswith("\n\n")
-    events = text.split("\n\n")[:-1]
-    payloads = []
-    for event in events:
-        assert event.startswith("data: "), event
-        assert "\n" not in event
-        payloads.append(event[len("data: "):])
-    return payloads
-
-
-def assert_error(response: Any, status: int, param: str | None, type_: str = "invalid_request_error") -> dict:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error"}
-    error = body["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["type"] == type_
-    assert error["param"] == param
-    assert error["message"]
-    return error
 
 
 # ----------------------------------------------------------------------------------------------- chat
@@ -92,7 +64,7 @@ def test_chat_sampling_params_defaults_and_extras(client: TestClient, fake_engin
     assert client.post(CHAT, json=body).status_code == 200
     p = fake_engine.calls[0].params
     assert p.temperature == 1.0 and p.top_p == 1.0 and p.top_k == 0 and p.n == 1
-    assert p.max_tokens == fake_engine.max_model_len - len(fake_engine.calls[0].prompt)
+    assert p.max_tokens is None  # up to the context length, resolved by the engine
     extras = {"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "min_tokens": 2, "stop_token_ids": [7],
               "stop": "x", "ignore_eos": True, "seed": 3, "presence_penalty": 0.5, "frequency_penalty": -0.5,
               "top_p": 0.9, "include_stop_str_in_output": True, "skip_special_tokens": False,
@@ -131,21 +103,49 @@ def test_chat_stream_sse_format(client: TestClient, fake_engine: FakeAsyncLLM) -
     assert fake_engine.calls[0].params.output_kind == RequestOutputKind.DELTA
 
 
-def test_chat_stream_without_usage(client: TestClient) -> None:
-    r = client.post(CHAT, json=chat_body(stream=True))
-    chunks = [json.loads(p) for p in sse_events(r.text)[:-1]]
-    assert all(c["choices"] for c in chunks)
-    assert all(c.get("usage") is None for c in chunks)
+def test_chat_stream_usage_key_rules(client: TestClient) -> None:
+    # Without include_usage no chunk has a usage key; with it every chunk but the last has "usage": null.
+    chunks = sse_chunks(client.post(CHAT, json=chat_body(stream=True, max_tokens=4)).text)
+    assert all(c["choices"] and "usage" not in c for c in chunks)
+    chunks = sse_chunks(client.post(CHAT, json=chat_body(stream=True, max_tokens=4,
+                                                         stream_options={"include_usage": True})).text)
+    assert all(c["usage"] is None and c["choices"] for c in chunks[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+    # stream_options.include_usage false is the same as no stream_options
+    chunks = sse_chunks(client.post(CHAT, json=chat_body(stream=True, max_tokens=4,
+                                                         stream_options={"include_usage": False})).text)
+    assert all(c["choices"] and "usage" not in c for c in chunks)
+
+
+def test_chat_stream_continuous_usage(client: TestClient) -> None:
+    body = chat_body(stream=True, max_tokens=3,
+                     stream_options={"include_usage": True, "continuous_usage_stats": True})
+    chunks = sse_chunks(client.post(CHAT, json=body).text)
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 3 and counts[0] == 0
 
 
 def test_chat_stream_n2_each_choice_framed(client: TestClient) -> None:
     r = client.post(CHAT, json=chat_body(stream=True, n=2, max_tokens=5))
-    chunks = [json.loads(p) for p in sse_events(r.text)[:-1]]
+    chunks = sse_chunks(r.text)
+    assert all(len(c["choices"]) == 1 for c in chunks)
     for index in (0, 1):
         mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
         assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        assert all("role" not in m["delta"] for m in mine[1:])
         assert [m["finish_reason"] for m in mine if m["finish_reason"]] == ["length"]
+        assert mine[-1]["finish_reason"] == "length" and mine[-1]["delta"] == {}
         assert "".join(m["delta"].get("content", "") for m in mine) == REPLY[:5]
+
+
+def test_completion_stream_n2_indexes_and_usage(client: TestClient) -> None:
+    r = client.post(COMPLETIONS, json={"prompt": ["ab", "cd"], "n": 2, "max_tokens": 3, "stream": True})
+    chunks = sse_chunks(r.text)
+    assert all("usage" not in c for c in chunks)
+    for index in range(4):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+        assert "".join(m["text"] for m in mine) == REPLY[:3]
+        assert [m["finish_reason"] for m in mine if m["finish_reason"]] == ["length"]
 
 
 def test_openai_client_stream_equals_non_stream(fake_app: Any) -> None:
@@ -242,163 +242,71 @@ def test_completion_logprobs(client: TestClient) -> None:
     assert lp["top_logprobs"][0] == {"P": -0.25}
 
 
-# --------------------------------------------------------------------------------------------- errors
+def test_completion_echo_with_logprobs(client: TestClient, fake_engine: FakeAsyncLLM) -> None:
+    r = client.post(COMPLETIONS, json={"prompt": "abc", "max_tokens": 2, "echo": True, "logprobs": 1})
+    choice = r.json()["choices"][0]
+    assert choice["text"] == "abc" + REPLY[:2]
+    lp = choice["logprobs"]
+    assert lp["tokens"] == ["a", "b", "c", *REPLY[:2]]
+    assert lp["token_logprobs"] == [None, -1.0, -1.0, -0.25, -0.25]
+    assert lp["top_logprobs"][0] is None and lp["top_logprobs"][1] == {"a": -0.5}
+    assert lp["text_offset"] == [0, 1, 2, 3, 4]
+    assert fake_engine.calls[0].params.prompt_logprobs == 1
+    assert "prompt_logprobs" not in choice  # only when asked for by name
+    # Streamed: the echo chunk carries the prompt's logprobs.
+    r = client.post(COMPLETIONS, json={"prompt": "abc", "max_tokens": 2, "echo": True, "logprobs": 0,
+                                       "stream": True})
+    chunks = sse_chunks(r.text)
+    assert chunks[0]["choices"][0]["text"] == "abc"
+    assert chunks[0]["choices"][0]["logprobs"]["token_logprobs"] == [None, -1.0, -1.0]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "abc" + REPLY[:2]
+    offsets = [o for c in chunks[1:] if c["choices"][0]["logprobs"] for o in c["choices"][0]["logprobs"]["text_offset"]]
+    assert offsets == [3, 4]
 
 
-@pytest.mark.parametrize("content", [b"{not json", b"", b"   "])
-def test_malformed_json(client: TestClient, content: bytes) -> None:
-    r = client.post(CHAT, content=content, headers={"Content-Type": "application/json"})
-    assert_error(r, 400, None)
+def test_prompt_logprobs_shapes(client: TestClient) -> None:
+    r = client.post(COMPLETIONS, json={"prompt": "ab", "max_tokens": 1, "prompt_logprobs": 1})
+    plp = r.json()["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None
+    assert plp[1] == {str(ord("b")): {"logprob": -1.0, "rank": 2, "decoded_token": "b"},
+                      str(ord("a")): {"logprob": -0.5, "rank": 1, "decoded_token": "a"}}
+    r = client.post(CHAT, json=chat_body(max_tokens=1, prompt_logprobs=0))
+    body = r.json()
+    assert body["prompt_logprobs"][0] is None and len(body["prompt_logprobs"]) == body["usage"]["prompt_tokens"]
+    assert "prompt_logprobs" not in client.post(CHAT, json=chat_body(max_tokens=1)).json()
 
 
-@pytest.mark.parametrize("body", ["[1, 2]", '"text"', "42", "null"])
-def test_body_not_an_object(client: TestClient, body: str) -> None:
-    assert_error(client.post(CHAT, content=body), 400, None)
-    assert_error(client.post(COMPLETIONS, content=body), 400, None)
+def test_sampling_extras_reach_the_engine(client: TestClient, fake_engine: FakeAsyncLLM) -> None:
+    extras = {"logit_bias": {"5": 3.5, "7": -100}, "allowed_token_ids": [5, 7, 9], "bad_words": ["foo"],
+              "seed": -(2**63), "top_k": 10**12, "min_p": 0.05, "spaces_between_special_tokens": False,
+              "prompt_logprobs": 2, "min_tokens": 1}
+    assert client.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 2, **extras}).status_code == 200
+    assert client.post(CHAT, json=chat_body(max_tokens=2, **extras)).status_code == 200
+    for call in fake_engine.calls:
+        p = call.params
+        assert p.logit_bias == {5: 3.5, 7: -100.0} and p.allowed_token_ids == [5, 7, 9]
+        assert p.bad_words == ["foo"] and p.seed == -(2**63) and p.prompt_logprobs == 2
+        assert p.top_k == 1000  # clamped to the vocabulary: same meaning, a small integer
+        assert p.min_p == 0.05 and not p.spaces_between_special_tokens and p.min_tokens == 1
 
 
-def test_json_without_content_type_is_accepted(client: TestClient) -> None:
-    r = client.post(CHAT, content=json.dumps(chat_body()), headers={"Content-Type": "text/plain"})
-    assert r.status_code == 200
+def test_max_completion_tokens_wins(client: TestClient, fake_engine: FakeAsyncLLM) -> None:
+    client.post(CHAT, json=chat_body(max_tokens=9, max_completion_tokens=4))
+    assert fake_engine.calls[0].params.max_tokens == 4
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"model": SERVED_NAME}, "messages"),
-    ({"messages": []}, "messages"),
-    ({"messages": "hello"}, "messages"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.[0].role"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     "messages.[0].content"),
-    ({"messages": [{"role": "user", "content": 5}]}, "messages.[0].content"),
-    (chat_body(temperature=-0.5), "temperature"),
-    (chat_body(temperature="hot"), "temperature"),
-    (chat_body(top_p=1.5), "top_p"),
-    (chat_body(n=0), "n"),
-    (chat_body(max_tokens=0), "max_tokens"),
-    (chat_body(stop=[1, 2]), "stop"),
-    (chat_body(stream_options={"include_usage": True}), "stream_options"),
-    (chat_body(top_logprobs=2), "top_logprobs"),
-    (chat_body(logprobs=True, top_logprobs=50), "top_logprobs"),
-    (chat_body(logit_bias={"5": 10}), "logit_bias"),
-    (chat_body(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-    (chat_body(seed=2**70), "seed"),
-])
-def test_chat_bad_fields(client: TestClient, body: dict[str, Any], param: str) -> None:
-    assert_error(client.post(CHAT, json=body), 400, param)
-
-
-@pytest.mark.parametrize(("body", "param"), [
-    ({"prompt": ""}, "prompt"),
-    ({"prompt": []}, "prompt"),
-    ({"prompt": ["ok", ""]}, "prompt"),
-    ({"prompt": [5000]}, "prompt"),
-    ({"prompt": [-1]}, "prompt"),
-    ({"prompt": 12}, "prompt"),
-    ({}, "prompt"),
-    ({"prompt": "x", "max_tokens": 500}, "max_tokens"),
-    ({"prompt": "x", "suffix": "y"}, "suffix"),
-    ({"prompt": "x", "logprobs": 99}, "logprobs"),
-])
-def test_completion_bad_fields(client: TestClient, body: dict[str, Any], param: str) -> None:
-    assert_error(client.post(COMPLETIONS, json=body), 400, param)
-
-
-def test_context_length_errors(client: TestClient, fake_engine: FakeAsyncLLM) -> None:
-    error = assert_error(client.post(CHAT, json=chat_body(max_tokens=1000)), 400, "max_tokens")
-    assert error["code"] == "context_length_exceeded"
-    assert "maximum context length is 128 tokens" in error["message"]
-    assert_error(client.post(CHAT, json=chat_body(max_tokens=None, max_completion_tokens=1000)), 400,
-                 "max_completion_tokens")
-    long = [{"role": "user", "content": "x" * 200}]
-    assert_error(client.post(CHAT, json=chat_body(messages=long, max_tokens=None)), 400, "messages")
-    assert_error(client.post(COMPLETIONS, json={"prompt": "x" * 200}), 400, "prompt")
-    assert fake_engine.calls == []
-
-
-def test_unknown_model(client: TestClient) -> None:
-    error = assert_error(client.post(CHAT, json=chat_body(model="gpt-9")), 404, "model", "NotFoundError")
-    assert error["code"] == "model_not_found"
-    assert_error(client.post(COMPLETIONS, json={"model": "gpt-9", "prompt": "x"}), 404, "model",
-                 "NotFoundError")
-    assert_error(client.get("/v1/models/gpt-9"), 404, "model", "NotFoundError")
-
-
-def test_template_error_is_400(fake_engine: FakeAsyncLLM) -> None:
-    fake_engine.tokenizer.chat_template = "{{ raise_exception('roles must alternate') }}"
-    with TestClient(build_app(fake_engine, server_args())) as c:
-        error = assert_error(c.post(CHAT, json=chat_body()), 400, "messages")
-    assert "roles must alternate" in error["message"]
-
-
-def test_engine_invalid_request_maps_to_400(client: TestClient, fake_engine: FakeAsyncLLM) -> None:
-    fake_engine.fail_with = InvalidRequestError("stop_token_ids: 9999999 not in vocabulary", param="stop_token_ids")
-    assert_error(client.post(CHAT, json=chat_body()), 400, "stop_token_ids")
-    # Streaming requests the engine rejects get a plain 400 too, not a stream.
-    assert_error(client.post(CHAT, json=chat_body(stream=True)), 400, "stop_token_ids")
-    assert_error(client.post(COMPLETIONS, json={"prompt": "x", "stream": True}), 400, "stop_token_ids")
-
-
-def test_unexpected_error_is_500_without_internals(client: TestClient, fake_engine: FakeAsyncLLM,
-                                                   caplog: pytest.LogCaptureFixture) -> None:
-    fake_engine.fail_with = RuntimeError("secret internal detail")
-    with caplog.at_level(logging.ERROR):
-        r = client.post(CHAT, json=chat_body())
-    error = assert_error(r, 500, None, "server_error")
-    assert "secret" not in r.text and error["message"] == "Internal server error."
-    assert "secret internal detail" in caplog.text and "Traceback" in caplog.text
-    assert client.get("/health").status_code == 200
-
-
-def test_engine_generate_error_is_500(client: TestClient, fake_engine: FakeAsyncLLM) -> None:
-    fake_engine.fail_with = EngineGenerateError("request failed in the engine")
-    assert_error(client.post(CHAT, json=chat_body()), 500, None, "server_error")
-    assert client.get("/health").status_code == 200
-
-
-def test_engine_dead_non_stream(client: TestClient, fake_engine: FakeAsyncLLM, fake_app: Any) -> None:
-    fake_engine.die_after = 2
-    error = assert_error(client.post(CHAT, json=chat_body()), 500, None, "server_error")
-    assert error["code"] == "engine_dead"
-    assert fake_app.state.server_state.engine_dead
-    assert_error(client.get("/health"), 503, None, "server_error")
-
-
-def test_engine_dead_mid_stream(client: TestClient, fake_engine: FakeAsyncLLM, fake_app: Any) -> None:
-    fake_engine.die_after = 3
-    r = client.post(CHAT, json=chat_body(stream=True))
-    assert r.status_code == 200
-    payloads = sse_events(r.text)
-    assert payloads[-1] == "[DONE]"
-    error = json.loads(payloads[-2])
-    assert set(error) == {"error"} and error["error"]["type"] == "server_error"
-    content = "".join(json.loads(p)["choices"][0]["delta"].get("content", "") for p in payloads[:-2])
-    assert content == REPLY[:3]
-    assert fake_app.state.server_state.engine_dead
-    assert client.get("/health").status_code == 503
-
-
-def test_health_follows_engine_errored(client: TestClient, fake_engine: FakeAsyncLLM) -> None:
-    assert client.get("/health").status_code == 200
-    fake_engine.dead = True
-    assert client.get("/health").status_code == 503
-
-
-def test_error_listener_called_once(fake_engine: FakeAsyncLLM) -> None:
-    app = build_app(fake_engine, server_args())
-    calls: list[int] = []
-    app.state.server_state.add_engine_dead_listener(lambda: calls.append(1))
-    fake_engine.dead = True
-    with TestClient(app, raise_server_exceptions=False) as c:
-        c.get("/health")
-        c.post(CHAT, json=chat_body())
-    assert calls == [1]
-
-
-def test_param_from_loc() -> None:
-    assert param_from_loc(("body", "messages", 0, "content")) == "messages.[0].content"
-    assert param_from_loc(("stop", "list[str]", 0)) == "stop"
-    assert param_from_loc(("prompt", "str")) == "prompt"
-    assert param_from_loc(("body",)) is None
+def test_chat_roles_and_tool_messages(client: TestClient, fake_engine: FakeAsyncLLM) -> None:
+    messages = [
+        {"role": "system", "content": "S"},
+        {"role": "developer", "content": "D"},
+        {"role": "user", "content": [{"type": "text", "text": "U"}]},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "content": "T", "tool_call_id": "c1"},
+    ]
+    assert client.post(CHAT, json=chat_body(messages=messages, max_tokens=2)).status_code == 200
+    prompt = "".join(map(chr, fake_engine.calls[0].prompt))
+    assert prompt == "<|system|>S\n<|developer|>D\n<|user|>U\n<|assistant|>\n<|tool|>T\n<|assistant|>"
 
 
 # ---------------------------------------------------------------------------------- auth, ids, models

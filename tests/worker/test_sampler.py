@@ -226,3 +226,13 @@ def test_new_params_validate_and_serialise():
         with pytest.raises(ValueError) as e:
             SamplingParams(**kwargs)
         assert str(e.value).startswith(field), (field, e.value)
+
+
+def test_top_k_larger_than_vocab_mixed_with_small_top_k():
+    V = 16
+    states = [state([1, 2], top_k=1000, temperature=1.0), state([3], top_k=2, temperature=1.0)]
+    md = build_sampling_metadata(states, V, CPU)
+    logits = torch.arange(V, dtype=torch.float32).repeat(2, 1)
+    out = Sampler()(logits, md).sampled_token_ids
+    assert 0 <= out[0].item() < V
+    assert out[1].item() in (V - 1, V - 2)

@@ -28,6 +28,7 @@ def triton_available() -> bool:
 
 class TritonPagedAttentionBackend(AttentionBackend):
     name = "TRITON_PAGED"
+    supports_graph_capture = True  # device metadata only; grid fixed by the batch shape
 
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:

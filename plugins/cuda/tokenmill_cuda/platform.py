@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
 
 TRITON_ATTN_BACKEND = "tokenmill.attention.backends.triton_paged:TritonPagedAttentionBackend"
+GRAPH_CAPTURE_CLS = "tokenmill_cuda.graphs:CudaGraphCapture"
 
 
 class CudaPlatform(Platform):
@@ -33,6 +34,11 @@ class CudaPlatform(Platform):
         if importlib.util.find_spec("triton") is not None:
             return TRITON_ATTN_BACKEND
         return DEFAULT_ATTN_BACKEND
+
+    @classmethod
+    def graph_capture_cls(cls) -> str | None:
+        """CUDA graphs for decode steps (``tokenmill_cuda.graphs:CudaGraphCapture``)."""
+        return GRAPH_CAPTURE_CLS
 
     @classmethod
     def get_device_name(cls, device_id: int = 0) -> str:

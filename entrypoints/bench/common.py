@@ -1,0 +1,248 @@
+"""Shared pieces of the ``tokenmill bench`` commands: machine description, random prompts, statistics, JSON.
+
+Nothing here imports torch or the engine at module import time, so ``tokenmill --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import resource
+import shlex
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+AddArgs = Callable[[argparse.ArgumentParser], None]
+
+
+# ------------------------------------------------------------------------------------------------ machine
+
+
+def _cpu_model() -> str:
+    """The CPU's marketing name (``/proc/cpuinfo`` on Linux, ``platform.processor()`` elsewhere)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _ram_bytes() -> int | None:
+    """Physical memory of the machine, in bytes (``None`` when unknown)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask), falling back to ``os.cpu_count()``."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far, in bytes (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def machine_info() -> dict[str, Any]:
+    """What the figures were measured on: cores, CPU model, RAM (bytes), torch version and threads, ..."""
+    import torch
+
+    from tokenmill import __version__
+
+    accelerator = None
+    if torch.cuda.is_available():
+        accelerator = torch.cuda.get_device_name(0)
+    return {
+        "hostname": platform.node(),
+        "os": platform.platform(),
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "usable_cores": usable_cores(),
+        "ram_bytes": _ram_bytes(),
+        "python": platform.python_version(),
+        "torch_version": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "accelerator": accelerator,
+        "tokenmill_version": __version__,
+    }
+
+
+# ------------------------------------------------------------------------------------------------ prompts
+
+
+def allowed_token_ids(tokenizer: Any, vocab_size: int | None = None) -> list[int]:
+    """Token ids a random prompt may use: inside both the model's and the tokenizer's vocabulary, and not
+    special (BOS, EOS, PAD, UNK, added control tokens)."""
+    size = len(tokenizer)
+    if vocab_size is not None:
+        size = min(size, int(vocab_size))
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    for token_id, added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        if getattr(added, "special", False):
+            special.add(int(token_id))
+    ids = [i for i in range(size) if i not in special]
+    if not ids:
+        raise ValueError("random prompts: the vocabulary has no non-special token")
+    return ids
+
+
+def random_prompts(
+    tokenizer: Any, num_prompts: int, input_len: int, *, seed: int, vocab_size: int | None = None
+) -> list[list[int]]:
+    """``num_prompts`` prompts of exactly ``input_len`` token ids, drawn uniformly (seeded) from
+    :func:`allowed_token_ids`. The same seed gives the same prompts."""
+    import numpy as np
+
+    if num_prompts < 1 or input_len < 1:
+        raise ValueError(f"random prompts: need at least one prompt of at least one token, "
+                         f"got {num_prompts} x {input_len}")
+    pool = np.asarray(allowed_token_ids(tokenizer, vocab_size), dtype=np.int64)
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(pool), size=(num_prompts, input_len))
+    return [[int(t) for t in row] for row in pool[picks]]
+
+
+def load_tokenizer_for(path: str | None) -> Any:
+    """The tokenizer of a model directory, a ``.gguf`` file, a hub id, or (``None``) the embedded default."""
+    from tokenmill.model_loader.hf_config import resolve_model_location
+    from tokenmill.tokenizer import load_tokenizer
+
+    if path is not None:
+        expanded = os.path.abspath(os.path.expanduser(path))
+        if os.path.isfile(expanded):
+            return load_tokenizer(os.path.dirname(expanded), os.path.basename(expanded))
+        if os.path.isdir(expanded):
+            return load_tokenizer(expanded)
+    loc = resolve_model_location(path)
+    return load_tokenizer(loc.directory, loc.gguf_file)
+
+
+# ------------------------------------------------------------------------------------------------ figures
+
+
+def summarize(values: Sequence[float]) -> dict[str, float | None]:
+    """Mean, median (p50), p99, min and max of ``values`` (all ``None`` when empty); same unit as input."""
+    if not values:
+        return {"mean": None, "p50": None, "p99": None, "min": None, "max": None}
+    ordered = sorted(values)
+    return {
+        "mean": statistics.fmean(ordered),
+        "p50": statistics.median(ordered),
+        "p99": percentile(ordered, 99.0),
+        "min": ordered[0],
+        "max": ordered[-1],
+    }
+
+
+def percentile(ordered: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) of sorted ``ordered``, linear interpolation between ranks."""
+    if not ordered:
+        raise ValueError("percentile of no values")
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def print_table(title: str, rows: Sequence[tuple[str, Any]]) -> None:
+    """Print ``(label, value)`` rows under a title, values right-aligned (floats with 2 decimals)."""
+    width = max([len(label) for label, _ in rows] + [len(title)])
+    print(f"{'=' * 10} {title} {'=' * 10}")
+    for label, value in rows:
+        if isinstance(value, float):
+            text = f"{value:,.2f}"
+        elif value is None:
+            text = "n/a"
+        else:
+            text = str(value)
+        print(f"{label:<{width}}  {text:>14}")
+
+
+# ------------------------------------------------------------------------------------------------ JSON
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return str(value)
+
+
+def command_line() -> str:
+    """This process's command line, shell-quoted (``tokenmill bench ...`` when run through the CLI)."""
+    argv = list(sys.argv)
+    if argv:
+        argv[0] = os.path.basename(argv[0])
+    return shlex.join(argv)
+
+
+def base_record(benchmark: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The fields every JSON result starts with: benchmark name, date (UTC, ISO 8601), command line, the
+    parsed arguments (they alone define the run) and the machine."""
+    arguments = {k: v for k, v in vars(args).items() if not callable(v)}
+    return {
+        "benchmark": benchmark,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": command_line(),
+        "args": _jsonable(arguments),
+        "machine": machine_info(),
+    }
+
+
+def write_json(path: str, record: dict[str, Any]) -> None:
+    """Write ``record`` as indented JSON to ``path`` (parent folders created)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(_jsonable(record), f, indent=2)
+        f.write("\n")
+    print(f"results written to {path}")
+
+
+# ------------------------------------------------------------------------------------------------ engine
+
+
+def add_engine_cli_args(parser: argparse.ArgumentParser, add_extra_args: AddArgs | None) -> None:
+    """``--model`` plus every engine flag (:meth:`tokenmill.engine_args.EngineArgs.add_cli_args`) and any
+    plugin flags, exactly as ``tokenmill serve`` has them."""
+    from tokenmill.engine_args import EngineArgs
+
+    parser.add_argument("--model", default=None,
+                        help="Model directory (Hugging Face layout), .gguf file or hub id "
+                             "(default: the embedded SmolLM2-135M-Instruct GGUF).")
+    EngineArgs.add_cli_args(parser)
+    if add_extra_args is not None:
+        add_extra_args(parser)
+
+
+def engine_args_from(args: argparse.Namespace) -> Any:
+    """The :class:`~tokenmill.engine_args.EngineArgs` of the parsed flags."""
+    from tokenmill.engine_args import EngineArgs
+
+    return EngineArgs.from_cli_args(args)
+
+
+def check_lengths(input_len: int, output_len: int, max_model_len: int) -> None:
+    """Raise ``ValueError`` unless a prompt of ``input_len`` plus ``output_len`` new tokens fits the context."""
+    if input_len < 1 or output_len < 1:
+        raise ValueError(f"--input-len and --output-len must be at least 1, got {input_len} and {output_len}")
+    if input_len + output_len > max_model_len:
+        raise ValueError(f"--input-len {input_len} + --output-len {output_len} exceeds the context length "
+                         f"{max_model_len} (raise --max-model-len if the model allows)")

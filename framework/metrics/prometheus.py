@@ -1,0 +1,146 @@
+"""Prometheus metrics of the server, in vLLM's families with the prefix ``tokenmill:`` (vLLM: ``vllm:``).
+
+Every family carries the label ``model_name``; ``request_success_total`` also ``finished_reason``
+(``stop``, ``length``, ``abort``, ``error``). Families (units in the name):
+
+* gauges: ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc`` (a fraction, 0..1,
+  as in vLLM despite the name);
+* counters: ``prefix_cache_queries_total``, ``prefix_cache_hits_total`` (tokens), ``prompt_tokens_total``,
+  ``generation_tokens_total``, ``request_success_total``, ``num_preemptions_total``;
+* histograms (seconds): ``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
+  ``e2e_request_latency_seconds``, ``request_queue_time_seconds``, ``request_prefill_time_seconds``,
+  ``request_decode_time_seconds``; (tokens): ``request_prompt_tokens``, ``request_generation_tokens``.
+
+Each logger owns a :class:`prometheus_client.CollectorRegistry` (not the global one), so several servers
+or test apps in one process never clash; render it with :meth:`PrometheusStatLogger.render`.
+"""
+
+from __future__ import annotations
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from tokenmill.engine.messages import SchedulerStats
+from tokenmill.metrics.stats import FINISH_REASONS, FinishedRequestStats, IterationStats
+
+PREFIX = "tokenmill:"
+CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
+
+# Bucket upper bounds. Latencies span a fast GPU (milliseconds) to a loaded CPU (minutes).
+_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0, 160.0, 640.0)
+_ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0)
+_REQUEST_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                    120.0, 240.0, 480.0, 960.0, 1920.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
+class PrometheusStatLogger:
+    """A :class:`tokenmill.metrics.stats.StatsSink` that updates Prometheus metrics.
+
+    Args:
+        model_name: value of the ``model_name`` label (the served model name).
+        registry: where the metrics live (default: a new registry; with ``process_*`` metrics).
+    """
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        prometheus_client.disable_created_metrics()  # vLLM exports no *_created series either
+        if registry is None:
+            registry = CollectorRegistry(auto_describe=True)
+            prometheus_client.ProcessCollector(registry=registry)
+        self.registry = registry
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=registry)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, [*labels, *extra], registry=registry)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, registry=registry, buckets=buckets)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.num_preemptions = counter("num_preemptions", "Requests preempted (recomputed later).")
+        self.request_success = counter("request_success", "Requests finished, by finish reason.",
+                                       ("finished_reason",))
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token (s).", _TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between token batches of a request (s).",
+                             _ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency (s).", _REQUEST_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Time waiting before first scheduled (s).",
+                                    _REQUEST_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first token (s).",
+                                      _REQUEST_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds", "First token to last token (s).",
+                                     _REQUEST_BUCKETS)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request.",
+                                               _TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram("request_generation_tokens", "Generated tokens per request.",
+                                                   _TOKEN_BUCKETS)
+
+        # Bound children: every series exists (at 0) from the start, and updates skip the label lookup.
+        self._running = self.num_requests_running.labels(model_name)
+        self._waiting = self.num_requests_waiting.labels(model_name)
+        self._kv = self.kv_cache_usage.labels(model_name)
+        self._queries = self.prefix_cache_queries.labels(model_name)
+        self._hits = self.prefix_cache_hits.labels(model_name)
+        self._prompt = self.prompt_tokens.labels(model_name)
+        self._generation = self.generation_tokens.labels(model_name)
+        self._preemptions = self.num_preemptions.labels(model_name)
+        self._success = {reason: self.request_success.labels(model_name, reason) for reason in FINISH_REASONS}
+        self._ttft = self.ttft.labels(model_name)
+        self._itl = self.itl.labels(model_name)
+        self._e2e = self.e2e.labels(model_name)
+        self._queue = self.queue_time.labels(model_name)
+        self._prefill = self.prefill_time.labels(model_name)
+        self._decode = self.decode_time.labels(model_name)
+        self._req_prompt = self.request_prompt_tokens.labels(model_name)
+        self._req_generation = self.request_generation_tokens.labels(model_name)
+
+    # -- StatsSink -------------------------------------------------------------------------------------
+
+    def record_scheduler_stats(self, stats: SchedulerStats) -> None:
+        self._running.set(stats.num_running_reqs)
+        self._waiting.set(stats.num_waiting_reqs)
+        self._kv.set(stats.kv_cache_usage)
+        if stats.prefix_cache_queries:
+            self._queries.inc(stats.prefix_cache_queries)
+        if stats.prefix_cache_hits:
+            self._hits.inc(stats.prefix_cache_hits)
+        if stats.num_preemptions:
+            self._preemptions.inc(stats.num_preemptions)
+
+    def record_iteration(self, stats: IterationStats) -> None:
+        if stats.num_prompt_tokens:
+            self._prompt.inc(stats.num_prompt_tokens)
+        if stats.num_generation_tokens:
+            self._generation.inc(stats.num_generation_tokens)
+        for value in stats.time_to_first_tokens_s:
+            self._ttft.observe(value)
+        for value in stats.inter_token_latencies_s:
+            self._itl.observe(value)
+
+    def record_finished(self, stats: FinishedRequestStats) -> None:
+        self._success[stats.finish_reason].inc()
+        self._e2e.observe(stats.e2e_latency_s)
+        self._req_prompt.observe(stats.num_prompt_tokens)
+        self._req_generation.observe(stats.num_generation_tokens)
+        if stats.queue_time_s is not None:
+            self._queue.observe(stats.queue_time_s)
+        if stats.prefill_time_s is not None:
+            self._prefill.observe(stats.prefill_time_s)
+        if stats.decode_time_s is not None:
+            self._decode.observe(stats.decode_time_s)
+
+    # -- exposition ------------------------------------------------------------------------------------
+
+    def render(self) -> bytes:
+        """The registry in the Prometheus text format (content type :data:`CONTENT_TYPE`)."""
+        return prometheus_client.generate_latest(self.registry)
