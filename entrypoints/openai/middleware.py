@@ -9,10 +9,9 @@ from __future__ import annotations
 import re
 import uuid
 
+from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tokenmill.entrypoints.openai.errors import RequestTooLargeError, error_from_exception
-
-from fastapi.responses import JSONResponse
 
 REQUEST_ID_HEADER = "X-Request-Id"
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024

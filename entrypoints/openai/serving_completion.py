@@ -124,7 +124,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return [p if isinstance(p, str) else self.tokenization.decode(p) for p in prompts]
 
     def _logprobs(self, request: CompletionRequest, output: RequestOutput | None, o: CompletionOutput,
-                  prompt_ids: list[int], echo: str, with_echo: bool, start: int) -> CompletionLogprobs | None:
+                  prompt_ids: list[int], with_echo: bool, start: int) -> CompletionLogprobs | None:
         """The choice's logprobs (``None`` unless asked); ``with_echo``: lead with the prompt's tokens."""
         if request.logprobs is None:
             return None
@@ -156,8 +156,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 completion_tokens += len(o.token_ids)
                 choices.append(CompletionChoice(
                     index=i * request.n + j, text=echoes[i] + o.text,
-                    logprobs=self._logprobs(request, last, o, prompt_ids[i], echoes[i], request.echo,
-                                            len(echoes[i])),
+                    logprobs=self._logprobs(request, last, o, prompt_ids[i], request.echo, len(echoes[i])),
                     finish_reason=o.finish_reason, stop_reason=o.stop_reason, prompt_logprobs=prompt_lps,
                 ))
         response = CompletionResponse(
@@ -235,7 +234,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         completion_tokens += len(o.token_ids)
                         logprobs = None
                         if request.logprobs is not None and o.logprobs:
-                            logprobs = self._logprobs(request, output, o, prompt_ids[i], echoes[i], False,
+                            logprobs = self._logprobs(request, output, o, prompt_ids[i], False,
                                                       text_offsets[index])
                         text_offsets[index] += len(o.text)
                         if o.text or logprobs is not None:

@@ -157,20 +157,21 @@ def _worker_main(
                 payload = conn.recv_bytes()
             except (EOFError, OSError):
                 break  # the executor is gone
-            method, args, kwargs, reply_rank = pickle.loads(payload)
-            if method == _SHUTDOWN:
-                break
             try:
+                method, args, kwargs, reply_rank = pickle.loads(payload)
+                if method == _SHUTDOWN:
+                    break
                 if isinstance(method, str):
                     result = getattr(worker, method)(*args, **kwargs)
                 else:
                     result = method(worker, *args, **kwargs)
                 answer = ("ok", result if reply_rank is None or reply_rank == rank else None)
-            except BaseException as exc:  # noqa: BLE001 - reported to the executor
-                answer = ("error", _format_exception(exc))
+                data = pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as exc:  # noqa: BLE001 - reported to the executor (also unpicklable calls/results)
+                data = pickle.dumps(("error", _format_exception(exc)), protocol=pickle.HIGHEST_PROTOCOL)
             try:
-                conn.send_bytes(pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL))
-            except (EOFError, OSError, BrokenPipeError):
+                conn.send_bytes(data)
+            except (EOFError, OSError):
                 break
     finally:
         try:

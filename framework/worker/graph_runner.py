@@ -146,6 +146,9 @@ class GraphRunner:
         Off when ``enforce_eager`` is set, when the platform has no graph capture
         (``supports_graph_capture`` false or ``graph_capture_cls()`` ``None``), or when the attention backend
         does not declare ``supports_graph_capture``. Call after the KV cache is allocated.
+
+        Raises:
+            RuntimeError: capture failed (the message suggests ``--enforce-eager``).
         """
         from tokenmill.platforms import get_current_platform
         from tokenmill.plugins import resolve_qualname
@@ -173,7 +176,13 @@ class GraphRunner:
             config.model_config.max_model_len,
             runner.block_size,
         )
-        graph_runner.capture_all()
+        try:
+            graph_runner.capture_all()
+        except Exception as exc:
+            raise RuntimeError(
+                f"capturing device graphs for decode steps failed ({type(exc).__name__}: {exc}); "
+                "run with --enforce-eager (enforce_eager=True) to skip them"
+            ) from exc
         return graph_runner
 
     def bucket_for(self, num_reqs: int) -> int | None:

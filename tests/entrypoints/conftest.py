@@ -59,9 +59,28 @@ class RealServer:
             return f.read()[-chars:]
 
 
-def _stop(process: subprocess.Popen[bytes]) -> None:
+def _children(pid: int) -> list[int]:
+    """Child process ids of ``pid`` (from /proc; empty where that is not available)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children", encoding="ascii") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _stop(process: subprocess.Popen[bytes]) -> tuple[int, list[int]]:
+    """SIGTERM the server (SIGKILL its group after 30 s); returns its exit code and its children still alive."""
     if process.poll() is not None:
-        return
+        return process.returncode, []
+    children = _children(process.pid)
     process.send_signal(signal.SIGTERM)
     try:
         process.wait(timeout=30)
@@ -69,6 +88,10 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)  # the server and its engine-core child
         process.wait(timeout=10)
+    deadline = time.monotonic() + 5
+    while any(_alive(c) for c in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return process.returncode, [c for c in children if _alive(c)]
 
 
 @pytest.fixture(scope="session")
@@ -108,4 +131,7 @@ def real_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealServer
             time.sleep(0.5)
         yield server
     finally:
-        _stop(process)
+        code, left = _stop(process)
+    # SIGTERM is a clean shutdown: exit status 0 and no engine-core process left behind.
+    assert code == 0, f"tokenmill serve exited with {code} after SIGTERM:\n{server.log_tail()}"
+    assert not left, f"processes {left} outlived the server"

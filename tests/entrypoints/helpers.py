@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,20 @@ def assert_error(response: Any, status: int, param: str | None, type_: str = INV
     assert error["param"] == param
     assert error["message"]
     return error
+
+
+def metric(text: str, name: str, model: str, **labels: str) -> float:
+    """The value of one sample in Prometheus text: ``name`` with exactly the labels ``model_name=model`` and
+    ``labels``."""
+    wanted = {"model_name": model, **labels}
+    for line in text.splitlines():
+        match = re.match(r"^([^{\s]+)(?:\{([^}]*)\})? (\S+)$", line)
+        if match is None or match.group(1) != name:
+            continue
+        got = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
+        if got == wanted:
+            return float(match.group(3))
+    raise AssertionError(f"no sample {name}{wanted} in:\n{text}")
 
 
 @dataclass

@@ -3,13 +3,13 @@ CORS and the OpenAPI document."""
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 from tokenmill.entrypoints.openai.api_server import build_app
 
+from tests.entrypoints import helpers
 from tests.entrypoints.fake_engine import REPLY, SERVED_NAME, FakeAsyncLLM, server_args
 from tests.entrypoints.helpers import CHAT, COMPLETIONS, assert_error
 
@@ -17,16 +17,7 @@ MESSAGES = [{"role": "user", "content": "Hi"}]
 
 
 def metric(text: str, name: str, **labels: str) -> float:
-    """The value of one sample in Prometheus text ``text`` (labels must match exactly those given + model)."""
-    wanted = {"model_name": SERVED_NAME, **labels}
-    for line in text.splitlines():
-        match = re.match(r"^([^{\s]+)(?:\{([^}]*)\})? (\S+)$", line)
-        if match is None or match.group(1) != name:
-            continue
-        got = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
-        if got == wanted:
-            return float(match.group(3))
-    raise AssertionError(f"no sample {name}{wanted} in:\n{text}")
+    return helpers.metric(text, name, SERVED_NAME, **labels)
 
 
 # ----------------------------------------------------------------------------------------- tokenization

@@ -1,5 +1,6 @@
-"""``tokenmill serve`` as a process, with the fake engine in place of AsyncLLM: real uvicorn, signals,
-engine death, client disconnects over TCP. No model needed."""
+"""``tokenmill serve`` as a process without a model: real uvicorn, signals, engine death, client disconnects over
+TCP. Most tests replace AsyncLLM with the fake engine; the SIGKILL test runs the real AsyncLLM with a real
+engine-core process (a fake EngineCore class inside it) and kills that process."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
+from typing import Any
 
 import httpx
 import pytest
@@ -63,12 +66,35 @@ class Proc:
         return self.process.returncode
 
 
+# The real AsyncLLM over a real engine-core process running tests.engine.engine_fakes.SlowEchoEngineCore
+# (20 ms per step, echoes the prompt); prints the engine-core process id.
+_REAL_CORE_LAUNCHER = """
+import sys
+import tokenmill.engine.async_llm as async_llm
+from tests.engine.engine_fakes import SlowEchoEngineCore, byte_level_tokenizer, cls_path, make_config
+
+class AsyncLLM(async_llm.AsyncLLM):
+    @classmethod
+    def from_engine_args(cls, engine_args, **kwargs):
+        engine = cls(make_config(max_model_len=256), tokenizer=byte_level_tokenizer(),
+                     engine_core_cls=cls_path(SlowEchoEngineCore), startup_timeout_s=60)
+        print("ENGINE CORE PID", engine.engine_core.proc.pid, flush=True)
+        return engine
+
+async_llm.AsyncLLM = AsyncLLM
+from tokenmill.entrypoints.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 @contextmanager
-def launch(*extra: str, env: dict[str, str] | None = None, port: int | None = None) -> Iterator[Proc]:
+def launch(*extra: str, env: dict[str, str] | None = None, port: int | None = None,
+           launcher: str = _LAUNCHER) -> Iterator[Proc]:
     port = port or free_port()
-    cmd = [sys.executable, "-c", _LAUNCHER, "serve", "--port", str(port), "--max-model-len", "128", *extra]
-    full_env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
+    cmd = [sys.executable, "-c", launcher, "serve", "--port", str(port), "--max-model-len", "128", *extra]
+    full_env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     full_env.pop("TOKENMILL_API_KEY", None)
+    full_env.update(env or {})
     process = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True)
     proc = Proc(process, f"http://127.0.0.1:{port}")
@@ -141,9 +167,63 @@ def test_engine_death_makes_health_503_and_exits_nonzero() -> None:
                 pass
             time.sleep(0.05)
         assert proc.finish() == 1, proc.output
+    assert saw_503  # the server keeps answering 503 for a moment before it exits
     assert "FAKE ENGINE SHUTDOWN" in proc.output
     assert "engine core is dead" in proc.output
-    del saw_503  # the 503 window can be shorter than the poll interval; exit code 1 is the contract
+
+
+def test_engine_core_sigkill_fails_requests_and_health() -> None:
+    """SIGKILL the real engine-core process while a stream and a non-stream request run."""
+    with launch(launcher=_REAL_CORE_LAUNCHER) as proc:
+        wait_healthy(proc, timeout=60)
+        assert proc.process.stdout is not None
+        pid = None
+        while pid is None:  # the launcher printed the engine core's pid before uvicorn started
+            line = proc.process.stdout.readline()
+            assert line, "server output ended"
+            proc.output += line
+            if line.startswith("ENGINE CORE PID"):
+                pid = int(line.split()[-1])
+        body = {"prompt": "Hello world, this is a tiny corpus", "max_tokens": 240, "ignore_eos": True}
+        results: dict[str, Any] = {}
+
+        def non_stream() -> None:
+            r = httpx.post(proc.url + "/v1/completions", json=body, timeout=30)
+            results["non_stream"] = (r.status_code, r.json(), time.monotonic())
+
+        worker = threading.Thread(target=non_stream)
+        with httpx.stream("POST", proc.url + "/v1/completions", json={**body, "stream": True}, timeout=30) as r:
+            worker.start()
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: ")).startswith('data: {"id"')
+            time.sleep(0.2)  # both requests in flight
+            os.kill(pid, signal.SIGKILL)
+            killed = time.monotonic()
+            events = [line[6:] for line in lines if line.startswith("data: ")]
+            streamed_error_at = time.monotonic()
+        health = httpx.get(proc.url + "/health", timeout=5)
+        worker.join(timeout=10)
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["type"] == "server_error" and error["code"] == "engine_dead"
+        assert streamed_error_at - killed < 5
+        status, payload, at = results["non_stream"]
+        assert status == 500 and payload["error"]["code"] == "engine_dead" and at - killed < 5
+        assert health.status_code == 503
+        assert proc.finish(timeout=30) == 1, proc.output
+    assert "engine core process died unexpectedly" in proc.output or "engine core is dead" in proc.output
+
+
+def test_api_key_from_environment_variable() -> None:
+    with launch(env={"TOKENMILL_API_KEY": "envkey"}) as proc:
+        wait_healthy(proc)
+        assert httpx.get(proc.url + "/v1/models").status_code == 401
+        assert httpx.post(proc.url + "/tokenize", json={"prompt": "x"}).status_code == 401
+        ok = httpx.get(proc.url + "/v1/models", headers={"Authorization": "Bearer envkey"})
+        assert ok.status_code == 200
+        assert httpx.get(proc.url + "/metrics").status_code == 200
+        proc.process.send_signal(signal.SIGTERM)
+        assert proc.finish() == 0
 
 
 def test_sigterm_during_engine_start() -> None:

@@ -1,21 +1,36 @@
-"""End to end: a real ``tokenmill serve`` process with the embedded SmolLM2-135M-Instruct, driven by the official
-``openai`` client and by raw HTTP (httpx)."""
+"""End to end: one real ``tokenmill serve`` process with the embedded SmolLM2-135M-Instruct on 127.0.0.1, driven
+by the official ``openai`` client and by raw HTTP (httpx).
+
+Kept lean for a small CPU: few and short generations (``max_tokens`` of a few tokens), one server for the
+whole module (its SIGTERM shutdown is checked by the fixture's teardown).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import time
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
+from tests.entrypoints import helpers
 from tests.entrypoints.conftest import REAL_SERVED_NAME, RealServer
+from tests.entrypoints.helpers import CHAT, COMPLETIONS, BadInput, assert_error, bad_inputs, sse_chunks
 
 pytestmark = pytest.mark.slow
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+VOCAB_SIZE = 49152
+MAX_MODEL_LEN = 2048  # the fixture's --max-model-len
+TABLE = bad_inputs(REAL_SERVED_NAME, VOCAB_SIZE, MAX_MODEL_LEN)
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    return helpers.metric(text, name, REAL_SERVED_NAME, **labels)
 
 
 @pytest.fixture(scope="module")
@@ -27,118 +42,124 @@ def post(server: RealServer, path: str, **kwargs: Any) -> httpx.Response:
     return httpx.post(server.url + path, timeout=120, **kwargs)
 
 
-def assert_error(response: httpx.Response, status: int, param: str | None) -> dict[str, Any]:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["param"] == param
-    assert error["message"]
-    return error
+def metrics_text(server: RealServer) -> str:
+    r = httpx.get(server.url + "/metrics", timeout=10)
+    assert r.status_code == 200
+    return r.text
 
 
-def test_health_and_version(real_server: RealServer) -> None:
+# ------------------------------------------------------------------------------------------------ routes
+
+
+def test_health_version_models(real_server: RealServer, oai: openai.OpenAI) -> None:
     assert httpx.get(real_server.url + "/health").status_code == 200
     assert httpx.get(real_server.url + "/version").json()["version"]
-
-
-def test_models(oai: openai.OpenAI) -> None:
     assert [m.id for m in oai.models.list().data] == [REAL_SERVED_NAME]
+    card = oai.models.retrieve(REAL_SERVED_NAME)
+    assert card.id == REAL_SERVED_NAME
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("no-such-model")
 
 
-def test_chat_capital_of_france(oai: openai.OpenAI) -> None:
-    r = oai.chat.completions.create(model=REAL_SERVED_NAME, messages=QUESTION, temperature=0, max_tokens=32)
-    assert "Paris" in (r.choices[0].message.content or "")
-    assert r.choices[0].message.role == "assistant"
-    assert r.choices[0].finish_reason in ("stop", "length")
-    assert r.usage is not None
-    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
-    assert 0 < r.usage.completion_tokens <= 32
-
-
-def test_stream_equals_non_stream(oai: openai.OpenAI) -> None:
-    kwargs: dict[str, Any] = {"model": REAL_SERVED_NAME, "messages": QUESTION, "temperature": 0, "max_tokens": 40}
+def test_chat_stream_equals_non_stream(real_server: RealServer, oai: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = {"model": REAL_SERVED_NAME, "messages": QUESTION, "temperature": 0, "max_tokens": 12}
     full = oai.chat.completions.create(**kwargs)
+    assert "Paris" in (full.choices[0].message.content or "")
+    assert full.choices[0].message.role == "assistant"
     chunks = list(oai.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
     assert chunks[0].choices[0].delta.role == "assistant"
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finishes == [full.choices[0].finish_reason]
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == full.choices[0].message.content
-    # include_usage: one final chunk without choices, same numbers as the non-streamed reply.
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert all(c.usage is None for c in chunks[:-1])
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    # /tokenize with the same messages gives exactly the prompt the chat completion used.
+    tok = post(real_server, "/tokenize", json={"model": REAL_SERVED_NAME, "messages": QUESTION}).json()
+    assert tok["count"] == full.usage.prompt_tokens == len(tok["tokens"]) and tok["max_model_len"] == MAX_MODEL_LEN
+    text = post(real_server, "/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"]
+    assert "What is the capital of France?" in text and text.rstrip().endswith("assistant")
 
 
-def test_usage_counts_with_length_finish(oai: openai.OpenAI) -> None:
-    r = oai.chat.completions.create(model=REAL_SERVED_NAME, messages=QUESTION, max_tokens=7, temperature=0,
-                                    extra_body={"ignore_eos": True})
-    assert r.choices[0].finish_reason == "length"
-    assert r.usage.completion_tokens == 7
-    assert r.usage.total_tokens == r.usage.prompt_tokens + 7
-    c = oai.completions.create(model=REAL_SERVED_NAME, prompt="The capital of France is", max_tokens=5,
-                               temperature=0, extra_body={"ignore_eos": True})
-    assert c.usage.completion_tokens == 5 and c.choices[0].text
+def test_completion_prompt_forms(real_server: RealServer, oai: openai.OpenAI) -> None:
+    ids = post(real_server, "/tokenize", json={"prompt": "The capital of France is"}).json()["tokens"]
+    common: dict[str, Any] = {"model": REAL_SERVED_NAME, "max_tokens": 2, "temperature": 0,
+                              "extra_body": {"ignore_eos": True}}
+    text = oai.completions.create(prompt="The capital of France is", **common)
+    by_ids = oai.completions.create(prompt=ids, echo=True, **common)
+    assert by_ids.choices[0].text == "The capital of France is" + text.choices[0].text
+    assert by_ids.usage.prompt_tokens == text.usage.prompt_tokens == len(ids)
+    batch = oai.completions.create(prompt=["The capital of France is", "One, two,"], **common)
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert batch.choices[0].text == text.choices[0].text
+    assert batch.usage.completion_tokens == 4
+    lists = oai.completions.create(prompt=[ids, ids[:3]], n=2, seed=1, **{**common, "temperature": 0.8})
+    assert [c.index for c in lists.choices] == [0, 1, 2, 3]
+    assert lists.usage.prompt_tokens == len(ids) + 3  # each prompt once, whatever n
+    assert lists.usage.completion_tokens == 8
 
 
-def test_prefix_cache_reported(real_server: RealServer) -> None:
-    messages = [{"role": "user", "content": "Tell me about the history of Paris, the capital of France. " * 4}]
-    body = {"model": REAL_SERVED_NAME, "messages": messages, "max_tokens": 2, "temperature": 0}
-    post(real_server, "/v1/chat/completions", json=body)
-    usage = post(real_server, "/v1/chat/completions", json=body).json()["usage"]
-    assert usage["prompt_tokens_details"]["cached_tokens"] >= 16
-    assert usage["prompt_tokens_details"]["cached_tokens"] < usage["prompt_tokens"]
+def test_logprobs_shapes(real_server: RealServer, oai: openai.OpenAI) -> None:
+    r = oai.chat.completions.create(model=REAL_SERVED_NAME, messages=QUESTION, max_tokens=3, temperature=0,
+                                    logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-4)  # greedy: the best one
+        assert bytes(entry.bytes).decode("utf-8", "replace") == entry.token
+    c = post(real_server, COMPLETIONS, json={"prompt": "The capital of France is", "max_tokens": 2, "echo": True,
+                                             "logprobs": 1, "temperature": 0, "ignore_eos": True,
+                                             "prompt_logprobs": 0}).json()
+    choice = c["choices"][0]
+    lp = choice["logprobs"]
+    n_prompt = c["usage"]["prompt_tokens"]
+    assert len(lp["tokens"]) == n_prompt + 2
+    assert lp["token_logprobs"][0] is None and all(v <= 0 for v in lp["token_logprobs"][1:])
+    assert "".join(lp["tokens"]) == choice["text"]
+    assert choice["prompt_logprobs"][0] is None and len(choice["prompt_logprobs"]) == n_prompt
 
 
-def test_concurrent_requests(real_server: RealServer) -> None:
-    client = openai.AsyncOpenAI(base_url=real_server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-
-    async def one(i: int) -> Any:
-        return await client.chat.completions.create(
-            model=REAL_SERVED_NAME, messages=[{"role": "user", "content": f"Count to {i + 3}."}],
-            max_tokens=24, temperature=0.7, seed=i,
-        )
-
-    async def run() -> list[Any]:
-        try:
-            return await asyncio.gather(*(one(i) for i in range(8)))
-        finally:
-            await client.close()
-
-    results = asyncio.run(run())
-    assert len(results) == 8
-    assert all(r.choices[0].finish_reason in ("stop", "length") for r in results)
-    assert all(r.usage.completion_tokens > 0 for r in results)
-
-
-def test_completion_stream_equals_non_stream(oai: openai.OpenAI) -> None:
-    kwargs: dict[str, Any] = {"model": REAL_SERVED_NAME, "prompt": "The capital of France is", "max_tokens": 12,
-                              "temperature": 0}
-    full = oai.completions.create(**kwargs)
-    text = "".join(c.choices[0].text for c in oai.completions.create(stream=True, **kwargs) if c.choices)
-    assert text == full.choices[0].text
-    echoed = oai.completions.create(echo=True, **kwargs)
-    assert echoed.choices[0].text == "The capital of France is" + full.choices[0].text
+def test_sampling_controls_reach_the_model(real_server: RealServer) -> None:
+    target = post(real_server, "/tokenize", json={"prompt": " banana", "add_special_tokens": False}).json()
+    [tid] = target["tokens"]
+    base = {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    biased = post(real_server, COMPLETIONS, json={**base, "logit_bias": {str(tid): 100}}).json()
+    assert biased["choices"][0]["text"] == " banana" * 3
+    allowed = post(real_server, COMPLETIONS, json={**base, "allowed_token_ids": [tid]}).json()
+    assert allowed["choices"][0]["text"] == " banana" * 3
+    plain = post(real_server, COMPLETIONS, json=base).json()["choices"][0]["text"]
+    assert "Paris" in plain
+    banned = post(real_server, COMPLETIONS, json={**base, "bad_words": ["Paris"]}).json()["choices"][0]["text"]
+    assert "Paris" not in banned
+    seeded = {**base, "temperature": 1.0, "seed": 1234}
+    a, b = (post(real_server, COMPLETIONS, json=seeded).json()["choices"][0]["text"] for _ in range(2))
+    assert a == b
+    stopped = post(real_server, COMPLETIONS, json={**base, "stop_token_ids": [tid], "logit_bias": {str(tid): 100},
+                                                   "include_stop_str_in_output": False}).json()["choices"][0]
+    assert stopped["finish_reason"] == "stop" and stopped["stop_reason"] == tid and stopped["text"] == ""
 
 
-def test_bad_requests_then_ok(real_server: RealServer) -> None:
-    chat = "/v1/chat/completions"
-    ok = {"model": REAL_SERVED_NAME, "messages": QUESTION, "max_tokens": 4}
-    assert_error(post(real_server, chat, content=b'{"model": ', headers={"Content-Type": "application/json"}),
-                 400, None)
-    assert_error(post(real_server, chat, content=b"[1, 2, 3]"), 400, None)
-    assert_error(post(real_server, chat, json={**ok, "max_tokens": 4096}), 400, "max_tokens")
-    assert_error(post(real_server, chat, json={**ok, "messages": []}), 400, "messages")
-    assert_error(post(real_server, chat, json={"model": REAL_SERVED_NAME}), 400, "messages")
-    assert_error(post(real_server, chat, json={**ok, "temperature": -1}), 400, "temperature")
-    error = assert_error(post(real_server, chat, json={**ok, "model": "no-such-model"}), 404, "model")
-    assert error["code"] == "model_not_found"
-    assert_error(post(real_server, "/v1/completions", json={"model": REAL_SERVED_NAME, "prompt": ""}), 400,
-                 "prompt")
-    assert_error(post(real_server, "/v1/completions", json={"prompt": [10**9]}), 400, "prompt")
-    r = post(real_server, chat, json=ok)
-    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+# ----------------------------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("case", TABLE, ids=[c.id for c in TABLE])
+def test_bad_input_table(real_server: RealServer, case: BadInput) -> None:
+    r = httpx.post(real_server.url + case.path, timeout=60, **case.request_kwargs())
+    assert_error(r, case.status, case.param, case.type_)
+    ok = post(real_server, COMPLETIONS, json={"prompt": [1, 2, 3], "max_tokens": 1})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 1
+
+
+def test_oversized_body_refused_before_reading(real_server: RealServer) -> None:
+    host, port = real_server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 40000000\r\n\r\n{")
+        answer = sock.recv(65536).decode("latin-1")
+    assert answer.startswith("HTTP/1.1 413"), answer
+    assert '"code":"request_too_large"' in answer.replace(" ", "")
 
 
 def test_openai_client_raises_typed_errors(oai: openai.OpenAI) -> None:
@@ -149,18 +170,107 @@ def test_openai_client_raises_typed_errors(oai: openai.OpenAI) -> None:
     assert info.value.param == "temperature"
 
 
-def test_request_id_echoed(real_server: RealServer) -> None:
-    r = post(real_server, "/v1/chat/completions", headers={"X-Request-Id": "my-id-1"},
-             json={"messages": QUESTION, "max_tokens": 2})
+# ---------------------------------------------------------------------------------- ids, prefix, metrics
+
+
+def test_request_id_and_prefix_cache(real_server: RealServer) -> None:
+    messages = [{"role": "user", "content": "Tell me about the history of Paris, the capital of France. " * 4}]
+    body = {"messages": messages, "max_tokens": 1, "temperature": 0}
+    post(real_server, CHAT, json=body)
+    r = post(real_server, CHAT, json=body, headers={"X-Request-Id": "my-id-1"})
     assert r.headers["x-request-id"] == "my-id-1"
+    usage = r.json()["usage"]
+    assert 16 <= usage["prompt_tokens_details"]["cached_tokens"] < usage["prompt_tokens"]
+    text = metrics_text(real_server)
+    assert metric(text, "tokenmill:prefix_cache_hits_total") >= 16
+    assert metric(text, "tokenmill:prefix_cache_queries_total") >= metric(text, "tokenmill:prefix_cache_hits_total")
 
 
-def test_disconnect_mid_stream_leaves_server_healthy(real_server: RealServer) -> None:
+def test_metrics_after_traffic(real_server: RealServer) -> None:
+    text = metrics_text(real_server)
+    assert metric(text, "tokenmill:prompt_tokens_total") > 0
+    assert metric(text, "tokenmill:generation_tokens_total") > 0
+    assert metric(text, "tokenmill:request_success_total", finished_reason="length") > 0
+    for family in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+                   "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds"):
+        assert metric(text, f"tokenmill:{family}_count") > 0, family
+        assert metric(text, f"tokenmill:{family}_sum") >= 0, family
+    assert metric(text, "tokenmill:num_requests_running") == 0
+    assert metric(text, "tokenmill:kv_cache_usage_perc") == 0
+
+
+# ----------------------------------------------------------------------------------- aborts and load
+
+
+def _engine_idle(server: RealServer) -> tuple[float, float, float]:
+    text = metrics_text(server)
+    return (metric(text, "tokenmill:num_requests_running"), metric(text, "tokenmill:num_requests_waiting"),
+            metric(text, "tokenmill:kv_cache_usage_perc"))
+
+
+def test_abort_on_client_close_frees_everything(real_server: RealServer) -> None:
     body = {"messages": QUESTION, "max_tokens": 1500, "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", real_server.url + "/v1/chat/completions", json=body, timeout=120) as r:
-        lines = r.iter_lines()
-        first = next(line for line in lines if line.startswith("data: "))
-        assert json.loads(first[6:])["choices"][0]["delta"]["role"] == "assistant"
+    streams = []
+    client = httpx.Client(timeout=120)
+    try:
+        for _ in range(3):
+            ctx = client.stream("POST", real_server.url + CHAT, json=body)
+            response = ctx.__enter__()
+            streams.append((ctx, response))
+        for _, response in streams:  # each has produced content, i.e. holds KV blocks in the engine
+            lines = response.iter_lines()
+            while '"content":"' not in (line := next(lines)) or '"content":""' in line:
+                pass
+        running = _engine_idle(real_server)
+        assert running[0] + running[1] == 3 and running[2] > 0
+    finally:
+        for ctx, _ in streams:
+            ctx.__exit__(None, None, None)
+        client.close()
+    closed = time.monotonic()
+    state = _engine_idle(real_server)
+    while state != (0, 0, 0) and time.monotonic() - closed < 1.0:
+        time.sleep(0.05)
+        state = _engine_idle(real_server)
+    assert state == (0, 0, 0), f"still running/waiting/kv-used {state} 1 s after the clients closed"
+    text = metrics_text(real_server)
+    assert metric(text, "tokenmill:request_success_total", finished_reason="abort") >= 3
+
+
+def test_load_64_concurrent_streams(real_server: RealServer) -> None:
+    clients, max_tokens = 64, 16
+
+    async def one(client: httpx.AsyncClient, i: int) -> tuple[str, dict[str, Any]]:
+        body = {"prompt": f"Item {i}:", "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+                "temperature": 0.7, "seed": i, "stream_options": {"include_usage": True}}
+        async with client.stream("POST", real_server.url + COMPLETIONS, json=body) as r:
+            assert r.status_code == 200
+            raw = (await r.aread()).decode()
+        chunks = sse_chunks(raw)
+        text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+        return text, chunks[-1]["usage"]
+
+    async def run() -> list[tuple[str, dict[str, Any]]]:
+        limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+        async with httpx.AsyncClient(timeout=180, limits=limits) as client:
+            return await asyncio.wait_for(asyncio.gather(*(one(client, i) for i in range(clients))), timeout=180)
+
+    started = time.monotonic()
+    results = asyncio.run(run())
+    elapsed = time.monotonic() - started
+    assert len(results) == clients
+    for text, usage in results:
+        assert usage["completion_tokens"] == max_tokens and usage["prompt_tokens"] > 0
+        assert usage["total_tokens"] == usage["prompt_tokens"] + max_tokens
+        assert text
+    deadline = time.monotonic() + 5
+    while _engine_idle(real_server) != (0, 0, 0) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _engine_idle(real_server) == (0, 0, 0)
+    print(f"64 streams x {max_tokens} tokens in {elapsed:.1f} s")  # noqa: T201
+
+
+def test_still_healthy_at_the_end(real_server: RealServer) -> None:
     assert httpx.get(real_server.url + "/health").status_code == 200
-    r = post(real_server, "/v1/chat/completions", json={"messages": QUESTION, "max_tokens": 3})
-    assert r.status_code == 200
+    r = post(real_server, CHAT, json={"messages": QUESTION, "max_tokens": 2})
+    assert r.status_code == 200 and json.loads(r.text)["choices"][0]["message"]["content"]

@@ -82,7 +82,8 @@ def tp2_core(tiny_llama_dir):
 
 
 def _parallel(tp: int, backend: str | None) -> SimpleNamespace:
-    return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp, distributed_executor_backend=backend))
+    parallel = SimpleNamespace(tensor_parallel_size=tp, distributed_executor_backend=backend)
+    return SimpleNamespace(parallel_config=parallel)
 
 
 def test_get_class_chooses_backend(monkeypatch):

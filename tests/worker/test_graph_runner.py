@@ -110,7 +110,9 @@ def _state(req_id: str, tokens: list[int], computed: int, blocks: list[int]) -> 
 
 def _decodes(n: int) -> list[CachedRequestState]:
     """``n`` requests with 5 + i known tokens, all but the last in the cache (one query token each)."""
-    return [_state(f"r{i}", list(range(10 + i, 15 + 2 * i)), 4 + i, [4 * i + k + 1 for k in range(4)]) for i in range(n)]
+    return [
+        _state(f"r{i}", list(range(10 + i, 15 + 2 * i)), 4 + i, [4 * i + k + 1 for k in range(4)]) for i in range(n)
+    ]
 
 
 def _echo_runner(sizes: list[int] = [1, 2, 4, 8]) -> GraphRunner:  # noqa: B006 - read only
