@@ -27,6 +27,8 @@ class ModelConfig:
         served_model_name: the name the API reports and accepts.
         seed: seed of the engine's global random generators.
         trust_remote_code: passed to transformers when reading configs and tokenizers.
+        quantization: weight quantization applied after loading (``"int8"``: weight-only int8 for
+            small batches, see :mod:`tokenmill.layers.quantization`), or ``None``.
     """
 
     model: str
@@ -38,6 +40,7 @@ class ModelConfig:
     served_model_name: str = ""
     seed: int = 0
     trust_remote_code: bool = False
+    quantization: str | None = None
 
     @property
     def architectures(self) -> list[str]:

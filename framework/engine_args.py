@@ -69,6 +69,7 @@ class EngineArgs:
     enforce_eager: bool = False
     platform: str | None = None
     trust_remote_code: bool = False
+    quantization: str | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -99,6 +100,9 @@ class EngineArgs:
         g.add_argument("--platform", default=d.platform,
                        help="Platform plugin to use (skips detection); also TOKENMILL_PLATFORM.")
         g.add_argument("--trust-remote-code", action="store_true", default=d.trust_remote_code)
+        g.add_argument("--quantization", "-q", default=d.quantization, choices=["int8"],
+                       help="Weight quantization: int8 = weight-only int8 matmuls for small batches "
+                            "(faster decode on CPU; outputs may differ slightly from full precision).")
         return parser
 
     @classmethod
@@ -133,6 +137,7 @@ class EngineArgs:
             served_model_name=self.served_model_name or loc.default_served_name,
             seed=self.seed,
             trust_remote_code=self.trust_remote_code,
+            quantization=self.quantization,
         )
 
     def create_engine_config(self) -> EngineConfig:

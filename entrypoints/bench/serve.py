@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -200,6 +201,7 @@ def run(args: argparse.Namespace, transport: Any = None) -> int:
     """Entry point of ``tokenmill bench serve``; returns 1 when any request failed."""
     if args.num_prompts < 1 or args.max_concurrency < 1:
         raise SystemExit("tokenmill bench serve: error: --num-prompts and --max-concurrency must be >= 1")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     tokenizer = load_tokenizer_for(args.tokenizer)
     prompts = random_prompts(tokenizer, args.num_prompts, args.input_len, seed=args.seed)
     results, duration, model = asyncio.run(run_load(args, prompts, transport))

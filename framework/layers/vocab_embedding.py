@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.layers.quantization import Int8WeightOnly
 from tokenmill.distributed import get_tp_rank, get_tp_size, tp_all_gather_last_dim, tp_all_reduce
 
 
@@ -40,8 +41,19 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection to vocabulary logits; shares the embedding's layout (and weights when tied)."""
 
+    int8: Int8WeightOnly | None = None
+    int8_max_tokens = 0
+
+    def attach_int8(self, max_tokens: int) -> None:
+        """Use an int8 copy of the head for at most ``max_tokens`` rows (see layers.quantization)."""
+        self.int8 = Int8WeightOnly(self.weight)
+        self.int8_max_tokens = max_tokens
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> ``[N, vocab]`` logits in float32."""
-        logits = F.linear(hidden_states, self.weight)
+        if self.int8 is not None and hidden_states.shape[0] <= self.int8_max_tokens:
+            logits = self.int8.matmul(hidden_states)
+        else:
+            logits = F.linear(hidden_states, self.weight)
         logits = tp_all_gather_last_dim(logits)
         return logits[:, : self.num_embeddings].float()

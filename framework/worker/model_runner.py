@@ -9,6 +9,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.forward_context import set_forward_context
 from tokenmill.layers.attention import Attention
+from tokenmill.layers.quantization import quantize_model
 from tokenmill.model_loader.loader import get_model, str_to_dtype
 from tokenmill.worker.graph_runner import GraphRunner
 from tokenmill.worker.input_batch import CachedRequestState, build_batch_inputs, build_sampling_metadata
@@ -45,6 +46,8 @@ class ModelRunner:
 
     def load_model(self) -> None:
         self.model = get_model(self.config.model_config, self.device)
+        if self.config.model_config.quantization:
+            quantize_model(self.model, self.config.model_config.quantization)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
 
     def model_memory_bytes(self) -> int:
