@@ -30,7 +30,11 @@ serve: $(VENV)/.installed
 test: $(VENV)/.test-installed
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests
 
-bench: $(VENV)/.test-installed
+$(VENV)/.bench-installed: $(VENV)/.installed
+	$(PIP) install -q -e '.[bench]'
+	touch $@
+
+bench: $(VENV)/.bench-installed
 	$(VENV)/bin/tokenmill bench throughput --num-prompts 256 --input-len 128 --output-len 128 --baseline hf $(ARGS)
 
 clean:

@@ -125,8 +125,6 @@ def _run_hf(args: argparse.Namespace, prompts: Sequence[Sequence[int]]) -> dict[
         print(f"transformers generate() baseline, {name} ...", flush=True)
         per_dtype[name] = measure(lambda p: hf_latency_run(hf_model, ids, p, args.output_len), prompts,
                                   args.num_iters_warmup)
-    del hf_model
-    gc.collect()
     best = max(per_dtype, key=lambda d: per_dtype[d]["decode_tokens_per_s"] or 0.0)
     return {"name": "transformers", "available": True, "dtypes": per_dtype, "best_dtype": best, **per_dtype[best]}
 

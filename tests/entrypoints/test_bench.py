@@ -10,6 +10,7 @@ import contextlib
 import importlib.util
 import json
 import shutil
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -19,10 +20,14 @@ import pytest
 from tokenmill.entrypoints.bench.common import allowed_token_ids, random_prompts, summarize
 from tokenmill.entrypoints.cli import main
 
-from tests.entrypoints.conftest import free_port
-
 VOCAB = 512
 ENGINE_FLAGS = ["--max-model-len", "64", "--num-gpu-blocks-override", "64", "--block-size", "4"]
+
+
+def free_port() -> int:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _word_level_tokenizer():
