@@ -82,7 +82,9 @@ def _configure_logging() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``tokenmill`` command line; returns the exit code."""
     parser = build_parser()
+    argv = list(argv) if argv is not None else sys.argv[1:]
     args = parser.parse_args(argv)
+    args.command_argv = argv
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2

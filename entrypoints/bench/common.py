@@ -185,8 +185,12 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-def command_line() -> str:
-    """This process's command line, shell-quoted (``tokenmill bench ...`` when run through the CLI)."""
+def command_line(args: argparse.Namespace | None = None) -> str:
+    """The benchmark's command line, shell-quoted: ``tokenmill <argv>`` when the CLI recorded the argv it
+    parsed (``args.command_argv``), else this process's ``sys.argv``."""
+    recorded = getattr(args, "command_argv", None)
+    if recorded is not None:
+        return shlex.join(["tokenmill", *recorded])
     argv = list(sys.argv)
     if argv:
         argv[0] = os.path.basename(argv[0])
@@ -200,7 +204,7 @@ def base_record(benchmark: str, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "benchmark": benchmark,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": command_line(),
+        "command": command_line(args),
         "args": _jsonable(arguments),
         "machine": machine_info(),
     }

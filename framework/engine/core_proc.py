@@ -33,6 +33,7 @@ from tokenmill.engine.messages import (
     EngineCoreRequest,
     EngineCoreRequestType,
     FinishReason,
+    SchedulerStats,
 )
 from tokenmill.errors import InvalidRequestError
 
@@ -192,7 +193,7 @@ class EngineCoreProc:
                 self._handle(item)
             if engine.has_unfinished_requests():
                 outputs = engine.step()
-                if outputs.outputs:
+                if outputs.outputs or _has_counters(outputs.scheduler_stats):
                     self._send_outputs(outputs)
 
     def _handle(self, item: tuple[EngineCoreRequestType, Any] | _Fatal) -> None:
@@ -284,3 +285,9 @@ class EngineCoreProc:
             self._input_queue.put(_Fatal(exc))
         finally:
             sock.close()
+
+
+def _has_counters(stats: SchedulerStats | None) -> bool:
+    """Whether a step's stats carry counts the front end would otherwise lose (prefix-cache lookups,
+    preemptions); gauges alone are not worth a message."""
+    return stats is not None and bool(stats.prefix_cache_queries or stats.num_preemptions)
