@@ -58,13 +58,18 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv)
         self.register_buffer("cos_cache", freqs.cos().float(), persistent=False)
         self.register_buffer("sin_cache", freqs.sin().float(), persistent=False)
+        self._positions: torch.Tensor | None = None
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions`` ``[T]`` int; ``query`` ``[T, Hq*D]``, ``key`` ``[T, Hkv*D]``; returns rotated copies."""
-        cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, rot/2]
-        sin = self.sin_cache[positions].unsqueeze(1)
+        if positions is not self._positions or self._cos_sin is None:
+            # Every layer shares this module (see get_rope) and the step's positions tensor: look up once.
+            self._cos_sin = (self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1))
+            self._positions = positions
+        cos, sin = self._cos_sin  # [T, 1, rot/2]
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -79,9 +84,21 @@ class RotaryEmbedding(nn.Module):
         return out.reshape(t, -1)
 
 
+_ROPE_CACHE: dict[tuple, RotaryEmbedding] = {}
+
+
 def get_rope(head_size: int, max_position: int, hf_config: Any, rotary_dim: int | None = None) -> RotaryEmbedding:
-    """RotaryEmbedding from a transformers config (``rope_theta`` / ``rope_scaling`` or ``rope_parameters``)."""
+    """RotaryEmbedding from a transformers config (``rope_theta`` / ``rope_scaling`` or ``rope_parameters``).
+
+    Layers with the same settings share one module (one cos/sin table, looked up once per step).
+    """
     params = getattr(hf_config, "rope_parameters", None) or {}
     scaling = getattr(hf_config, "rope_scaling", None) or params or None
     base = getattr(hf_config, "rope_theta", None) or params.get("rope_theta") or 10000.0
-    return RotaryEmbedding(head_size, rotary_dim or head_size, max_position, float(base), scaling)
+    key = (head_size, rotary_dim or head_size, max_position, float(base), repr(sorted((scaling or {}).items())),
+           torch.get_default_device())
+    rope = _ROPE_CACHE.get(key)
+    if rope is None:
+        rope = RotaryEmbedding(head_size, rotary_dim or head_size, max_position, float(base), scaling)
+        _ROPE_CACHE[key] = rope
+    return rope

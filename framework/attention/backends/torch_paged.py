@@ -46,7 +46,7 @@ class TorchPagedAttentionImpl(AttentionImpl):
         qsl = attn_metadata.query_start_loc_cpu
         seq_lens = attn_metadata.seq_lens_cpu
         decode_idx = [i for i in range(len(seq_lens)) if qsl[i + 1] - qsl[i] == 1]
-        if len(decode_idx) > 1:
+        if decode_idx:
             self._batched_decode(q, out, kv_cache, attn_metadata, decode_idx)
             done = set(decode_idx)
         else:
@@ -83,27 +83,35 @@ class TorchPagedAttentionImpl(AttentionImpl):
         md: AttentionMetadata,
         decode_idx: list[int],
     ) -> None:
+        """All one-token queries at once: gather each request's blocks, then two batched products.
+
+        Grouped-query heads are handled by viewing the ``Hq`` query heads as ``[Hkv, Hq // Hkv]`` (no
+        repetition of keys/values); positions past a request's length are masked before the softmax.
+        """
         bs = md.block_size
-        seq_lens = [md.seq_lens_cpu[i] for i in decode_idx]
-        max_len = max(seq_lens)
-        nb = -(-max_len // bs)
-        idx = torch.tensor(decode_idx, device=q.device)
-        tokens = md.query_start_loc[idx].long()
-        blocks = md.block_table[idx, :nb].long()  # [B, nb]
-        k_ctx = kv_cache[0][blocks].reshape(len(decode_idx), nb * bs, self.num_kv_heads, self.head_size)
-        v_ctx = kv_cache[1][blocks].reshape(len(decode_idx), nb * bs, self.num_kv_heads, self.head_size)
-        lens = md.seq_lens[idx].unsqueeze(1)
-        mask = (torch.arange(nb * bs, device=q.device).unsqueeze(0) < lens)[:, None, None, :]
-        qh = q[tokens].unsqueeze(2)  # [B, Hq, 1, D]
-        o = F.scaled_dot_product_attention(
-            qh,
-            k_ctx.transpose(1, 2),
-            v_ctx.transpose(1, 2),
-            attn_mask=mask,
-            scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
-        out[tokens] = o.squeeze(2)
+        num = len(decode_idx)
+        nb = -(-max(md.seq_lens_cpu[i] for i in decode_idx) // bs)
+        if num == md.num_reqs:  # a pure decode step: request i is token i
+            blocks, lens, qd = md.block_table[:, :nb], md.seq_lens, q
+        else:
+            idx = torch.tensor(decode_idx, device=q.device)
+            tokens = md.query_start_loc[idx].long()
+            blocks, lens, qd = md.block_table[idx, :nb], md.seq_lens[idx], q[tokens]
+        blocks = blocks.long()
+        span = nb * bs
+        k_ctx = kv_cache[0][blocks].view(num, span, self.num_kv_heads, self.head_size)
+        v_ctx = kv_cache[1][blocks].view(num, span, self.num_kv_heads, self.head_size)
+        group = self.num_heads // self.num_kv_heads
+        qh = qd.reshape(num, self.num_kv_heads, group, self.head_size).to(k_ctx.dtype)
+        scores = torch.einsum("bhgd,bshd->bhgs", qh, k_ctx).float() * self.scale
+        valid = torch.arange(span, device=q.device).unsqueeze(0) < lens.unsqueeze(1)
+        scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(v_ctx.dtype)
+        o = torch.einsum("bhgs,bshd->bhgd", probs, v_ctx).reshape(num, self.num_heads, self.head_size)
+        if num == md.num_reqs:
+            out.copy_(o)
+        else:
+            out[tokens] = o.to(out.dtype)
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
