@@ -354,6 +354,8 @@ class MultiprocExecutor(Executor):
                 try:
                     status, value = pickle.loads(conn.recv_bytes())  # type: ignore[union-attr]
                 except (EOFError, OSError):
+                    # The pipe closes as the process dies; reap it so the error can say how it ended.
+                    self.processes[rank].join(timeout=2.0)
                     self._raise_if_dead(what, grace_s=1.0)
                     self._fail(f"rank {rank} closed its pipe during {what!r}")
                     raise WorkerDiedError(f"worker rank {rank} closed its connection during {what!r}") from None

@@ -73,6 +73,7 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate every layer's cache (zeros) and bind it to the layer."""
         self.kv_caches = []
+        self.num_blocks = num_blocks
         for layer in self.attn_layers:
             shape = self.attn_backend.get_kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads, layer.head_size)
             cache = torch.zeros(shape, dtype=self.dtype, device=self.device)

@@ -28,7 +28,11 @@ def test_torch_backend_mixed_batch_matches_fp64_reference(block_size, num_heads,
     scale = head_size**-0.5
     impl = TorchPagedAttentionBackend.get_impl_cls()(num_heads, head_size, scale, num_kv_heads)
     k, v = new_kv(batch)
-    out = impl.forward(batch.q.reshape(len(batch.q), -1), k.reshape(len(k), -1), v.reshape(len(v), -1), batch.kv_cache, batch.md)
+    # The reference batch uses [2, num_blocks, block_size, Hkv, D]; this backend keeps heads outermost.
+    kv_cache = batch.kv_cache.permute(0, 3, 1, 2, 4).contiguous()
+    _, num_blocks, bs, hkv, d = batch.kv_cache.shape
+    assert kv_cache.shape == TorchPagedAttentionBackend.get_kv_cache_shape(num_blocks, bs, hkv, d)
+    out = impl.forward(batch.q.reshape(len(batch.q), -1), k.reshape(len(k), -1), v.reshape(len(v), -1), kv_cache, batch.md)
     out = out.view_as(batch.q)
     assert rel_err(out, reference_attention(batch, scale)) < 1e-5
 

@@ -28,7 +28,7 @@ from tests.attention.paged_reference import (  # noqa: E402
     reference_attention,
     rel_err,
 )
-from tokenmill.attention.backends.torch_paged import TorchPagedAttentionBackend, write_kv_cache  # noqa: E402
+from tokenmill.attention.backends.torch_paged import TorchPagedAttentionBackend  # noqa: E402
 from tokenmill.attention.backends.triton_paged import TritonPagedAttentionBackend  # noqa: E402
 from tokenmill.attention.ops.triton_paged_attention import paged_attention, reshape_and_cache  # noqa: E402
 
@@ -93,6 +93,13 @@ def test_half_precision(dtype, tol):
     assert rel_err(out, reference_attention(batch, 32**-0.5)) < tol
 
 
+def _index_copy_reference(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """The Triton layout ``[2, num_blocks, block_size, Hkv, D]`` written with plain index_copy_."""
+    hkv, d = k.shape[1], k.shape[2]
+    cache[0].view(-1, hkv, d).index_copy_(0, slots, k.to(cache.dtype))
+    cache[1].view(-1, hkv, d).index_copy_(0, slots, v.to(cache.dtype))
+
+
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_reshape_and_cache_matches_index_copy(block_size, dtype):
@@ -104,12 +111,12 @@ def test_reshape_and_cache_matches_index_copy(block_size, dtype):
     k = torch.randn(t, num_kv_heads, head_size, generator=g).to(dtype)
     v = torch.randn(t, num_kv_heads, head_size, generator=g).to(dtype)
     reshape_and_cache(k, v, cache, slots)
-    write_kv_cache(k, v, expected, slots)
+    _index_copy_reference(k, v, expected, slots)
     assert torch.equal(cache, expected)
     # float32 keys into a bfloat16 cache are converted (the interpreter may round differently: 1 ulp).
     k32, v32 = torch.randn(t, num_kv_heads, head_size, generator=g), torch.randn(t, num_kv_heads, head_size, generator=g)
     reshape_and_cache(k32, v32, cache, slots)
-    write_kv_cache(k32, v32, expected, slots)
+    _index_copy_reference(k32, v32, expected, slots)
     torch.testing.assert_close(cache, expected, rtol=2**-7, atol=0)
 
 
@@ -135,16 +142,25 @@ def test_backend_forward_writes_cache_then_attends(num_heads, num_kv_heads):
     t = len(batch.q)
     args = (batch.q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1))
     ref = reference_attention(batch, scale)
+    # The torch backend keeps heads outermost ([2, Hkv, blocks, block_size, D]); compare caches in one layout.
+    to_layout = {
+        TritonPagedAttentionBackend: lambda c: c,
+        TorchPagedAttentionBackend: lambda c: c.permute(0, 3, 1, 2, 4).contiguous(),
+    }
+    from_layout = {
+        TritonPagedAttentionBackend: lambda c: c,
+        TorchPagedAttentionBackend: lambda c: c.permute(0, 2, 3, 1, 4),
+    }
+    caches = {}
     for backend in (TritonPagedAttentionBackend, TorchPagedAttentionBackend):
-        assert backend.get_kv_cache_shape(5, block_size, num_kv_heads, head_size) == (2, 5, block_size, num_kv_heads, head_size)
-        cache = batch.kv_cache.clone()
+        cache = to_layout[backend](batch.kv_cache.clone())
+        assert backend.get_kv_cache_shape(*batch.kv_cache.shape[1:4], head_size) == cache.shape
         impl = backend.get_impl_cls()(num_heads, head_size, scale, num_kv_heads)
         out = impl.forward(*args, cache, batch.md)
         assert out.shape == (t, num_heads * head_size) and out.dtype == batch.q.dtype
         assert rel_err(out.view_as(batch.q), ref) < 1e-5, backend.name
-        if backend is TritonPagedAttentionBackend:
-            triton_cache = cache
-    torch.testing.assert_close(triton_cache, cache, rtol=0, atol=0)
+        caches[backend] = from_layout[backend](cache)
+    torch.testing.assert_close(caches[TritonPagedAttentionBackend], caches[TorchPagedAttentionBackend], rtol=0, atol=0)
 
 
 def test_backend_dummy_run_without_metadata():

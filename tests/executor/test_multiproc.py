@@ -49,7 +49,7 @@ def _rank_facts(worker) -> dict:
         num_heads=layer.num_heads,
         num_kv_heads=layer.num_kv_heads,
         dist_backend=torch.distributed.get_backend(),
-        num_blocks=int(worker.model_runner.kv_caches[0].shape[1]),
+        num_blocks=int(worker.model_runner.num_blocks),
         pid=os.getpid(),
     )
 

@@ -1,8 +1,10 @@
 """Paged attention written with torch operations only (scaled_dot_product_attention); runs on any device.
 
-KV cache layout per layer: ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (keys, then values).
-Decodes (one query token each) are batched into one SDPA call over the gathered, padded context; prefill
-chunks run one SDPA call per request with the causal mask shifted by the request's cached prefix.
+KV cache layout per layer: ``[2, num_kv_heads, num_blocks, block_size, head_size]`` (keys, then values).
+Head-major blocks make a request's gathered context ``[Hkv, S, D]`` contiguous, so the batched decode path
+multiplies it directly (no transposing copy). Decodes (one query token each) are batched into two products over
+the gathered, padded context; prefill chunks run one SDPA call per request with the causal mask shifted by the
+request's cached prefix.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ class TorchPagedAttentionBackend(AttentionBackend):
 
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
+        return (2, num_kv_heads, num_blocks, block_size, head_size)
 
 
 class TorchPagedAttentionImpl(AttentionImpl):
@@ -99,15 +101,15 @@ class TorchPagedAttentionImpl(AttentionImpl):
             blocks, lens, qd = md.block_table[idx, :nb], md.seq_lens[idx], q[tokens]
         blocks = blocks.long()
         span = nb * bs
-        k_ctx = kv_cache[0][blocks].view(num, span, self.num_kv_heads, self.head_size)
-        v_ctx = kv_cache[1][blocks].view(num, span, self.num_kv_heads, self.head_size)
-        group = self.num_heads // self.num_kv_heads
-        qh = qd.reshape(num, self.num_kv_heads, group, self.head_size).to(k_ctx.dtype)
-        scores = torch.einsum("bhgd,bshd->bhgs", qh, k_ctx).float() * self.scale
-        valid = torch.arange(span, device=q.device).unsqueeze(0) < lens.unsqueeze(1)
-        scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+        hkv, group, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_size
+        k_ctx = kv_cache[0][:, blocks].view(hkv, num, span, d)  # [Hkv, B, S, D]
+        v_ctx = kv_cache[1][:, blocks].view(hkv, num, span, d)
+        qh = qd.reshape(num, hkv, group, d).transpose(0, 1).to(k_ctx.dtype)  # [Hkv, B, G, D]
+        scores = torch.matmul(qh, k_ctx.transpose(-1, -2)).float() * self.scale  # [Hkv, B, G, S]
+        valid = torch.arange(span, device=q.device).unsqueeze(0) < lens.unsqueeze(1)  # [B, S]
+        scores.masked_fill_(~valid[None, :, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(v_ctx.dtype)
-        o = torch.einsum("bhgs,bshd->bhgd", probs, v_ctx).reshape(num, self.num_heads, self.head_size)
+        o = torch.matmul(probs, v_ctx).transpose(0, 1).reshape(num, self.num_heads, d)  # [B, Hq, D]
         if num == md.num_reqs:
             out.copy_(o)
         else:
@@ -117,8 +119,8 @@ class TorchPagedAttentionImpl(AttentionImpl):
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store ``k``/``v`` ``[T, Hkv, D]`` into the cache slots ``slot_mapping`` ``[T]`` (int64)."""
     num_kv_heads, head_size = k.shape[1], k.shape[2]
-    kv_cache[0].view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    kv_cache[1].view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    kv_cache[0].view(num_kv_heads, -1, head_size).index_copy_(1, slot_mapping, k.transpose(0, 1).to(kv_cache.dtype))
+    kv_cache[1].view(num_kv_heads, -1, head_size).index_copy_(1, slot_mapping, v.transpose(0, 1).to(kv_cache.dtype))
 
 
 def gather_kv(
@@ -127,5 +129,7 @@ def gather_kv(
     """The first ``seq_len`` cached keys and values of one request, each ``[seq_len, Hkv, D]``."""
     nb = -(-seq_len // block_size)
     blocks = block_row[:nb].long()
-    shape = (nb * block_size, kv_cache.shape[-2], kv_cache.shape[-1])
-    return kv_cache[0][blocks].reshape(shape)[:seq_len], kv_cache[1][blocks].reshape(shape)[:seq_len]
+    num_kv_heads, head_size = kv_cache.shape[1], kv_cache.shape[-1]
+    k = kv_cache[0][:, blocks].view(num_kv_heads, nb * block_size, head_size)[:, :seq_len]
+    v = kv_cache[1][:, blocks].view(num_kv_heads, nb * block_size, head_size)[:, :seq_len]
+    return k.transpose(0, 1), v.transpose(0, 1)
