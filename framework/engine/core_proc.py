@@ -8,7 +8,8 @@ Started by :class:`tokenmill.engine.core_client.AsyncMPClient` with the ``spawn`
 * main thread: builds the EngineCore, sends READY, then drains the input queue, steps while there is work
   and blocks on the queue when idle.
 
-It exits with 0 on SIGTERM / SIGINT or when its parent process is gone, and with 1 after a fatal error
+It exits with 0 on SIGTERM or when its parent process is gone (SIGINT is ignored: Ctrl-C reaches the whole
+process group and the front end owns shutdown), and with 1 after a fatal error
 (startup failure, or an exception in a step), which it first reports to the front end.
 """
 
@@ -237,7 +238,9 @@ class EngineCoreProc:
                 raise _Shutdown()
 
         signal.signal(signal.SIGTERM, handle)
-        signal.signal(signal.SIGINT, handle)
+        # Ctrl-C reaches the whole process group; the front end owns shutdown and stops this process with
+        # SIGTERM once its in-flight requests are dealt with, so the engine core ignores SIGINT itself.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     # -- I/O threads -----------------------------------------------------------------------------------
 
