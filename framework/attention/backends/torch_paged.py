@@ -57,7 +57,10 @@ class TorchPagedAttentionImpl(AttentionImpl):
             if i in done:
                 continue
             start, end, seq_len = qsl[i], qsl[i + 1], seq_lens[i]
-            k_ctx, v_ctx = gather_kv(kv_cache, attn_metadata.block_table[i], seq_len, attn_metadata.block_size)
+            if seq_len == end - start:  # nothing cached before this chunk: its own keys/values are the context
+                k_ctx, v_ctx = k[start:end], v[start:end]
+            else:
+                k_ctx, v_ctx = gather_kv(kv_cache, attn_metadata.block_table[i], seq_len, attn_metadata.block_size)
             out[start:end] = self._sdpa(q[start:end], k_ctx, v_ctx, causal_offset=seq_len - (end - start))
         return out.reshape(num_tokens, -1)
 
