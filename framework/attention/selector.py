@@ -2,24 +2,20 @@
 
 from __future__ import annotations
 
-import importlib
-
 from tokenmill.attention.backend import AttentionBackend
+from tokenmill.plugins.qualname import resolve_qualname
 
 _BACKEND: type[AttentionBackend] | None = None
 
 
 def load_backend_cls(path: str) -> type[AttentionBackend]:
-    """Import ``"module:Class"``.
+    """Import ``"module:Class"`` (the platform's choice).
 
     Raises:
+        ValueError: ``path`` is not of the form ``module:Class``.
         ImportError: the module or class does not exist.
     """
-    module, _, name = path.partition(":")
-    cls = getattr(importlib.import_module(module), name, None)
-    if cls is None:
-        raise ImportError(f"attention backend {path!r}: {module} has no attribute {name!r}")
-    return cls
+    return resolve_qualname(path)
 
 
 def set_attn_backend(cls: type[AttentionBackend]) -> None:

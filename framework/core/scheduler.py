@@ -98,8 +98,9 @@ class Scheduler:
 
     def _enqueue(self, request: Request, front: bool = False) -> None:
         if self.policy == "priority":
-            self.waiting.append(request)
-            self.waiting = deque(sorted(self.waiting, key=_priority_key))
+            # The queue stays sorted: insert after equal keys (FIFO among equals) instead of re-sorting it.
+            at = bisect.bisect_right(self.waiting, _priority_key(request), key=_priority_key)
+            self.waiting.insert(at, request)
         elif front:
             self.waiting.appendleft(request)
         else:

@@ -1,0 +1,56 @@
+"""Where a decode step's time goes: torch.profiler over decode steps of the engine core.
+
+Usage (the figures in docs/benchmarks.md, "Where a decode step's time goes"):
+
+    python benchmarks/profile_decode.py --batch 1 --dtype float32 --quantization int8
+    python benchmarks/profile_decode.py --batch 256 --dtype bfloat16
+
+Prints the mean wall time of a decode step (milliseconds, profiler overhead included) and the torch operators
+sorted by self CPU time. Uses the embedded default model unless ``--model`` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+from torch.profiler import ProfilerActivity, profile
+
+from tokenmill.engine.core import EngineCore
+from tokenmill.engine.messages import EngineCoreRequest
+from tokenmill.engine_args import EngineArgs
+from tokenmill.sampling_params import SamplingParams
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None)
+    p.add_argument("--batch", type=int, default=1, help="running requests (all decoding while profiled)")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--quantization", default=None, choices=[None, "int8"])
+    p.add_argument("--steps", type=int, default=10, help="decode steps profiled")
+    args = p.parse_args()
+    config = EngineArgs(model=args.model, dtype=args.dtype, quantization=args.quantization, max_model_len=2048,
+                        kv_cache_memory="2GiB", max_num_batched_tokens=8192).create_engine_config()
+    core = EngineCore(config)
+    rng = random.Random(0)
+    vocab = config.model_config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=args.steps + 8, ignore_eos=True)
+    for i in range(args.batch):
+        core.add_request(EngineCoreRequest(f"r{i}", [rng.randrange(100, vocab) for _ in range(args.input_len)], params))
+    while not all(r.num_output_tokens > 0 for r in core.scheduler.running) or core.scheduler.waiting:
+        core.step()  # prefill
+    core.step()  # one warm decode step
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            core.step()
+        step_ms = (time.perf_counter() - start) / args.steps * 1000
+    print(f"batch {args.batch}, {args.dtype}, quantization {args.quantization}: decode step {step_ms:.1f} ms")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+if __name__ == "__main__":
+    main()
