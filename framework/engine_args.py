@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.config import (
+    QUANTIZATION_METHODS,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
@@ -100,9 +101,9 @@ class EngineArgs:
         g.add_argument("--platform", default=d.platform,
                        help="Platform plugin to use (skips detection); also TOKENMILL_PLATFORM.")
         g.add_argument("--trust-remote-code", action="store_true", default=d.trust_remote_code)
-        g.add_argument("--quantization", "-q", default=d.quantization, choices=["int8"],
-                       help="Weight quantization: int8 = weight-only int8 matmuls for small batches "
-                            "(faster decode on CPU; outputs may differ slightly from full precision).")
+        g.add_argument("--quantization", "-q", default=d.quantization, choices=list(QUANTIZATION_METHODS),
+                       help="Weight-only quantization used for small batches (faster decode): int8 (per-channel) "
+                            "or int4 (groups of 32, CPU); outputs may differ slightly from full precision.")
         return parser
 
     @classmethod

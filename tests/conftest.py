@@ -7,6 +7,10 @@ import os
 import pytest
 import torch
 
+# Engines built by tests (and the servers they start, which inherit the environment) stay eager: compiling
+# decode steps takes seconds per engine. tests/worker/test_compiled_runner.py turns it back on.
+os.environ["TOKENMILL_COMPILE"] = "0"
+
 
 def build_tiny_llama(path: str, *, seed: int = 0, tie: bool = False, **overrides) -> str:
     """Save a random-weight LlamaForCausalLM (a few layers, GQA) in Hugging Face layout under ``path``."""

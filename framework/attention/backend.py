@@ -95,10 +95,14 @@ class AttentionBackend(ABC):
             ``query_start_loc_cpu`` / ``seq_lens_cpu``, whose values are placeholders in a captured graph) and
             launches the same kernels for the same shapes, so a decode step can be captured once as a device
             graph and replayed with new contents in the same buffers.
+        supports_compile: for a decode-only step (``max_query_len == 1``) the impl reads only device tensors
+            of :class:`AttentionMetadata` plus ``max_query_len`` and ``block_size``, so ``torch.compile`` can
+            trace it once with dynamic batch size and block-table width (see ``tokenmill.worker.compiled_runner``).
     """
 
     name: str = ""
     supports_graph_capture: bool = False
+    supports_compile: bool = False
 
     @staticmethod
     @abstractmethod

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed import get_tp_rank, get_tp_size, tp_all_reduce
-from tokenmill.layers.quantization import Int8WeightOnly
+from tokenmill.layers.quantization import QuantizedWeight
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -46,21 +46,25 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
-        self.int8: Int8WeightOnly | None = None
-        self.int8_max_tokens = 0
+        self.quant: QuantizedWeight | None = None
+        self.quant_max_tokens = 0
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         default_weight_loader(param, loaded)
 
-    def attach_int8(self, max_tokens: int) -> None:
-        """Use an int8 copy of the weight for inputs of at most ``max_tokens`` rows (see layers.quantization)."""
-        self.int8 = Int8WeightOnly(self.weight)
-        self.int8_max_tokens = max_tokens
+    def attach_quantized(self, cls: type[QuantizedWeight], max_tokens: int) -> None:
+        """Use a ``cls`` copy of the weight for inputs of at most ``max_tokens`` rows (see layers.quantization).
+
+        Raises:
+            UnsupportedShapeError: ``cls`` cannot pack this weight.
+        """
+        self.quant = cls(self.weight)
+        self.quant_max_tokens = max_tokens
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, in] -> x W^T [T, out]`` (no bias, no cross-rank reduction)."""
-        if self.int8 is not None and x.shape[0] <= self.int8_max_tokens:
-            return self.int8.matmul(x)
+        if self.quant is not None and x.shape[0] <= self.quant_max_tokens:
+            return self.quant.matmul(x)
         return F.linear(x, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

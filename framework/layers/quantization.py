@@ -1,25 +1,54 @@
-"""Weight-only int8 quantization for linear layers (``--quantization int8``).
+"""Weight-only quantization of linear layers and the LM head (``--quantization int8|int4``).
 
-Each output channel ``n`` of a weight ``W [N, K]`` is stored as ``q[n] = round(W[n] / s[n])`` in int8 with
-``s[n] = max|W[n]| / 127`` (symmetric absmax, per channel). Activations stay in bfloat16 and the product runs
-in torch's ``aten._weight_int8pack_mm`` kernel, which reads a quarter of float32's weight bytes: a win where a
-step is bound by reading the weights (decode with few running requests). Large batches are compute-bound, so the
-layer keeps its full-precision weight and uses it when a step has more than ``max_tokens`` rows.
+A layer keeps its full-precision weight and gains a quantized copy (:class:`QuantizedWeight`) that it uses for
+inputs of at most ``max_tokens`` rows: small steps (decode with few running requests) are bound by reading the
+weights, so fewer weight bytes make them faster, while large steps are compute-bound and run on the
+full-precision weight. Which classes implement a method comes from the platform
+(``Platform.get_quant_method_cls``), since the packed-weight kernels are device-specific:
+
+* ``int8`` (every platform whose torch has ``aten._weight_int8pack_mm``): :class:`Int8WeightOnly`, symmetric
+  per-output-channel scales, ``q[n] = round(W[n] / s[n])``, ``s[n] = max|W[n]| / 127``.
+* ``int4`` (CPU plugin): asymmetric groups of 32 input channels, the layout of GGUF's ``Q4_1``.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 from torch import nn
 
-QUANTIZATION_METHODS = ("int8",)
+from tokenmill.config import QUANTIZATION_METHODS
+
+DEFAULT_MAX_TOKENS = 32
 
 
-class Int8WeightOnly:
-    """An int8 copy of one weight.
+class QuantizedWeight(ABC):
+    """A quantized copy of one weight ``W [N, K]``.
 
-    Args:
-        weight: ``[N, K]`` float weight.
+    Raises (constructor):
+        UnsupportedShapeError: the method cannot pack this shape (the layer then stays full precision).
+    """
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.out_features, self.in_features = weight.shape
+
+    @abstractmethod
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., K]`` -> ``x @ W^T`` ``[..., N]`` in ``x``'s dtype."""
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes the quantized weight and its scales take."""
+
+
+class UnsupportedShapeError(ValueError):
+    """A quantization method cannot pack a weight of this shape."""
+
+
+class Int8WeightOnly(QuantizedWeight):
+    """Per-channel symmetric int8, multiplied by ``aten._weight_int8pack_mm`` with bfloat16 activations.
 
     Attributes:
         qweight: ``[N, K]`` int8.
@@ -27,35 +56,59 @@ class Int8WeightOnly:
     """
 
     def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__(weight)
         w = weight.detach().float()
         scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
         self.qweight = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
         self.scales = scales.to(torch.bfloat16)
-        self.in_features = weight.shape[1]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., K]`` -> ``x @ W^T`` ``[..., N]`` in ``x``'s dtype."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
         y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
         return y.reshape(*lead, -1).to(x.dtype)
 
+    @property
+    def nbytes(self) -> int:
+        return self.qweight.numel() + self.scales.numel() * 2
 
-def quantize_model(model: nn.Module, method: str, max_tokens: int = 32) -> int:
-    """Attach quantized copies to every linear layer and LM head that supports it.
 
-    Returns:
-        the number of layers quantized.
+def get_quantized_weight_cls(method: str) -> type[QuantizedWeight]:
+    """The current platform's class for ``method``.
 
     Raises:
-        ValueError: unknown method.
+        ValueError: unknown method, or the platform does not support it (the message names ``quantization``).
     """
+    from tokenmill.platforms import get_current_platform
+    from tokenmill.plugins import resolve_qualname
+
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization: unknown method {method!r} (choose from {', '.join(QUANTIZATION_METHODS)})")
+    platform = get_current_platform()
+    path = platform.get_quant_method_cls(method)
+    if path is None:
+        raise ValueError(f"quantization: {method!r} is not supported on the {platform.name} platform")
+    return resolve_qualname(path)
+
+
+def quantize_model(model: nn.Module, method: str, max_tokens: int = DEFAULT_MAX_TOKENS) -> int:
+    """Attach quantized copies to every module with ``attach_quantized`` (linear layers, LM head).
+
+    Returns:
+        the number of modules quantized (a module whose shape the method cannot pack is skipped).
+
+    Raises:
+        ValueError: see :func:`get_quantized_weight_cls`.
+    """
+    cls = get_quantized_weight_cls(method)
     count = 0
     for module in model.modules():
-        attach = getattr(module, "attach_int8", None)
-        if attach is not None:
-            attach(max_tokens)
-            count += 1
+        attach = getattr(module, "attach_quantized", None)
+        if attach is None:
+            continue
+        try:
+            attach(cls, max_tokens)
+        except UnsupportedShapeError:
+            continue
+        count += 1
     return count

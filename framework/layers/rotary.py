@@ -65,6 +65,9 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions`` ``[T]`` int; ``query`` ``[T, Hq*D]``, ``key`` ``[T, Hkv*D]``; returns rotated copies."""
+        if torch.compiler.is_compiling():  # traced: the compiler fuses the lookup into the rotation
+            cos_sin = (self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1))
+            return self._rotate(query, *cos_sin), self._rotate(key, *cos_sin)
         if positions is not self._positions or self._cos_sin is None:
             # Every layer shares this module (see get_rope) and the step's positions tensor: look up once.
             self._cos_sin = (self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1))

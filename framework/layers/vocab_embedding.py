@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.layers.quantization import Int8WeightOnly
+from tokenmill.layers.quantization import QuantizedWeight
 from tokenmill.distributed import get_tp_rank, get_tp_size, tp_all_gather_last_dim, tp_all_reduce
 
 
@@ -41,18 +41,22 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection to vocabulary logits; shares the embedding's layout (and weights when tied)."""
 
-    int8: Int8WeightOnly | None = None
-    int8_max_tokens = 0
+    quant: QuantizedWeight | None = None
+    quant_max_tokens = 0
 
-    def attach_int8(self, max_tokens: int) -> None:
-        """Use an int8 copy of the head for at most ``max_tokens`` rows (see layers.quantization)."""
-        self.int8 = Int8WeightOnly(self.weight)
-        self.int8_max_tokens = max_tokens
+    def attach_quantized(self, cls: type[QuantizedWeight], max_tokens: int) -> None:
+        """Use a ``cls`` copy of the head for at most ``max_tokens`` rows (see layers.quantization).
+
+        Raises:
+            UnsupportedShapeError: ``cls`` cannot pack this weight.
+        """
+        self.quant = cls(self.weight)
+        self.quant_max_tokens = max_tokens
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> ``[N, vocab]`` logits in float32."""
-        if self.int8 is not None and hidden_states.shape[0] <= self.int8_max_tokens:
-            logits = self.int8.matmul(hidden_states)
+        if self.quant is not None and hidden_states.shape[0] <= self.quant_max_tokens:
+            logits = self.quant.matmul(hidden_states)
         else:
             logits = F.linear(hidden_states, self.weight)
         logits = tp_all_gather_last_dim(logits)

@@ -56,12 +56,21 @@ class Platform:
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float32",)
     default_dtype: ClassVar[str] = "float32"
     supports_graph_capture: ClassVar[bool] = False
+    # torch.compile the forward pass of small decode steps (tokenmill.worker.compiled_runner)
+    supports_compile: ClassVar[bool] = False
     worker_cls: ClassVar[str] = DEFAULT_WORKER
 
     @classmethod
     def get_attn_backend_cls(cls, config: EngineConfig) -> str:
         """``"module:Class"`` of the attention backend to use for ``config``."""
         return DEFAULT_ATTN_BACKEND
+
+    @classmethod
+    def get_quant_method_cls(cls, method: str) -> str | None:
+        """``"module:Class"`` of the :class:`tokenmill.layers.quantization.QuantizedWeight` implementing
+        ``--quantization method`` here, or ``None`` when unsupported. The default offers ``int8`` (torch's
+        ``aten._weight_int8pack_mm``)."""
+        return {"int8": "tokenmill.layers.quantization:Int8WeightOnly"}.get(method)
 
     @classmethod
     def graph_capture_cls(cls) -> str | None:

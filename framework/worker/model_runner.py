@@ -11,6 +11,7 @@ from tokenmill.forward_context import set_forward_context
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.quantization import quantize_model
 from tokenmill.model_loader.loader import get_model, str_to_dtype
+from tokenmill.worker.compiled_runner import CompiledDecodeRunner
 from tokenmill.worker.graph_runner import GraphRunner
 from tokenmill.worker.input_batch import CachedRequestState, build_batch_inputs, build_sampling_metadata
 from tokenmill.worker.sampler import Sampler, gather_logprobs
@@ -43,6 +44,7 @@ class ModelRunner:
         self.prompt_logprobs: dict[str, list[LogprobEntry]] = {}
         self.vocab_size = config.model_config.vocab_size
         self.graph_runner: GraphRunner | None = None  # device graphs for decode steps (platform-provided)
+        self.compiled_runner: CompiledDecodeRunner | None = None  # torch.compile'd small decode steps
 
     def load_model(self) -> None:
         self.model = get_model(self.config.model_config, self.device)
@@ -80,6 +82,8 @@ class ModelRunner:
             layer.kv_cache = cache
             self.kv_caches.append(cache)
         self.graph_runner = GraphRunner.create_if_enabled(self)  # captures against the new cache
+        if self.graph_runner is None:
+            self.compiled_runner = CompiledDecodeRunner.create_if_enabled(self)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
@@ -115,6 +119,8 @@ class ModelRunner:
         batch = build_batch_inputs(states, counts, self.block_size, self.device)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             hidden = self.graph_runner.run(batch)  # decode-only step: replay the captured graph (padded)
+        elif self.compiled_runner is not None and self.compiled_runner.can_run(batch):
+            hidden = self.compiled_runner.run(batch)
         else:
             with set_forward_context(batch.attn_metadata):
                 hidden = self.model(batch.input_ids, batch.positions)

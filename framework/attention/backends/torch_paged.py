@@ -4,7 +4,8 @@ KV cache layout per layer: ``[2, num_kv_heads, num_blocks, block_size, head_size
 Head-major blocks make a request's gathered context ``[Hkv, S, D]`` contiguous, so the batched decode path
 multiplies it directly (no transposing copy). Decodes (one query token each) are batched into two products over
 the gathered, padded context; prefill chunks run one SDPA call per request with the causal mask shifted by the
-request's cached prefix.
+request's cached prefix. A pure decode step reads only device tensors of the metadata (and ``max_query_len``),
+so torch.compile can trace it (``supports_compile``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from tokenmill.attention.backend import AttentionBackend, AttentionImpl, Attenti
 
 class TorchPagedAttentionBackend(AttentionBackend):
     name = "TORCH_PAGED"
+    supports_compile = True
 
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:
@@ -44,6 +46,8 @@ class TorchPagedAttentionImpl(AttentionImpl):
             out = self._sdpa(q, k, v, causal_offset=0)
             return out.reshape(num_tokens, -1)
         write_kv_cache(k, v, kv_cache, attn_metadata.slot_mapping)
+        if attn_metadata.max_query_len == 1:  # every request decodes one token
+            return self._decode(q, kv_cache, attn_metadata.block_table, attn_metadata.seq_lens, attn_metadata.block_size)
         out = torch.empty_like(q)
         qsl = attn_metadata.query_start_loc_cpu
         seq_lens = attn_metadata.seq_lens_cpu
@@ -80,6 +84,43 @@ class TorchPagedAttentionImpl(AttentionImpl):
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
         return o.transpose(0, 1)
 
+    def _decode(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int
+    ) -> torch.Tensor:
+        """A pure decode step (request ``i`` is token ``i``), from device tensors only, so torch.compile can
+        trace it with dynamic shapes (see ``tokenmill.worker.compiled_runner``).
+
+        Args:
+            q: ``[B, Hq, D]``.
+            kv_cache: this layer's cache.
+            block_table: ``[B, nb]`` int32; every column is read, positions ``>= seq_lens`` are masked.
+            seq_lens: ``[B]`` int32.
+
+        Returns:
+            ``[B, Hq * D]`` in ``q``'s dtype.
+        """
+        num, nb = block_table.shape
+        span = nb * block_size
+        hkv, group, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_size
+        blocks = block_table.long()
+        k_ctx = kv_cache[0][:, blocks].view(hkv, num, span, d)  # [Hkv, B, S, D]
+        v_ctx = kv_cache[1][:, blocks].view(hkv, num, span, d)
+        qh = q.reshape(num, hkv, group, d).transpose(0, 1).to(k_ctx.dtype)  # [Hkv, B, G, D]
+        valid = torch.arange(span, device=q.device).unsqueeze(0) < seq_lens.unsqueeze(1)  # [B, S]
+        if torch.compiler.is_compiling():
+            # Traced: as broadcast products and sums the compiler fuses with the gather into loops over the
+            # cache, where small batched matmuls would each pay a library call.
+            scores = (qh.float().unsqueeze(-2) * k_ctx.float().unsqueeze(2)).sum(-1) * self.scale
+            scores = scores.masked_fill(~valid[None, :, None, :], float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            o = (probs.unsqueeze(-1) * v_ctx.float().unsqueeze(2)).sum(-2).transpose(0, 1)
+            return o.reshape(num, self.num_heads * d).to(q.dtype)
+        scores = torch.matmul(qh, k_ctx.transpose(-1, -2)).float() * self.scale  # [Hkv, B, G, S]
+        scores = scores.masked_fill(~valid[None, :, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(v_ctx.dtype)
+        o = torch.matmul(probs, v_ctx).transpose(0, 1)  # [B, Hkv, G, D]
+        return o.reshape(num, self.num_heads * d).to(q.dtype)
+
     def _batched_decode(
         self,
         q: torch.Tensor,
@@ -88,42 +129,21 @@ class TorchPagedAttentionImpl(AttentionImpl):
         md: AttentionMetadata,
         decode_idx: list[int],
     ) -> None:
-        """All one-token queries at once: gather each request's blocks, then two batched products.
-
-        Grouped-query heads are handled by viewing the ``Hq`` query heads as ``[Hkv, Hq // Hkv]`` (no
-        repetition of keys/values); positions past a request's length are masked before the softmax.
-        """
-        bs = md.block_size
-        num = len(decode_idx)
-        nb = -(-max(md.seq_lens_cpu[i] for i in decode_idx) // bs)
-        if num == md.num_reqs:  # a pure decode step: request i is token i
-            blocks, lens, qd = md.block_table[:, :nb], md.seq_lens, q
-        else:
-            idx = torch.tensor(decode_idx, device=q.device)
-            tokens = md.query_start_loc[idx].long()
-            blocks, lens, qd = md.block_table[idx, :nb], md.seq_lens[idx], q[tokens]
-        blocks = blocks.long()
-        span = nb * bs
-        hkv, group, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_size
-        k_ctx = kv_cache[0][:, blocks].view(hkv, num, span, d)  # [Hkv, B, S, D]
-        v_ctx = kv_cache[1][:, blocks].view(hkv, num, span, d)
-        qh = qd.reshape(num, hkv, group, d).transpose(0, 1).to(k_ctx.dtype)  # [Hkv, B, G, D]
-        scores = torch.matmul(qh, k_ctx.transpose(-1, -2)).float() * self.scale  # [Hkv, B, G, S]
-        valid = torch.arange(span, device=q.device).unsqueeze(0) < lens.unsqueeze(1)  # [B, S]
-        scores.masked_fill_(~valid[None, :, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(v_ctx.dtype)
-        o = torch.matmul(probs, v_ctx).transpose(0, 1).reshape(num, self.num_heads, d)  # [B, Hq, D]
-        if num == md.num_reqs:
-            out.copy_(o)
-        else:
-            out[tokens] = o.to(out.dtype)
+        """The one-token queries of a mixed step, all at once through :meth:`_decode`, into ``out``."""
+        nb = -(-max(md.seq_lens_cpu[i] for i in decode_idx) // md.block_size)
+        idx = torch.tensor(decode_idx, device=q.device)
+        tokens = md.query_start_loc[idx].long()
+        o = self._decode(q[tokens], kv_cache, md.block_table[idx, :nb], md.seq_lens[idx], md.block_size)
+        out[tokens] = o.view(-1, self.num_heads, self.head_size)
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store ``k``/``v`` ``[T, Hkv, D]`` into the cache slots ``slot_mapping`` ``[T]`` (int64)."""
     num_kv_heads, head_size = k.shape[1], k.shape[2]
-    kv_cache[0].view(num_kv_heads, -1, head_size).index_copy_(1, slot_mapping, k.transpose(0, 1).to(kv_cache.dtype))
-    kv_cache[1].view(num_kv_heads, -1, head_size).index_copy_(1, slot_mapping, v.transpose(0, 1).to(kv_cache.dtype))
+    # An indexed assignment (index_put_) rather than index_copy_: under torch.compile it stays an in-place
+    # scatter, where index_copy_ on a view of the cache would copy the whole cache every step.
+    flat = kv_cache.view(2, num_kv_heads, -1, head_size)
+    flat[:, :, slot_mapping] = torch.stack((k, v)).transpose(1, 2).to(kv_cache.dtype)
 
 
 def gather_kv(

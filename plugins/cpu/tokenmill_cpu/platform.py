@@ -23,6 +23,13 @@ class CpuPlatform(Platform):
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float16")
     default_dtype: ClassVar[str] = "float32"  # correctness first; bfloat16 with --dtype bfloat16
     supports_graph_capture: ClassVar[bool] = False
+    supports_compile: ClassVar[bool] = True  # per-op overhead dominates small decode steps on a CPU
+
+    @classmethod
+    def get_quant_method_cls(cls, method: str) -> str | None:
+        if method == "int4":
+            return "tokenmill_cpu.int4:Int4WeightOnly"
+        return super().get_quant_method_cls(method)
 
     @classmethod
     def get_device_name(cls, device_id: int = 0) -> str:

@@ -1,0 +1,62 @@
+"""CompiledDecodeRunner: torch.compile'd decode steps give transformers' greedy tokens, and stay per model."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import build_tiny_llama, hf_greedy
+from tests.models.test_llama_correctness import PROMPTS, run_engine
+from tokenmill.engine.core import EngineCore
+from tokenmill.engine_args import EngineArgs
+from tokenmill.worker.compiled_runner import CompiledDecodeRunner
+from tokenmill.worker.input_batch import CachedRequestState, build_batch_inputs
+from tokenmill.sampling_params import SamplingParams
+import torch
+
+
+@pytest.fixture
+def compile_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOKENMILL_COMPILE", "1")
+
+
+def _compiled_core(model_dir: str, **kwargs) -> EngineCore:
+    args = dict(model=model_dir, dtype="float32", num_gpu_blocks_override=256, block_size=8)
+    args.update(kwargs)
+    return EngineCore(EngineArgs(**args).create_engine_config())
+
+
+def test_compiled_decode_matches_transformers_for_two_models_in_one_process(compile_on, tmp_path) -> None:
+    first_dir = build_tiny_llama(str(tmp_path / "a"), seed=1)
+    second_dir = build_tiny_llama(str(tmp_path / "b"), seed=2, num_hidden_layers=3)
+    first = _compiled_core(first_dir)
+    second = _compiled_core(second_dir)  # same model class: must not reuse the first model's compiled graph
+    for core, model_dir in ((first, first_dir), (second, second_dir)):
+        runner = core.executor.worker.model_runner.compiled_runner
+        assert runner is not None and runner.warmed_up
+        # five requests decode together; short prompts start with a one-block table (padded to two)
+        assert run_engine(core, PROMPTS, max_tokens=10) == hf_greedy(model_dir, PROMPTS, 10)
+        single = [[5, 6, 7]]
+        assert run_engine(core, single, max_tokens=24) == hf_greedy(model_dir, single, 24)  # batch of one
+        assert runner.steps >= 9 + 23
+
+
+def test_enforce_eager_and_environment_switch(compile_on, tiny_llama_dir, monkeypatch) -> None:
+    assert _compiled_core(tiny_llama_dir, enforce_eager=True).executor.worker.model_runner.compiled_runner is None
+    monkeypatch.setenv("TOKENMILL_COMPILE", "0")
+    assert _compiled_core(tiny_llama_dir).executor.worker.model_runner.compiled_runner is None
+
+
+def test_only_small_decode_only_steps_run_compiled() -> None:
+    runner = CompiledDecodeRunner.__new__(CompiledDecodeRunner)
+    runner.max_batch_size = 4
+    params = SamplingParams(max_tokens=4)
+
+    def state(i: int, tokens: int, computed: int) -> CachedRequestState:
+        return CachedRequestState(f"r{i}", list(range(tokens)), 3, params, [i], computed)
+
+    cpu = torch.device("cpu")
+    decodes = [state(i, 4, 3) for i in range(5)]
+    assert runner.can_run(build_batch_inputs(decodes[:4], [1] * 4, 8, cpu))
+    assert not runner.can_run(build_batch_inputs(decodes, [1] * 5, 8, cpu))  # above max_batch_size
+    prefill = state(9, 3, 0)
+    assert not runner.can_run(build_batch_inputs([decodes[0], prefill], [1, 3], 8, cpu))  # mixed step
