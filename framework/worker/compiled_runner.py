@@ -48,7 +48,7 @@ def _own_forward(model: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor
     """``model.forward`` bound to a copy of its code object.
 
     torch.compile keeps its compiled graphs per code object, so every model instance of a class would share
-    them; with module guards skipped, a second engine in the same process could run the first one's graph.
+    them; with guards skipped, a second engine in the same process could run the first one's graph.
     A private code object gives each runner its own cache.
     """
     func = type(model).forward
@@ -71,15 +71,21 @@ class CompiledDecodeRunner:
         self.model = model
         self.max_batch_size = max_batch_size
         self.block_size = block_size
-        # Guards on the model's modules are skipped: checking them took over a millisecond per step. That is
-        # safe because this compilation belongs to this model alone (its own code object, see _own_forward)
-        # and nothing replaces the model's modules after warm-up.
-        self.compiled = torch.compile(
-            _own_forward(model),
-            dynamic=True,
-            fullgraph=True,
-            options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
-        )
+        # One compilation for a batch of one and one for larger batches, each with its own code object (see
+        # _own_forward) and without guards or size asserts: checking torch.compile's guards (thousands, on the
+        # model's modules and tensors) took over a millisecond per step, the generated code's input size
+        # asserts (hundreds) about 0.4 ms. That is safe because each compilation serves one model
+        # and one kind of batch only, which run() chooses, and nothing replaces the model's modules or KV
+        # cache tensors after warm-up (a new KV cache comes with a new runner).
+        self.compiled = {
+            kind: torch.compile(
+                _own_forward(model),
+                dynamic=True,
+                fullgraph=True,
+                options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe, "size_asserts": False},
+            )
+            for kind in ("one", "many")
+        }
         self.steps = 0
         self.warmed_up = False
 
@@ -87,8 +93,9 @@ class CompiledDecodeRunner:
     def create_if_enabled(cls, runner: ModelRunner) -> CompiledDecodeRunner | None:
         """A warmed-up runner for ``runner``'s model, or ``None`` when compilation is off or fails.
 
-        Off with ``enforce_eager`` or ``TOKENMILL_COMPILE=0``, on platforms without ``supports_compile``, with attention backends without
-        ``supports_compile``, and with tensor parallelism (collectives are not traced).
+        Off with ``enforce_eager`` or ``TOKENMILL_COMPILE=0``, on platforms without ``supports_compile``, with
+        attention backends without ``supports_compile``, and with tensor parallelism (collectives are not
+        traced).
         """
         from tokenmill.distributed import get_tp_size
         from tokenmill.platforms import get_current_platform
@@ -122,18 +129,7 @@ class CompiledDecodeRunner:
             md = self._pad_block_table(md)
         self.steps += 1
         with set_forward_context(md):
-            if not self.warmed_up:
-                return self.compiled(batch.input_ids, batch.positions)
-            try:
-                # After warm-up only the guards that tell the compiled graphs apart are checked.
-                with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                    return self.compiled(batch.input_ids, batch.positions)
-            except RuntimeError as exc:
-                if "Recompilation" not in str(exc):
-                    raise
-                logger.warning("decode step needed a new compilation; checking every guard from now on")
-                self.warmed_up = False
-                return self.compiled(batch.input_ids, batch.positions)
+            return self.compiled["one" if md.num_actual_tokens == 1 else "many"](batch.input_ids, batch.positions)
 
     def _pad_block_table(self, md: AttentionMetadata) -> AttentionMetadata:
         pad = torch.zeros(md.block_table.shape[0], 2 - md.block_table.shape[1], dtype=md.block_table.dtype,
