@@ -6,12 +6,14 @@ Usage (the figures in docs/benchmarks.md, "Quantized decode: agreement"):
         --json benchmarks/results/quant_agreement_int4.json
 
 Runs the same chat questions (the test set below, answered with the model's chat template, temperature 0)
-through two engines, one after the other, differing only in ``--quantization``, and compares the generated
-token ids: the share of answers that are identical, the mean number of leading tokens that agree before the
-first divergence, and the share of all reference tokens reproduced before a divergence. Greedy decoding makes
-any early difference change everything after it, so the leading-token figures are the meaningful ones.
-The first token comes from the prefill step, which uses the full-precision weights whenever the prompt is
-longer than the quantized layers' row limit (32 rows).
+through three engines, one after the other: the reference (float32, no quantization: the checkpoint's weights
+as loaded, dequantized for a GGUF file), ``--dtype`` without quantization (the noise floor: what the lower
+activation precision alone changes) and ``--dtype`` with ``--quantization``. Each is compared with the
+reference by its generated token ids: the share of answers that are identical, the mean number of leading
+tokens that agree before the first divergence, and the share of all reference tokens reproduced before a
+divergence. Greedy decoding makes any early difference change everything after it, so the leading-token
+figures are the meaningful ones. The first token comes from the prefill step, which uses the full-precision
+weights whenever the prompt is longer than the quantized layers' row limit (32 rows).
 """
 
 from __future__ import annotations
@@ -51,8 +53,8 @@ TEST_SET = [
 ]
 
 
-def generate(model: str | None, quantization: str | None, args: argparse.Namespace) -> list[list[int]]:
-    llm = LLM(model, dtype=args.dtype, quantization=quantization, max_model_len=1024, kv_cache_memory="1GiB")
+def generate(model: str | None, dtype: str, quantization: str | None, args: argparse.Namespace) -> list[list[int]]:
+    llm = LLM(model, dtype=dtype, quantization=quantization, max_model_len=1024, kv_cache_memory="1GiB")
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     outs = llm.chat([[{"role": "user", "content": q}] for q in TEST_SET], params, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
@@ -80,27 +82,32 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--json", default=None, help="write the figures and per-question results here")
     args = p.parse_args()
-    reference = generate(args.model, None, args)
-    quantized = generate(args.model, args.quantization, args)
-    leading = [leading_agreement(r, q) for r, q in zip(reference, quantized)]
-    identical = sum(r == q for r, q in zip(reference, quantized))
-    total_ref = sum(len(r) for r in reference)
-    figures = {
-        "questions": len(TEST_SET),
-        "identical_answers": identical,
-        "identical_share": identical / len(TEST_SET),
-        "mean_leading_agreement_tokens": statistics.mean(leading),
-        "median_leading_agreement_tokens": statistics.median(leading),
-        "reference_tokens": total_ref,
-        "tokens_before_divergence_share": sum(leading) / total_ref,
+    reference = generate(args.model, "float32", None, args)
+    runs = {
+        f"{args.dtype}": generate(args.model, args.dtype, None, args),
+        f"{args.dtype}+{args.quantization}": generate(args.model, args.dtype, args.quantization, args),
     }
-    print(f"{args.quantization} vs full precision ({args.dtype}), {len(TEST_SET)} questions, "
-          f"{args.max_tokens} greedy tokens each:")
-    for key, value in figures.items():
-        print(f"  {key:34s} {value:.3f}" if isinstance(value, float) else f"  {key:34s} {value}")
+    total_ref = sum(len(r) for r in reference)
+    figures: dict[str, dict[str, float | int]] = {}
+    for name, tokens in runs.items():
+        leading = [leading_agreement(r, q) for r, q in zip(reference, tokens)]
+        identical = sum(r == q for r, q in zip(reference, tokens))
+        figures[name] = {
+            "identical_answers": identical,
+            "identical_share": identical / len(TEST_SET),
+            "mean_leading_agreement_tokens": statistics.mean(leading),
+            "median_leading_agreement_tokens": statistics.median(leading),
+            "tokens_before_divergence_share": sum(leading) / total_ref,
+        }
+    print(f"greedy agreement with float32 (no quantization), {len(TEST_SET)} questions, "
+          f"{args.max_tokens} tokens each ({total_ref} reference tokens):")
+    print(f"  {'run':24s} {'identical':>10s} {'mean lead':>10s} {'median lead':>12s} {'share':>8s}")
+    for name, f in figures.items():
+        print(f"  {name:24s} {f['identical_answers']:>10d} {f['mean_leading_agreement_tokens']:>10.1f} "
+              f"{f['median_leading_agreement_tokens']:>12.1f} {f['tokens_before_divergence_share']:>8.3f}")
     if args.json:
         record = base_record("quant_agreement", args)
-        record.update(figures=figures, leading_agreement=leading, reference=reference, quantized=quantized)
+        record.update(figures=figures, reference=reference, runs=runs)
         write_json(args.json, record)
 
 

@@ -8,12 +8,14 @@ full-precision weight. Which classes implement a method comes from the platform
 
 * ``int8`` (every platform whose torch has ``aten._weight_int8pack_mm``): :class:`Int8WeightOnly`, symmetric
   per-output-channel scales, ``q[n] = round(W[n] / s[n])``, ``s[n] = max|W[n]| / 127``.
-* ``int4`` (CPU plugin): asymmetric groups of 32 input channels, the layout of GGUF's ``Q4_1``.
+* ``int4`` (CPU plugin): asymmetric groups of 32 input channels, the layout of GGUF's ``Q4_1``; the LM head
+  stays int8 (``QuantizedWeight.lm_head_method``).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -26,9 +28,14 @@ DEFAULT_MAX_TOKENS = 32
 class QuantizedWeight(ABC):
     """A quantized copy of one weight ``W [N, K]``.
 
+    Attributes:
+        lm_head_method: the method the LM head uses when this one is chosen (``None``: this one).
+
     Raises (constructor):
         UnsupportedShapeError: the method cannot pack this shape (the layer then stays full precision).
     """
+
+    lm_head_method: ClassVar[str | None] = None
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.out_features, self.in_features = weight.shape
@@ -101,13 +108,14 @@ def quantize_model(model: nn.Module, method: str, max_tokens: int = DEFAULT_MAX_
         ValueError: see :func:`get_quantized_weight_cls`.
     """
     cls = get_quantized_weight_cls(method)
+    head_cls = get_quantized_weight_cls(cls.lm_head_method) if cls.lm_head_method else cls
     count = 0
     for module in model.modules():
         attach = getattr(module, "attach_quantized", None)
         if attach is None:
             continue
         try:
-            attach(cls, max_tokens)
+            attach(head_cls if getattr(module, "is_lm_head", False) else cls, max_tokens)
         except UnsupportedShapeError:
             continue
         count += 1

@@ -43,6 +43,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     quant: QuantizedWeight | None = None
     quant_max_tokens = 0
+    is_lm_head = True  # quantize_model gives it the method's lm_head_method
 
     def attach_quantized(self, cls: type[QuantizedWeight], max_tokens: int) -> None:
         """Use a ``cls`` copy of the head for at most ``max_tokens`` rows (see layers.quantization).

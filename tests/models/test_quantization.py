@@ -9,6 +9,7 @@ from tests.models.test_llama_correctness import PROMPTS, run_engine
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine_args import EngineArgs
 from tokenmill.layers.linear import ColumnParallelLinear
+from tokenmill.layers.vocab_embedding import ParallelLMHead
 from tokenmill.layers.quantization import Int8WeightOnly, UnsupportedShapeError, get_quantized_weight_cls, quantize_model
 from tokenmill_cpu.int4 import Int4WeightOnly
 
@@ -65,6 +66,15 @@ def test_methods_come_from_the_platform():
     assert get_quantized_weight_cls("int4") is Int4WeightOnly  # the CPU plugin's kernel
     with pytest.raises(ValueError, match="quantization"):
         get_quantized_weight_cls("int3")
+
+
+def test_int4_keeps_the_lm_head_at_int8():
+    head = ParallelLMHead(64, 32)
+    layer = ColumnParallelLinear(32, 64)
+    torch.nn.init.normal_(head.weight)
+    torch.nn.init.normal_(layer.weight)
+    assert quantize_model(torch.nn.ModuleList([layer, head]), "int4") == 2
+    assert isinstance(layer.quant, Int4WeightOnly) and isinstance(head.quant, Int8WeightOnly)
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
