@@ -29,7 +29,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1, help="running requests (all decoding while profiled)")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--quantization", default=None, choices=[None, "int8"])
+    p.add_argument("--quantization", default=None, choices=[None, "int8", "int4"])
     p.add_argument("--steps", type=int, default=10, help="decode steps profiled")
     args = p.parse_args()
     config = EngineArgs(model=args.model, dtype=args.dtype, quantization=args.quantization, max_model_len=2048,
