@@ -2,7 +2,7 @@
 
 Usage (the figures in docs/benchmarks.md, "Where a decode step's time goes"):
 
-    python benchmarks/profile_decode.py --batch 1 --dtype float32 --quantization int8
+    python benchmarks/profile_decode.py --batch 1 --dtype bfloat16 --quantization int4 [--enforce-eager]
     python benchmarks/profile_decode.py --batch 256 --dtype bfloat16
 
 Prints the mean wall time of a decode step (milliseconds, profiler overhead included) and the torch operators
@@ -31,9 +31,11 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--quantization", default=None, choices=[None, "int8", "int4"])
     p.add_argument("--steps", type=int, default=10, help="decode steps profiled")
+    p.add_argument("--enforce-eager", action="store_true", help="no torch.compile of small decode steps")
     args = p.parse_args()
     config = EngineArgs(model=args.model, dtype=args.dtype, quantization=args.quantization, max_model_len=2048,
-                        kv_cache_memory="2GiB", max_num_batched_tokens=8192).create_engine_config()
+                        kv_cache_memory="2GiB", max_num_batched_tokens=8192,
+                        enforce_eager=args.enforce_eager).create_engine_config()
     core = EngineCore(config)
     rng = random.Random(0)
     vocab = config.model_config.vocab_size
@@ -48,7 +50,8 @@ def main() -> None:
         for _ in range(args.steps):
             core.step()
         step_ms = (time.perf_counter() - start) / args.steps * 1000
-    print(f"batch {args.batch}, {args.dtype}, quantization {args.quantization}: decode step {step_ms:.1f} ms")
+    mode = "eager" if args.enforce_eager else "compiled where supported"
+    print(f"batch {args.batch}, {args.dtype}, quantization {args.quantization}, {mode}: decode step {step_ms:.1f} ms")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 

@@ -23,6 +23,7 @@ How it runs:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -68,7 +69,6 @@ class CompiledDecodeRunner:
     """
 
     def __init__(self, model: torch.nn.Module, max_batch_size: int, block_size: int) -> None:
-        self.model = model
         self.max_batch_size = max_batch_size
         self.block_size = block_size
         # One compilation for a batch of one and one for larger batches, each with its own code object (see
@@ -87,7 +87,6 @@ class CompiledDecodeRunner:
             for kind in ("one", "many")
         }
         self.steps = 0
-        self.warmed_up = False
 
     @classmethod
     def create_if_enabled(cls, runner: ModelRunner) -> CompiledDecodeRunner | None:
@@ -132,20 +131,8 @@ class CompiledDecodeRunner:
             return self.compiled["one" if md.num_actual_tokens == 1 else "many"](batch.input_ids, batch.positions)
 
     def _pad_block_table(self, md: AttentionMetadata) -> AttentionMetadata:
-        pad = torch.zeros(md.block_table.shape[0], 2 - md.block_table.shape[1], dtype=md.block_table.dtype,
-                          device=md.block_table.device)
-        return AttentionMetadata(
-            num_actual_tokens=md.num_actual_tokens,
-            query_start_loc=md.query_start_loc,
-            seq_lens=md.seq_lens,
-            block_table=torch.cat((md.block_table, pad), dim=1),
-            slot_mapping=md.slot_mapping,
-            max_query_len=md.max_query_len,
-            max_seq_len=md.max_seq_len,
-            query_start_loc_cpu=md.query_start_loc_cpu,
-            seq_lens_cpu=md.seq_lens_cpu,
-            block_size=md.block_size,
-        )
+        pad = md.block_table.new_zeros(md.block_table.shape[0], 2 - md.block_table.shape[1])
+        return dataclasses.replace(md, block_table=torch.cat((md.block_table, pad), dim=1))
 
     @torch.inference_mode()
     def warm_up(self, device: torch.device) -> None:
@@ -173,7 +160,6 @@ class CompiledDecodeRunner:
                 torch._dynamo.mark_dynamic(ids, 0)
             self.run(BatchInputs(ids, ids.clone(), md, ids.clone(), [True] * size))
         self.steps = 0
-        self.warmed_up = True
         logger.info(
             "compiled decode steps of 1-%d requests with torch.compile in %.1f s (--enforce-eager skips this)",
             self.max_batch_size,
