@@ -1,15 +1,17 @@
-"""torch.compile'd forward pass for small decode-only steps (the CPU's answer to device graphs).
+"""torch.compile'd forward pass for decode-only steps (the CPU's answer to device graphs).
 
 A decode step with few running requests does little arithmetic per operator, so on a CPU its time goes to
 launching several hundred small eager operators (norms, rotary, the cache write, attention, conversions).
 ``torch.compile`` (TorchInductor) fuses the pointwise and reduction work of the whole forward pass into a few
-generated C++ loops and calls the matmul kernels directly, which removes most of that overhead.
+generated C++ loops and calls the matmul kernels directly, which removes most of that overhead. Large decode
+steps gain too: the fused loops make one pass over activations where eager makes one per operator (256
+requests, SmolLM2-135M, bfloat16: 518 ms per step eager, 361 ms compiled, attention included).
 
 How it runs:
 
-* Only decode-only steps (``max_query_len == 1``) of at most ``max_batch_size`` requests take this path, and
-  only with an attention backend that declares ``supports_compile`` (its decode path reads device tensors
-  only). Prefill and mixed steps, and larger batches (compute-bound: fusion gains little there), run eagerly.
+* Only decode-only steps (``max_query_len == 1``) take this path (every batch size up to ``max_num_seqs``),
+  and only with an attention backend that declares ``supports_compile`` (its decode path reads device
+  tensors only, or calls a registered custom op). Prefill and mixed steps run eagerly.
 * One compilation serves every batch size ``2 .. max_batch_size`` and every context length (dynamic shapes);
   batch size 1 is compiled separately (the compiler specialises sizes 0 and 1). The block table is padded to
   at least two columns (block 0, masked by ``seq_lens``) so that short contexts reuse the same compilation.
@@ -41,9 +43,6 @@ if TYPE_CHECKING:
     from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MAX_BATCH_SIZE = 32
-
 
 def _own_forward(model: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """``model.forward`` bound to a copy of its code object.
@@ -106,8 +105,7 @@ class CompiledDecodeRunner:
             return None
         if not get_current_platform().supports_compile or not getattr(runner.attn_backend, "supports_compile", False):
             return None
-        max_bs = min(DEFAULT_MAX_BATCH_SIZE, config.scheduler_config.max_num_seqs)
-        compiled = cls(runner.model, max_bs, runner.block_size)
+        compiled = cls(runner.model, config.scheduler_config.max_num_seqs, runner.block_size)
         try:
             compiled.warm_up(runner.device)
         except Exception as exc:  # noqa: BLE001 - any compiler failure leaves the engine eager, never broken

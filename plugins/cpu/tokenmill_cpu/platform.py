@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
 GiB = 1 << 30
 DEFAULT_KV_CACHE_CAP_BYTES = 4 * GiB
+CPU_ATTN_BACKEND = "tokenmill_cpu.attention:CpuPagedAttentionBackend"
 
 
 class CpuPlatform(Platform):
@@ -24,6 +25,11 @@ class CpuPlatform(Platform):
     default_dtype: ClassVar[str] = "float32"  # correctness first; bfloat16 with --dtype bfloat16
     supports_graph_capture: ClassVar[bool] = False
     supports_compile: ClassVar[bool] = True  # per-op overhead dominates small decode steps on a CPU
+
+    @classmethod
+    def get_attn_backend_cls(cls, config: EngineConfig) -> str:
+        """The torch paged backend with decode attention in this plugin's C++ kernel (``tokenmill_cpu.attention``)."""
+        return CPU_ATTN_BACKEND
 
     @classmethod
     def get_quant_method_cls(cls, method: str) -> str | None:

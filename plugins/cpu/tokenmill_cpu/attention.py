@@ -1,0 +1,38 @@
+"""CpuPagedAttentionBackend: the torch paged backend with decode attention in tokenmill-cpu's C++ kernel.
+
+Same cache layout and prefill path as ``tokenmill.attention.backends.torch_paged``; one-token queries (pure
+decode steps, and the decodes of mixed steps) go to :func:`tokenmill_cpu.kernels.paged_decode`, which reads
+the cache blocks in place. When the kernel cannot be built the backend behaves exactly like the torch one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.attention.backend import AttentionImpl
+from tokenmill.attention.backends.torch_paged import TorchPagedAttentionBackend, TorchPagedAttentionImpl
+from tokenmill_cpu import kernels
+
+
+class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
+    name = "CPU_PAGED"
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return CpuPagedAttentionImpl
+
+
+class CpuPagedAttentionImpl(TorchPagedAttentionImpl):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int) -> None:
+        super().__init__(num_heads, head_size, scale, num_kv_heads)
+        self.use_kernel = kernels.load()
+
+    def _decode(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int
+    ) -> torch.Tensor:
+        if not self.use_kernel or kv_cache.device.type != "cpu":
+            return super()._decode(q, kv_cache, block_table, seq_lens, block_size)
+        out = kernels.paged_decode(
+            q.to(kv_cache.dtype), kv_cache, block_table.to(torch.int32).contiguous(), seq_lens.to(torch.int32), self.scale
+        )
+        return out.to(q.dtype)

@@ -1,0 +1,243 @@
+// Decode attention over a paged KV cache, reading each request's blocks in place.
+//
+// Layout (tokenmill's torch_paged backend): kv_cache [2, Hkv, num_blocks, block_size, D], keys then values.
+// One work item is one (request, KV head) pair: its G = Hq / Hkv query heads share every key and value row,
+// so each row is loaded from memory once and used G times. Scores are kept in a per-thread buffer, the
+// softmax is exact (max, exp, sum over the whole context), and the weighted sum of values accumulates in
+// float32 for every input dtype.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t W = Vec::size();
+
+// W elements of src as float32.
+template <typename T>
+inline Vec load_float(const T* src) {
+  if constexpr (std::is_same_v<T, float>) {
+    return Vec::loadu(src);
+  } else {
+    __at_align__ float tmp[W];
+    for (int64_t i = 0; i < W; ++i) tmp[i] = static_cast<float>(src[i]);
+    return Vec::loadu(tmp);
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+template <>
+inline Vec load_float<at::BFloat16>(const at::BFloat16* src) {
+  Vec out;
+  at::vec::load_fp32_from_bf16(src, out);
+  return out;
+}
+template <>
+inline Vec load_float<at::Half>(const at::Half* src) {
+  Vec out;
+  at::vec::load_fp32_from_fp16(src, out);
+  return out;
+}
+#endif
+
+inline float hsum(const Vec& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_reduce_add_ps(v);
+#else
+  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v);
+#endif
+}
+
+constexpr int64_t kMaxGroup = 8;  // query heads per KV head handled together (register accumulators)
+
+// Exact softmax of x[0..n) in place.
+inline void softmax_inplace(float* x, int64_t n) {
+  const int64_t n_vec = n - n % W;
+  Vec vmax(-std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t < n_vec; t += W) vmax = at::vec::maximum(vmax, Vec::loadu(x + t));
+  float mx = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vmax);
+  for (int64_t t = n_vec; t < n; ++t) mx = std::max(mx, x[t]);
+  Vec vsum(0.f);
+  const Vec vmx(mx);
+  for (int64_t t = 0; t < n_vec; t += W) {
+    const Vec e = (Vec::loadu(x + t) - vmx).exp_u20();
+    e.store(x + t);
+    vsum = vsum + e;
+  }
+  float sum = hsum(vsum);
+  for (int64_t t = n_vec; t < n; ++t) {
+    x[t] = std::exp(x[t] - mx);
+    sum += x[t];
+  }
+  const Vec inv(1.f / sum);
+  for (int64_t t = 0; t < n_vec; t += W) (Vec::loadu(x + t) * inv).store(x + t);
+  for (int64_t t = n_vec; t < n; ++t) x[t] /= sum;
+}
+
+// Scores of `rows` key rows against G query heads (qf: [G, D] float32, pre-scaled), written to
+// scores[g * stride + r]. G is a template parameter so the accumulators stay in registers.
+template <int G, typename T>
+inline void qk_rows(const float* qf, const T* k, int64_t rows, int64_t head_size, int64_t vec_end, float* scores,
+                    int64_t stride) {
+  for (int64_t r = 0; r < rows; ++r, k += head_size) {
+    Vec acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = Vec(0.f);
+    for (int64_t i = 0; i < vec_end; i += W) {
+      const Vec kv = load_float(k + i);
+      for (int g = 0; g < G; ++g) acc[g] = at::vec::fmadd(Vec::loadu(qf + g * head_size + i), kv, acc[g]);
+    }
+    for (int g = 0; g < G; ++g) {
+      float dot = hsum(acc[g]);
+      for (int64_t i = vec_end; i < head_size; ++i) dot += qf[g * head_size + i] * static_cast<float>(k[i]);
+      scores[g * stride + r] = dot;
+    }
+  }
+}
+
+// out[g, :] += sum_r probs[g * stride + r] * v[r, :] for `rows` value rows (out: [G, D] float32).
+template <int G, typename T>
+inline void pv_rows(const float* probs, int64_t stride, const T* v, int64_t rows, int64_t head_size,
+                    int64_t vec_end, float* out) {
+  for (int64_t i = 0; i < vec_end; i += W) {
+    Vec acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = Vec::loadu(out + g * head_size + i);
+    for (int64_t r = 0; r < rows; ++r) {
+      const Vec vv = load_float(v + r * head_size + i);
+      for (int g = 0; g < G; ++g) acc[g] = at::vec::fmadd(Vec(probs[g * stride + r]), vv, acc[g]);
+    }
+    for (int g = 0; g < G; ++g) acc[g].store(out + g * head_size + i);
+  }
+  for (int64_t i = vec_end; i < head_size; ++i)
+    for (int64_t r = 0; r < rows; ++r) {
+      const float vi = static_cast<float>(v[r * head_size + i]);
+      for (int g = 0; g < G; ++g) out[g * head_size + i] += probs[g * stride + r] * vi;
+    }
+}
+
+// Calls fn(std::integral_constant<int, n>) for 1 <= n <= kMaxGroup.
+template <typename Fn>
+inline void with_group(int64_t n, Fn&& fn) {
+  switch (n) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    case 4: fn(std::integral_constant<int, 4>{}); break;
+    case 5: fn(std::integral_constant<int, 5>{}); break;
+    case 6: fn(std::integral_constant<int, 6>{}); break;
+    case 7: fn(std::integral_constant<int, 7>{}); break;
+    default: fn(std::integral_constant<int, 8>{}); break;
+  }
+}
+
+template <typename T>
+inline void prefetch_block(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(c + off);
+}
+
+template <typename T>
+void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                   const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_size = q.size(2);
+  const int64_t num_kv_heads = kv_cache.size(1), num_blocks = kv_cache.size(2), block_size = kv_cache.size(3);
+  const int64_t group = num_heads / num_kv_heads, table_width = block_table.size(1);
+  const int64_t vec_end = head_size - head_size % W;
+  const T* q_ptr = q.const_data_ptr<T>();
+  const T* k_base = kv_cache.const_data_ptr<T>();
+  const T* v_base = k_base + num_kv_heads * num_blocks * block_size * head_size;
+  const int32_t* bt = block_table.const_data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
+  T* out_ptr = out.data_ptr<T>();
+  const int64_t q_stride = q.stride(0), head_stride = q.stride(1);
+  const int64_t head_cache = num_blocks * block_size * head_size;  // elements per KV head
+  const int64_t block_elems = block_size * head_size;
+  const float fscale = static_cast<float>(scale);
+  // Fail before the parallel region: an out-of-range block id would read outside the cache.
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t used = std::min<int64_t>((std::max<int32_t>(lens[s], 0) + block_size - 1) / block_size, table_width);
+    for (int64_t j = 0; j < used; ++j) {
+      const int32_t blk = bt[s * table_width + j];
+      TORCH_CHECK(blk >= 0 && blk < num_blocks, "block table entry ", blk, " of request ", s, " is out of range");
+    }
+  }
+
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * head_size), acc(group * head_size), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
+      const int64_t len = std::min<int64_t>(std::max<int32_t>(lens[s], 0), table_width * block_size);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      if (len > 0) {
+        for (int64_t g = 0; g < group; ++g) {
+          const T* src = q_ptr + s * q_stride + (h * group + g) * head_stride;
+          for (int64_t i = 0; i < head_size; ++i) qf[g * head_size + i] = static_cast<float>(src[i]) * fscale;
+        }
+        scores.resize(group * len);
+        const int32_t* blocks = bt + s * table_width;
+        // Scores: one pass over the keys, each row used by the G query heads of this KV head.
+        for (int64_t t0 = 0, j = 0; t0 < len; t0 += block_size, ++j) {
+          const T* k_blk = k_base + h * head_cache + blocks[j] * block_elems;
+          const int64_t rows = std::min(block_size, len - t0);
+          if (j + 1 < table_width && t0 + block_size < len) prefetch_block(k_base + h * head_cache + blocks[j + 1] * block_elems, block_elems);
+          for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
+            with_group(std::min(kMaxGroup, group - g0), [&](auto ng) {
+              qk_rows<decltype(ng)::value>(qf.data() + g0 * head_size, k_blk, rows, head_size, vec_end,
+                                            scores.data() + g0 * len + t0, len);
+            });
+          }
+        }
+        for (int64_t g = 0; g < group; ++g) softmax_inplace(scores.data() + g * len, len);
+        // Weighted sum of the values, again one pass over the rows.
+        for (int64_t t0 = 0, j = 0; t0 < len; t0 += block_size, ++j) {
+          const T* v_blk = v_base + h * head_cache + blocks[j] * block_elems;
+          const int64_t rows = std::min(block_size, len - t0);
+          if (j + 1 < table_width && t0 + block_size < len) prefetch_block(v_base + h * head_cache + blocks[j + 1] * block_elems, block_elems);
+          for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
+            with_group(std::min(kMaxGroup, group - g0), [&](auto ng) {
+              pv_rows<decltype(ng)::value>(scores.data() + g0 * len + t0, len, v_blk, rows, head_size, vec_end,
+                                            acc.data() + g0 * head_size);
+            });
+          }
+        }
+      }
+      T* dst = out_ptr + s * num_heads * head_size + h * group * head_size;
+      for (int64_t i = 0; i < group * head_size; ++i) dst[i] = static_cast<T>(acc[i]);
+    }
+  });
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                        const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, Hq, D] with contiguous rows");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache must be a contiguous [2, Hkv, num_blocks, block_size, D] tensor");
+  TORCH_CHECK(kv_cache.scalar_type() == q.scalar_type(), "q and kv_cache must have the same dtype");
+  TORCH_CHECK(kv_cache.size(4) == q.size(2) && q.size(1) % kv_cache.size(1) == 0, "head sizes do not match");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 && block_table.is_contiguous()
+                  && block_table.size(0) == q.size(0), "block_table must be a contiguous [B, nb] int32 tensor");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.numel() == q.size(0) && seq_lens.is_contiguous(),
+              "seq_lens must be a contiguous [B] int32 tensor");
+  at::Tensor out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+    decode_kernel<scalar_t>(q, kv_cache, block_table, seq_lens, scale, out);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tokenmill_cpu, m) {
+  m.def("paged_decode(Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }

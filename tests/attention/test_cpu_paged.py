@@ -1,0 +1,94 @@
+"""tokenmill-cpu's paged decode kernel (C++) and the CPU backend that uses it, against a float64 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.attention.paged_reference import MIXED_Q_LENS, MIXED_SEQ_LENS, make_batch, new_kv, reference_attention, rel_err
+from tokenmill_cpu import kernels
+from tokenmill_cpu.attention import CpuPagedAttentionBackend
+from tokenmill_cpu.platform import CpuPlatform
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built_kernels():
+    # The CI machine has a compiler and ninja: a build failure must fail here, not fall back silently.
+    assert kernels.load(), "tokenmill-cpu's C++ kernels did not build (see the log)"
+
+
+def head_major(cache: torch.Tensor) -> torch.Tensor:
+    """make_batch's [2, blocks, block_size, Hkv, D] cache in the backend's [2, Hkv, blocks, block_size, D]."""
+    return cache.permute(0, 3, 1, 2, 4).contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_size",
+    [(4, 4, 64), (9, 3, 64), (12, 1, 72), (16, 2, 16), (2, 1, 8)],
+    ids=["mha", "gqa3", "group12-tail", "group8", "tiny-head"],
+)
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_kernel_matches_fp64_reference_and_never_reads_unused_slots(dtype, num_heads, num_kv_heads, head_size, block_size):
+    seq_lens = [1, 15, 16, 17, 33, 100, 2]
+    batch = make_batch([1] * len(seq_lens), seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                       head_size=head_size, block_size=block_size, dtype=dtype)  # unused slots are NaN
+    scale = head_size**-0.5
+    out = kernels.paged_decode(batch.q, head_major(batch.kv_cache), batch.md.block_table, batch.md.seq_lens, scale)
+    assert out.shape == (len(seq_lens), num_heads * head_size) and out.dtype == dtype
+    assert rel_err(out.view_as(batch.q), reference_attention(batch, scale)) < TOL[dtype]
+
+
+def test_kernel_reads_strided_queries_and_returns_zeros_for_empty_context():
+    batch = make_batch([1, 1], [5, 9], num_heads=4, num_kv_heads=2, head_size=32, block_size=4)
+    wide = torch.randn(2, 4, 48)  # queries as a view with a row stride wider than the heads
+    wide[:, :, :32] = batch.q
+    q = wide[:, :, :32]
+    out = kernels.paged_decode(q, head_major(batch.kv_cache), batch.md.block_table, batch.md.seq_lens, 0.2)
+    assert rel_err(out.view_as(batch.q), reference_attention(batch, 0.2)) < 1e-5
+    empty = kernels.paged_decode(q, head_major(batch.kv_cache), batch.md.block_table, torch.tensor([0, 9], dtype=torch.int32), 0.2)
+    assert torch.equal(empty[0], torch.zeros(128))
+
+
+def test_kernel_rejects_bad_inputs_with_errors_not_crashes():
+    batch = make_batch([1, 1], [5, 9], num_heads=4, num_kv_heads=2, head_size=32, block_size=4)
+    cache = head_major(batch.kv_cache)
+    bt, sl = batch.md.block_table, batch.md.seq_lens
+    bad_table = bt.clone()
+    bad_table[1, 0] = cache.shape[2]  # one past the last block
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.paged_decode(batch.q, cache, bad_table, sl, 0.2)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        kernels.paged_decode(batch.q.bfloat16(), cache, bt, sl, 0.2)
+    with pytest.raises(RuntimeError, match="int32"):
+        kernels.paged_decode(batch.q, cache, bt.long(), sl, 0.2)
+    with pytest.raises(RuntimeError, match="kv_cache"):
+        kernels.paged_decode(batch.q, cache.transpose(1, 2), bt, sl, 0.2)
+
+
+def test_kernel_traces_under_torch_compile_with_dynamic_batch():
+    compiled = torch.compile(kernels.paged_decode, dynamic=True, fullgraph=True)
+    for n in (2, 5):
+        batch = make_batch([1] * n, [3 + 7 * i for i in range(n)], num_heads=6, num_kv_heads=2, head_size=16, block_size=8)
+        out = compiled(batch.q, head_major(batch.kv_cache), batch.md.block_table, batch.md.seq_lens, 0.25)
+        assert rel_err(out.view_as(batch.q), reference_attention(batch, 0.25)) < 1e-5
+
+
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "torch-fallback"])
+def test_cpu_backend_mixed_batch_matches_fp64_reference(use_kernel):
+    num_heads, num_kv_heads, head_size, block_size = 8, 2, 16, 8
+    batch = make_batch(MIXED_Q_LENS, MIXED_SEQ_LENS, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                       head_size=head_size, block_size=block_size, fill_cache=False, poison=1.0e4)
+    impl = CpuPagedAttentionBackend.get_impl_cls()(num_heads, head_size, head_size**-0.5, num_kv_heads)
+    assert impl.use_kernel
+    impl.use_kernel = use_kernel
+    k, v = new_kv(batch)
+    out = impl.forward(batch.q.reshape(len(batch.q), -1), k.reshape(len(k), -1), v.reshape(len(v), -1),
+                       head_major(batch.kv_cache), batch.md)
+    assert rel_err(out.view_as(batch.q), reference_attention(batch, head_size**-0.5)) < 1e-5
+
+
+def test_cpu_platform_picks_the_kernel_backend():
+    assert CpuPlatform.get_attn_backend_cls(None) == "tokenmill_cpu.attention:CpuPagedAttentionBackend"
