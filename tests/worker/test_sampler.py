@@ -236,3 +236,16 @@ def test_top_k_larger_than_vocab_mixed_with_small_top_k():
     out = Sampler()(logits, md).sampled_token_ids
     assert 0 <= out[0].item() < V
     assert out[1].item() in (V - 1, V - 2)
+
+
+def test_plain_greedy_batch_takes_argmax_of_low_precision_logits_directly():
+    torch.manual_seed(0)
+    logits = torch.randn(6, V).bfloat16()
+    logits[2, 3] = logits[2, 7] = logits[2].max() + 1  # a tie: the first index wins, as in float32
+    md = build_sampling_metadata([state([1]) for _ in range(6)], V, CPU)
+    out = Sampler()(logits, md)
+    assert torch.equal(out.sampled_token_ids, logits.float().argmax(dim=-1)) and out.sampled_token_ids[2] == 3
+    assert out.logprobs is None
+    # Asking for logprobs keeps the float32 path (and its figures).
+    with_lp = Sampler()(logits, build_sampling_metadata([state([1], logprobs=2) for _ in range(6)], V, CPU))
+    assert torch.equal(with_lp.sampled_token_ids, out.sampled_token_ids) and with_lp.logprobs.dtype == torch.float32

@@ -1,0 +1,82 @@
+"""Decode attention over the paged KV cache: tokenmill-cpu's C++ kernel against the torch paths, same inputs.
+
+Usage (the figures in docs/benchmarks.md, "Decode attention kernel"):
+
+    python benchmarks/attention_kernel.py --batch 256 --context 192
+
+One layer of SmolLM2-135M's shape by default (9 query heads, 3 KV heads, head size 64, bfloat16, 16-token
+blocks in random order). Prints the median time per call (milliseconds, after warm-up) of: the torch backend's
+eager decode path (gather the blocks, two batched matmuls), the same code under torch.compile (the fused loops
+Inductor generates), and the C++ kernel, plus the memory floor (keys and values read once at the measured
+streaming bandwidth of this machine) and the largest difference from the eager result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from tokenmill.attention.backends.torch_paged import TorchPagedAttentionImpl
+from tokenmill_cpu import kernels
+
+
+def median_ms(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=256, help="requests, one query token each")
+    p.add_argument("--context", type=int, default=192, help="tokens of context per request")
+    p.add_argument("--num-heads", type=int, default=9)
+    p.add_argument("--num-kv-heads", type=int, default=3)
+    p.add_argument("--head-size", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--iters", type=int, default=20)
+    args = p.parse_args()
+    if not kernels.load():
+        raise SystemExit("tokenmill-cpu's kernel did not build; see the log above")
+    dtype = getattr(torch, args.dtype)
+    g = torch.Generator().manual_seed(0)
+    b, bs, d = args.batch, args.block_size, args.head_size
+    nb = -(-args.context // bs)
+    num_blocks = b * nb + 1
+    cache = torch.randn(2, args.num_kv_heads, num_blocks, bs, d, generator=g).to(dtype)
+    table = (torch.randperm(num_blocks - 1, generator=g)[: b * nb] + 1).view(b, nb).int()
+    seq_lens = torch.full((b,), args.context, dtype=torch.int32)
+    q = torch.randn(b, args.num_heads, d, generator=g).to(dtype)
+    impl = TorchPagedAttentionImpl(args.num_heads, d, d**-0.5, args.num_kv_heads)
+    compiled = torch.compile(impl._decode, dynamic=True)
+
+    with torch.inference_mode():
+        ref = impl._decode(q, cache, table, seq_lens, bs)
+        results = {
+            "torch eager (gather + bmm)": (lambda: impl._decode(q, cache, table, seq_lens, bs)),
+            "torch.compile (Inductor loops)": (lambda: compiled(q, cache, table, seq_lens, bs)),
+            "tokenmill-cpu C++ kernel": (lambda: kernels.paged_decode(q, cache, table, seq_lens, d**-0.5)),
+        }
+        big = torch.empty(1 << 28, dtype=torch.bfloat16).fill_(1)
+        bw = big.numel() * big.element_size() / (median_ms(big.sum, 5) / 1000)
+        kv_bytes = 2 * b * args.context * args.num_kv_heads * d * cache.element_size()
+        print(f"{b} requests x {args.context} tokens, {args.num_heads}/{args.num_kv_heads} heads of {d}, {args.dtype}, "
+              f"{torch.get_num_threads()} threads")
+        print(f"{'path':34s} {'ms/call':>8s} {'max |diff|':>11s}")
+        for name, fn in results.items():
+            out = fn()
+            print(f"{name:34s} {median_ms(fn, args.iters):8.2f} {(out.float() - ref.float()).abs().max().item():11.4f}")
+        print(f"{'memory floor (K+V once)':34s} {kv_bytes / bw * 1000:8.2f}   ({kv_bytes / 1e6:.1f} MB at {bw / 1e9:.1f} GB/s)")
+
+
+if __name__ == "__main__":
+    main()
