@@ -12,6 +12,7 @@ sorted by self CPU time. Uses the embedded default model unless ``--model`` is g
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import time
 
@@ -45,14 +46,15 @@ def main() -> None:
     while not all(r.num_output_tokens > 0 for r in core.scheduler.running) or core.scheduler.waiting:
         core.step()  # prefill
     core.step()  # one warm decode step
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=os.environ.get("PROFILE_SHAPES") == "1") as prof:
         start = time.perf_counter()
         for _ in range(args.steps):
             core.step()
         step_ms = (time.perf_counter() - start) / args.steps * 1000
     mode = "eager" if args.enforce_eager else "compiled where supported"
     print(f"batch {args.batch}, {args.dtype}, quantization {args.quantization}, {mode}: decode step {step_ms:.1f} ms")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+    shapes = os.environ.get("PROFILE_SHAPES") == "1"
+    print(prof.key_averages(group_by_input_shape=shapes).table(sort_by="self_cpu_time_total", row_limit=15))
 
 
 if __name__ == "__main__":

@@ -131,7 +131,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden]`` -> ``[N, vocab]`` float32 logits."""
+        """``[N, hidden]`` -> ``[N, vocab]`` logits (the weights' dtype; the sampler widens to float32 as needed)."""
         return self.lm_head.compute_logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -55,10 +55,11 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.quant_max_tokens = max_tokens
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden]`` -> ``[N, vocab]`` logits in float32."""
+        """``[N, hidden]`` -> ``[N, vocab]`` logits in the weights' dtype (the sampler widens them to float32
+        where it needs to: a plain greedy batch takes the argmax of these directly)."""
         if self.quant is not None and hidden_states.shape[0] <= self.quant_max_tokens:
             logits = self.quant.matmul(hidden_states)
         else:
             logits = F.linear(hidden_states, self.weight)
         logits = tp_all_gather_last_dim(logits)
-        return logits[:, : self.num_embeddings].float()
+        return logits[:, : self.num_embeddings]

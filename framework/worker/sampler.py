@@ -107,9 +107,10 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         """``logits``: ``[B, V]`` (any float dtype) -> one token per row."""
         if md.all_greedy and not md.needs_processing and md.max_num_logprobs is None:
-            # Widening to float32 is exact, so the argmax of the raw logits is the same token, without
-            # materialising a float32 copy of [B, V] (10 ms per step at B=256 on a 2-core CPU).
-            return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1))
+            # Widening to float32 is exact, so the maximum of the raw logits is the same token, without a
+            # float32 copy of [B, V]. max(dim) rather than argmax: both return the first maximal index, but
+            # torch's CPU argmax is 4x slower on bfloat16 (B=256, V=49,152, 2 cores: 23 ms against 5.5 ms).
+            return SamplerOutput(sampled_token_ids=logits.max(dim=-1).indices)
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if md.max_num_logprobs is not None else None
         if md.needs_processing:
