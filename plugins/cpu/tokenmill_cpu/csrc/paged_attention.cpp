@@ -124,6 +124,49 @@ inline void pv_rows(const float* probs, int64_t stride, const T* v, int64_t rows
     }
 }
 
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+#define TOKENMILL_BF16_DOT 1
+// The totals of four 16-lane partial sums, as four floats.
+inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xEE));
+  const __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xEE));
+  __m512 z = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+  z = _mm512_add_ps(z, _mm512_permute_ps(z, 0x4E));  // 128-bit lane k now holds a_k's sum in every element
+  z = _mm512_add_ps(z, _mm512_permute_ps(z, 0xB1));
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), z));
+}
+
+// Scores of `rows` bfloat16 key rows against `group` bfloat16 query rows (qb: [group, D], D % 32 == 0) with
+// the AVX-512 BF16 pair dot product (exact bf16 products, float32 sums), four rows per horizontal reduction.
+inline void qk_rows_bf16(const at::BFloat16* qb, int64_t group, const at::BFloat16* k, int64_t rows,
+                         int64_t head_size, float scale, float* scores, int64_t stride) {
+  const __m128 vscale = _mm_set1_ps(scale);
+  for (int64_t g = 0; g < group; ++g) {
+    const at::BFloat16* qg = qb + g * head_size;
+    float* out = scores + g * stride;
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) {
+      const at::BFloat16* kr = k + r * head_size;
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t i = 0; i < head_size; i += 32) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(qg + i);
+        a0 = _mm512_dpbf16_ps(a0, qv, (__m512bh)_mm512_loadu_si512(kr + i));
+        a1 = _mm512_dpbf16_ps(a1, qv, (__m512bh)_mm512_loadu_si512(kr + head_size + i));
+        a2 = _mm512_dpbf16_ps(a2, qv, (__m512bh)_mm512_loadu_si512(kr + 2 * head_size + i));
+        a3 = _mm512_dpbf16_ps(a3, qv, (__m512bh)_mm512_loadu_si512(kr + 3 * head_size + i));
+      }
+      _mm_storeu_ps(out + r, _mm_mul_ps(reduce4(a0, a1, a2, a3), vscale));
+    }
+    for (; r < rows; ++r) {
+      __m512 a = _mm512_setzero_ps();
+      for (int64_t i = 0; i < head_size; i += 32)
+        a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(qg + i), (__m512bh)_mm512_loadu_si512(k + r * head_size + i));
+      out[r] = _mm512_reduce_add_ps(a) * scale;
+    }
+  }
+}
+#endif
+
 // Calls fn(std::integral_constant<int, n>) for 1 <= n <= kMaxGroup.
 template <typename Fn>
 inline void with_group(int64_t n, Fn&& fn) {
@@ -173,6 +216,11 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
 
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_size), acc(group * head_size), scores;
+#ifdef TOKENMILL_BF16_DOT
+    constexpr bool kBf16 = std::is_same_v<T, at::BFloat16>;
+    const bool bf16_dot = kBf16 && head_size % 32 == 0;
+    std::vector<at::BFloat16> qb(bf16_dot ? group * head_size : 0);
+#endif
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
       const int64_t len = std::min<int64_t>(std::max<int32_t>(lens[s], 0), table_width * block_size);
@@ -181,6 +229,11 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
         for (int64_t g = 0; g < group; ++g) {
           const T* src = q_ptr + s * q_stride + (h * group + g) * head_stride;
           for (int64_t i = 0; i < head_size; ++i) qf[g * head_size + i] = static_cast<float>(src[i]) * fscale;
+#ifdef TOKENMILL_BF16_DOT
+          if constexpr (kBf16) {
+            if (bf16_dot) std::copy(src, src + head_size, qb.data() + g * head_size);
+          }
+#endif
         }
         scores.resize(group * len);
         const int32_t* blocks = bt + s * table_width;
@@ -188,7 +241,15 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
         for (int64_t t0 = 0, j = 0; t0 < len; t0 += block_size, ++j) {
           const T* k_blk = k_base + h * head_cache + blocks[j] * block_elems;
           const int64_t rows = std::min(block_size, len - t0);
-          if (j + 1 < table_width && t0 + block_size < len) prefetch_block(k_base + h * head_cache + blocks[j + 1] * block_elems, block_elems);
+          if (t0 + block_size < len) prefetch_block(k_base + h * head_cache + blocks[j + 1] * block_elems, block_elems);
+#ifdef TOKENMILL_BF16_DOT
+          if constexpr (kBf16) {
+            if (bf16_dot) {
+              qk_rows_bf16(qb.data(), group, k_blk, rows, head_size, fscale, scores.data() + t0, len);
+              continue;
+            }
+          }
+#endif
           for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
             with_group(std::min(kMaxGroup, group - g0), [&](auto ng) {
               qk_rows<decltype(ng)::value>(qf.data() + g0 * head_size, k_blk, rows, head_size, vec_end,
@@ -201,7 +262,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
         for (int64_t t0 = 0, j = 0; t0 < len; t0 += block_size, ++j) {
           const T* v_blk = v_base + h * head_cache + blocks[j] * block_elems;
           const int64_t rows = std::min(block_size, len - t0);
-          if (j + 1 < table_width && t0 + block_size < len) prefetch_block(v_base + h * head_cache + blocks[j + 1] * block_elems, block_elems);
+          if (t0 + block_size < len) prefetch_block(v_base + h * head_cache + blocks[j + 1] * block_elems, block_elems);
           for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
             with_group(std::min(kMaxGroup, group - g0), [&](auto ng) {
               pv_rows<decltype(ng)::value>(scores.data() + g0 * len + t0, len, v_blk, rows, head_size, vec_end,
