@@ -15,18 +15,21 @@ from typing import Any
 class ForwardContext:
     """Attributes:
     attn_metadata: the attention backend's metadata for this step (``None`` for a dummy run without cache).
+    opaque_attention: attention layers call the ``tokenmill::attention`` custom op, which torch.compile
+        keeps as one opaque call (the backend's Python runs inside it), instead of the backend directly.
     """
 
     attn_metadata: Any
+    opaque_attention: bool = False
 
 
 _CONTEXT: ForwardContext | None = None
 
 
 @contextmanager
-def set_forward_context(attn_metadata: Any) -> Iterator[None]:
+def set_forward_context(attn_metadata: Any, opaque_attention: bool = False) -> Iterator[None]:
     global _CONTEXT
-    previous, _CONTEXT = _CONTEXT, ForwardContext(attn_metadata)
+    previous, _CONTEXT = _CONTEXT, ForwardContext(attn_metadata, opaque_attention)
     try:
         yield
     finally:

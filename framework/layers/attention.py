@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -30,8 +32,35 @@ class Attention(nn.Module):
         self.head_size = head_size
         self.impl = get_attn_backend().get_impl_cls()(num_heads, head_size, scale, num_kv_heads)
         self.kv_cache = torch.empty(0)
+        self.op_key = f"{prefix}@{id(self):x}"  # unique per instance: two engines may share layer names
+        _LAYERS[self.op_key] = self
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """``query`` ``[T, Hq*D]``, ``key``/``value`` ``[T, Hkv*D]`` -> ``[T, Hq*D]``."""
-        md = get_forward_context().attn_metadata
-        return self.impl.forward(query, key, value, self.kv_cache, md)
+        ctx = get_forward_context()
+        if ctx.opaque_attention:
+            return torch.ops.tokenmill.attention(query, key, value, self.op_key)
+        return self.impl.forward(query, key, value, self.kv_cache, ctx.attn_metadata)
+
+
+_LAYERS: weakref.WeakValueDictionary[str, Attention] = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("tokenmill::attention", mutates_args=())
+def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_key: str) -> torch.Tensor:
+    """One attention layer's whole step (cache write included) as a custom op: ``[T, Hq*D]``.
+
+    torch.compile treats it as an opaque call, so a compiled forward pass can contain attention of any kind of
+    step (prefill chunks, mixed batches) while the backend runs its own Python (per-request loops, host
+    metadata) eagerly inside it. The layer, its backend and its cache are found by ``layer_key``, the step's
+    metadata in the forward context; only the output is declared, so the compiler sees no mutation of the
+    cache (it is never an argument) and keeps the calls in layer order through their data dependencies.
+    """
+    layer = _LAYERS[layer_key]
+    out = layer.impl.forward(query, key, value, layer.kv_cache, get_forward_context().attn_metadata)
+    return out.contiguous()
+
+
+@attention_op.register_fake
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_key: str) -> torch.Tensor:
+    return query.new_empty(query.shape[0], query.shape[1])

@@ -9,15 +9,23 @@ requests, SmolLM2-135M, bfloat16: 518 ms per step eager, 361 ms compiled, attent
 
 How it runs:
 
-* Only decode-only steps (``max_query_len == 1``) take this path (every batch size up to ``max_num_seqs``),
-  and only with an attention backend that declares ``supports_compile`` (its decode path reads device
-  tensors only, or calls a registered custom op). Prefill and mixed steps run eagerly.
-* One compilation serves every batch size ``2 .. max_batch_size`` and every context length (dynamic shapes);
-  batch size 1 is compiled separately (the compiler specialises sizes 0 and 1). The block table is padded to
-  at least two columns (block 0, masked by ``seq_lens``) so that short contexts reuse the same compilation.
-* Both compilations happen in :meth:`warm_up`, at engine start-up (a minute or two on a small CPU the first
-  time; Inductor's on-disk cache makes later starts take seconds). Warm-up writes keys/values of a dummy token
-  into slot 0 of block 0, which is harmless: a slot is always written by its owner before it is read.
+* Decode-only steps (``max_query_len == 1``, up to ``max_num_seqs`` requests) trace attention too, with an
+  attention backend that declares ``supports_compile`` (its decode path reads device tensors only, or calls
+  a registered custom op), so the whole step is one graph.
+* Prefill and mixed steps run the ``mixed`` compilation: every attention layer is one opaque custom op
+  (``tokenmill::attention``, see ``tokenmill.layers.attention``) that runs the backend eagerly, and the
+  compiler fuses everything between them (norms, rotary, activation, residual adds): 128-token prefills of
+  SmolLM2-135M spend about a sixth of their time in those operators eagerly.
+* Kinds, each one guard-free compilation with dynamic shapes: ``one`` (decode of one request; the compiler
+  specialises sizes 0 and 1), ``many`` (decode of 2 or more), ``large`` (decode of more than the quantized
+  layers' row limit, only when the model has quantized layers: a compilation bakes in the branch its
+  trace took, and the dense matmul is the right one for large batches) and ``mixed``. The block table is
+  padded to at least two columns (block 0, masked by ``seq_lens``) so that short contexts reuse the decode
+  compilations.
+* Every compilation happens in :meth:`warm_up`, at engine start-up (a minute or two on a small CPU the first
+  time; Inductor's on-disk cache makes later starts take seconds). Warm-up writes keys/values of dummy tokens
+  into block 0, which is harmless: a slot is always written by its owner before it is read, and no request
+  exists yet.
 * ``--enforce-eager`` turns it off, as does ``TOKENMILL_COMPILE=0`` in the environment (the test suite sets
   it so that its many short-lived engines skip compiling) and a platform without ``supports_compile``. If
   compilation fails the engine logs why and stays eager.
@@ -59,7 +67,8 @@ def _own_forward(model: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor
 
 
 class CompiledDecodeRunner:
-    """Runs decode-only steps of at most ``max_batch_size`` requests through ``torch.compile(model)``.
+    """Runs model forward passes through ``torch.compile(model)``: decode steps of at most ``max_batch_size``
+    requests with attention traced, other steps with attention as an opaque op.
 
     Args:
         model: the loaded model (``forward(input_ids, positions)``).
@@ -70,6 +79,14 @@ class CompiledDecodeRunner:
     def __init__(self, model: torch.nn.Module, max_batch_size: int, block_size: int) -> None:
         self.max_batch_size = max_batch_size
         self.block_size = block_size
+        # Quantized layers switch to their dense weight above this many rows (0: no quantized layer).
+        self.quant_max_rows = max(
+            (getattr(m, "quant_max_tokens", 0) for m in model.modules() if getattr(m, "quant", None) is not None),
+            default=0,
+        )
+        kinds = ["one", "many", "mixed"]
+        if 0 < self.quant_max_rows < max_batch_size:
+            kinds.append("large")
         # One compilation for a batch of one and one for larger batches, each with its own code object (see
         # _own_forward) and without guards or size asserts: checking torch.compile's guards (thousands, on the
         # model's modules and tensors) took over a millisecond per step, the generated code's input size
@@ -83,9 +100,9 @@ class CompiledDecodeRunner:
                 fullgraph=True,
                 options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe, "size_asserts": False},
             )
-            for kind in ("one", "many")
+            for kind in kinds
         }
-        self.steps = 0
+        self.kind_steps = dict.fromkeys(self.compiled, 0)  # steps run per kind since warm-up
 
     @classmethod
     def create_if_enabled(cls, runner: ModelRunner) -> CompiledDecodeRunner | None:
@@ -115,18 +132,29 @@ class CompiledDecodeRunner:
         return compiled
 
     def can_run(self, batch: BatchInputs) -> bool:
-        """Whether ``batch`` is a decode-only step of at most ``max_batch_size`` requests."""
+        """Whether ``batch`` has a compiled kind: any step with tokens, decode steps up to ``max_batch_size``."""
         md = batch.attn_metadata
-        return md.max_query_len == 1 and 0 < md.num_actual_tokens <= self.max_batch_size
+        if md.max_query_len == 1:
+            return 0 < md.num_actual_tokens <= self.max_batch_size
+        return md.num_actual_tokens > 1
+
+    def kind(self, md: AttentionMetadata) -> str:
+        """The compilation that runs a step with metadata ``md``."""
+        if md.max_query_len > 1:
+            return "mixed"
+        if md.num_actual_tokens == 1:
+            return "one"
+        return "large" if "large" in self.compiled and md.num_actual_tokens > self.quant_max_rows else "many"
 
     def run(self, batch: BatchInputs) -> torch.Tensor:
-        """The compiled forward pass of ``batch``: ``[B, hidden]``."""
+        """The compiled forward pass of ``batch``: ``[T, hidden]``."""
         md = batch.attn_metadata
-        if md.block_table.shape[1] < 2:
+        kind = self.kind(md)
+        if kind != "mixed" and md.block_table.shape[1] < 2:
             md = self._pad_block_table(md)
-        self.steps += 1
-        with set_forward_context(md):
-            return self.compiled["one" if md.num_actual_tokens == 1 else "many"](batch.input_ids, batch.positions)
+        self.kind_steps[kind] += 1
+        with set_forward_context(md, opaque_attention=kind == "mixed"):
+            return self.compiled[kind](batch.input_ids, batch.positions)
 
     def _pad_block_table(self, md: AttentionMetadata) -> AttentionMetadata:
         pad = md.block_table.new_zeros(md.block_table.shape[0], 2 - md.block_table.shape[1])
@@ -134,32 +162,45 @@ class CompiledDecodeRunner:
 
     @torch.inference_mode()
     def warm_up(self, device: torch.device) -> None:
-        """Compile for batch size 1 and for batch sizes ``2 .. max_batch_size`` (see the module docstring)."""
+        """Compile every kind (see the module docstring), tracing each with a step of its own kind."""
+        start = time.perf_counter()
+        # Distinct sizes per trace: equal sizes at trace time would be tied together. "large" and "mixed"
+        # trace above the quantized row limit so that they take the dense matmuls.
+        above = max(self.quant_max_rows, 3) + 5
+        for kind, size in (("one", 1), ("many", 3), ("large", above), ("mixed", above)):
+            if kind in self.compiled:
+                self.run(self._dummy_batch(kind, size, device))
+        self.kind_steps = dict.fromkeys(self.compiled, 0)
+        logger.info(
+            "compiled forward passes with torch.compile in %.1f s: decode steps of 1-%d requests, prefill and "
+            "mixed steps (--enforce-eager skips this)",
+            time.perf_counter() - start,
+            self.max_batch_size,
+        )
+
+    def _dummy_batch(self, kind: str, size: int, device: torch.device) -> BatchInputs:
+        """Decode of ``size`` requests, or (``mixed``) one fresh prefill of ``size`` tokens; writes go to block 0."""
         from tokenmill.worker.input_batch import BatchInputs
 
-        start = time.perf_counter()
-        # Distinct batch sizes and block-table widths: equal sizes at trace time would be tied together.
-        for size in sorted({1, min(3, self.max_batch_size)}):
-            ids = torch.zeros(size, dtype=torch.int64, device=device)
-            md = AttentionMetadata(
-                num_actual_tokens=size,
-                query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=device),
-                seq_lens=torch.ones(size, dtype=torch.int32, device=device),
-                block_table=torch.zeros(size, size + 2, dtype=torch.int32, device=device),
-                slot_mapping=torch.zeros(size, dtype=torch.int64, device=device),
-                max_query_len=1,
-                max_seq_len=1,
-                query_start_loc_cpu=list(range(size + 1)),
-                seq_lens_cpu=[1] * size,
-                block_size=self.block_size,
-            )
-            torch._dynamo.mark_dynamic(md.block_table, 1)
-            if size > 1:
-                torch._dynamo.mark_dynamic(ids, 0)
-            self.run(BatchInputs(ids, ids.clone(), md, ids.clone(), [True] * size))
-        self.steps = 0
-        logger.info(
-            "compiled decode steps of 1-%d requests with torch.compile in %.1f s (--enforce-eager skips this)",
-            self.max_batch_size,
-            time.perf_counter() - start,
+        ids = torch.zeros(size, dtype=torch.int64, device=device)
+        if kind == "mixed":
+            num_reqs, seq_lens, qsl = 1, [size], [0, size]
+        else:
+            num_reqs, seq_lens, qsl = size, [1] * size, list(range(size + 1))
+        md = AttentionMetadata(
+            num_actual_tokens=size,
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_table=torch.zeros(num_reqs, size + 2, dtype=torch.int32, device=device),
+            slot_mapping=torch.zeros(size, dtype=torch.int64, device=device),
+            max_query_len=size if kind == "mixed" else 1,
+            max_seq_len=max(seq_lens),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens,
+            block_size=self.block_size,
         )
+        torch._dynamo.mark_dynamic(md.block_table, 1)
+        if size > 1:
+            torch._dynamo.mark_dynamic(ids, 0)
+        logits_indices = torch.tensor([size - 1] if kind == "mixed" else list(range(size)), device=device)
+        return BatchInputs(ids, ids.clone(), md, logits_indices, [True] * num_reqs)

@@ -37,7 +37,8 @@ def test_compiled_decode_matches_transformers_for_two_models_in_one_process(comp
         assert run_engine(core, PROMPTS, max_tokens=10) == hf_greedy(model_dir, PROMPTS, 10)
         single = [[5, 6, 7]]
         assert run_engine(core, single, max_tokens=24) == hf_greedy(model_dir, single, 24)  # batch of one
-        assert runner.steps >= 9 + 23
+        assert runner.kind_steps["many"] >= 9 and runner.kind_steps["one"] >= 23
+        assert runner.kind_steps["mixed"] >= 2  # the prompts' prefills ran compiled too
 
 
 def test_enforce_eager_and_environment_switch(compile_on, tiny_llama_dir, monkeypatch) -> None:
@@ -46,9 +47,11 @@ def test_enforce_eager_and_environment_switch(compile_on, tiny_llama_dir, monkey
     assert _compiled_core(tiny_llama_dir).executor.worker.model_runner.compiled_runner is None
 
 
-def test_only_small_decode_only_steps_run_compiled() -> None:
+def test_steps_choose_their_compiled_kind() -> None:
     runner = CompiledDecodeRunner.__new__(CompiledDecodeRunner)
     runner.max_batch_size = 4
+    runner.compiled = {"one": None, "many": None, "mixed": None}
+    runner.quant_max_rows = 0
     params = SamplingParams(max_tokens=4)
 
     def state(i: int, tokens: int, computed: int) -> CachedRequestState:
@@ -56,7 +59,15 @@ def test_only_small_decode_only_steps_run_compiled() -> None:
 
     cpu = torch.device("cpu")
     decodes = [state(i, 4, 3) for i in range(5)]
-    assert runner.can_run(build_batch_inputs(decodes[:4], [1] * 4, 8, cpu))
+    four = build_batch_inputs(decodes[:4], [1] * 4, 8, cpu)
+    assert runner.can_run(four) and runner.kind(four.attn_metadata) == "many"
+    one = build_batch_inputs(decodes[:1], [1], 8, cpu)
+    assert runner.can_run(one) and runner.kind(one.attn_metadata) == "one"
     assert not runner.can_run(build_batch_inputs(decodes, [1] * 5, 8, cpu))  # above max_batch_size
     prefill = state(9, 3, 0)
-    assert not runner.can_run(build_batch_inputs([decodes[0], prefill], [1, 3], 8, cpu))  # mixed step
+    mixed = build_batch_inputs([decodes[0], prefill], [1, 3], 8, cpu)
+    assert runner.can_run(mixed) and runner.kind(mixed.attn_metadata) == "mixed"
+    # With quantized layers (dense above 2 rows here), decode steps above the limit have their own kind.
+    runner.compiled["large"], runner.quant_max_rows = None, 2
+    assert runner.kind(build_batch_inputs(decodes[:2], [1] * 2, 8, cpu).attn_metadata) == "many"
+    assert runner.kind(build_batch_inputs(decodes[:3], [1] * 3, 8, cpu).attn_metadata) == "large"
