@@ -71,3 +71,14 @@ def test_steps_choose_their_compiled_kind() -> None:
     runner.compiled["large"], runner.quant_max_rows = None, 2
     assert runner.kind(build_batch_inputs(decodes[:2], [1] * 2, 8, cpu).attn_metadata) == "many"
     assert runner.kind(build_batch_inputs(decodes[:3], [1] * 3, 8, cpu).attn_metadata) == "large"
+
+
+def test_quantized_model_compiles_a_large_decode_kind_and_matches_eager(compile_on, tiny_llama_dir) -> None:
+    # 40 requests decode together: above int8's 32-row limit, where layers use their dense weights.
+    prompts = [[(7 * i + j) % 50 + 3 for j in range(3 + i % 4)] for i in range(40)]
+    eager = run_engine(_compiled_core(tiny_llama_dir, quantization="int8", enforce_eager=True), prompts, max_tokens=6)
+    core = _compiled_core(tiny_llama_dir, quantization="int8")
+    runner = core.executor.worker.model_runner.compiled_runner
+    assert runner is not None and runner.quant_max_rows == 32 and "large" in runner.compiled
+    assert run_engine(core, prompts, max_tokens=6) == eager
+    assert runner.kind_steps["large"] >= 4 and runner.kind_steps["mixed"] >= 1
