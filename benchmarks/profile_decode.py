@@ -4,6 +4,10 @@ Usage (the figures in docs/benchmarks.md, "Where a decode step's time goes"):
 
     python benchmarks/profile_decode.py --batch 1 --dtype bfloat16 --quantization int4 [--enforce-eager]
     python benchmarks/profile_decode.py --batch 256 --dtype bfloat16
+    python benchmarks/profile_decode.py --batch 64 --dtype bfloat16 --prefill   # the prefill steps instead
+
+With ``--prefill`` the profiled steps are those that prefill the ``--batch`` prompts (2,048 tokens per step,
+the default budget); the line printed gives their total time and prompt tokens per second.
 
 Prints the mean wall time of a decode step (milliseconds, profiler overhead included) and the torch operators
 sorted by self CPU time. Uses the embedded default model unless ``--model`` is given.
@@ -32,15 +36,20 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--quantization", default=None, choices=[None, "int8", "int4"])
     p.add_argument("--steps", type=int, default=10, help="decode steps profiled")
-    p.add_argument("--enforce-eager", action="store_true", help="no torch.compile of small decode steps")
+    p.add_argument("--enforce-eager", action="store_true", help="no torch.compile of the forward pass")
+    p.add_argument("--prefill", action="store_true", help="profile the prompts' prefill steps, not decode steps")
     args = p.parse_args()
     config = EngineArgs(model=args.model, dtype=args.dtype, quantization=args.quantization, max_model_len=2048,
-                        kv_cache_memory="2GiB", max_num_batched_tokens=8192,
+                        kv_cache_memory="2GiB", max_num_batched_tokens=2048 if args.prefill else 8192,
                         enforce_eager=args.enforce_eager).create_engine_config()
     core = EngineCore(config)
     rng = random.Random(0)
     vocab = config.model_config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=args.steps + 8, ignore_eos=True)
+    mode = "eager" if args.enforce_eager else "compiled where supported"
+    if args.prefill:
+        profile_prefill(core, args, params, rng, vocab, mode)
+        return
     for i in range(args.batch):
         core.add_request(EngineCoreRequest(f"r{i}", [rng.randrange(100, vocab) for _ in range(args.input_len)], params))
     while not all(r.num_output_tokens > 0 for r in core.scheduler.running) or core.scheduler.waiting:
@@ -51,10 +60,32 @@ def main() -> None:
         for _ in range(args.steps):
             core.step()
         step_ms = (time.perf_counter() - start) / args.steps * 1000
-    mode = "eager" if args.enforce_eager else "compiled where supported"
     print(f"batch {args.batch}, {args.dtype}, quantization {args.quantization}, {mode}: decode step {step_ms:.1f} ms")
     shapes = os.environ.get("PROFILE_SHAPES") == "1"
     print(prof.key_averages(group_by_input_shape=shapes).table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+def profile_prefill(core: EngineCore, args: argparse.Namespace, params: SamplingParams, rng: random.Random,
+                    vocab: int, mode: str) -> None:
+    def add(n: int, tag: str) -> None:
+        for i in range(n):
+            prompt = [rng.randrange(100, vocab) for _ in range(args.input_len)]
+            core.add_request(EngineCoreRequest(f"{tag}{i}", prompt, params))
+
+    add(8, "warm")  # one untimed round of prefill and decode
+    while core.scheduler.waiting or core.scheduler.running:
+        core.step()
+    add(args.batch, "r")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start, steps = time.perf_counter(), 0
+        while core.scheduler.waiting or any(r.num_output_tokens == 0 for r in core.scheduler.running):
+            core.step()
+            steps += 1
+        elapsed = time.perf_counter() - start
+    tokens = args.batch * args.input_len
+    print(f"prefill of {args.batch} x {args.input_len} tokens, {args.dtype}, {mode}: {steps} steps, {elapsed:.2f} s, "
+          f"{tokens / elapsed:.0f} prompt tokens/s")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
 if __name__ == "__main__":
