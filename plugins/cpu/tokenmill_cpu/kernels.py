@@ -1,12 +1,13 @@
 """tokenmill-cpu's C++ kernels (``csrc/``), compiled on first use with ``torch.utils.cpp_extension``.
 
 Why a custom kernel: decode attention over the paged cache is a memory-bound loop over the blocks of every
-request. Neither eager torch (gather the blocks, then two batched matmuls of a few rows each: 8 ms per layer
-for 256 requests of 192 tokens, SmolLM2-135M's 9 query / 3 KV heads, bfloat16) nor TorchInductor's code for the
-same computation (5.7 ms: index arithmetic and a horizontal sum per key row) comes near the memory floor
-(0.75 ms: 38 MB of keys and values at 50 GB/s). ``csrc/paged_attention.cpp`` reads each block in place once,
-shares every key/value row among the query heads of its KV head and keeps accumulators in registers:
-3.1 ms (``benchmarks/attention_kernel.py``).
+request. Neither eager torch (gather the blocks, then two batched matmuls of a few rows each) nor
+TorchInductor's code for the same computation (index arithmetic and a horizontal sum per key row) comes near
+the memory floor. ``csrc/paged_attention.cpp`` reads each block in place once, shares every key/value row
+among the query heads of its KV head, keeps accumulators in registers and, for bfloat16, uses the AVX-512 BF16
+pair dot product. ``python benchmarks/attention_kernel.py`` (256 requests x 192 tokens, SmolLM2-135M's 9 query
+/ 3 KV heads, bfloat16, 2 cores, 2026-11-30): eager 10.0 ms, torch.compile 8.9 ms, this kernel 2.7 ms, memory
+floor 1.2 ms.
 
 The build (about 10 to 30 s, once per machine and torch version; cached under torch's extension directory,
 ``TORCH_EXTENSIONS_DIR``) needs a C++ compiler and ``ninja``. Without them, or with
