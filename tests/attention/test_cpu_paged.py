@@ -66,6 +66,14 @@ def test_kernel_rejects_bad_inputs_with_errors_not_crashes():
         kernels.paged_decode(batch.q, cache, bt.long(), sl, 0.2)
     with pytest.raises(RuntimeError, match="kv_cache"):
         kernels.paged_decode(batch.q, cache.transpose(1, 2), bt, sl, 0.2)
+    with pytest.raises(RuntimeError, match="needs more blocks"):
+        kernels.paged_decode(batch.q, cache, bt, torch.tensor([5, bt.shape[1] * 4 + 1], dtype=torch.int32), 0.2)
+    with pytest.raises(RuntimeError, match="at least one KV head"):
+        kernels.paged_decode(batch.q, cache[:, :0].contiguous(), bt, sl, 0.2)
+    with pytest.raises(RuntimeError, match="multiple"):
+        kernels.paged_decode(batch.q[:, :3].contiguous(), cache, bt, sl, 0.2)
+    empty = kernels.paged_decode(batch.q[:0], cache, bt[:0], sl[:0], 0.2)
+    assert empty.shape == (0, 4 * 32)
 
 
 def test_kernel_traces_under_torch_compile_with_dynamic_batch():

@@ -104,6 +104,7 @@ def paged_decode(
         ``[B, Hq * D]`` in ``q``'s dtype; a request with ``seq_lens <= 0`` gets zeros.
 
     Raises:
-        RuntimeError: shapes, dtypes or layouts are not as above, or a block id is out of range.
+        RuntimeError: shapes, dtypes or layouts are not as above, a block id is out of range, or a request's
+            ``seq_lens`` needs more blocks than its block-table row has.
     """
     return torch.ops.tokenmill_cpu.paged_decode(q, kv_cache, block_table, seq_lens, scale)

@@ -207,7 +207,9 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
   const float fscale = static_cast<float>(scale);
   // Fail before the parallel region: an out-of-range block id would read outside the cache.
   for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t used = std::min<int64_t>((std::max<int32_t>(lens[s], 0) + block_size - 1) / block_size, table_width);
+    TORCH_CHECK(lens[s] <= table_width * block_size, "seq_lens[", s, "] = ", lens[s], " needs more blocks than the ",
+                table_width, " of its block table row");
+    const int64_t used = (std::max<int32_t>(lens[s], 0) + block_size - 1) / block_size;
     for (int64_t j = 0; j < used; ++j) {
       const int32_t blk = bt[s * table_width + j];
       TORCH_CHECK(blk >= 0 && blk < num_blocks, "block table entry ", blk, " of request ", s, " is out of range");
@@ -223,7 +225,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
 #endif
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
-      const int64_t len = std::min<int64_t>(std::max<int32_t>(lens[s], 0), table_width * block_size);
+      const int64_t len = std::max<int32_t>(lens[s], 0);
       std::fill(acc.begin(), acc.end(), 0.f);
       if (len > 0) {
         for (int64_t g = 0; g < group; ++g) {
@@ -283,7 +285,10 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const a
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be a contiguous [2, Hkv, num_blocks, block_size, D] tensor");
   TORCH_CHECK(kv_cache.scalar_type() == q.scalar_type(), "q and kv_cache must have the same dtype");
-  TORCH_CHECK(kv_cache.size(4) == q.size(2) && q.size(1) % kv_cache.size(1) == 0, "head sizes do not match");
+  TORCH_CHECK(kv_cache.size(1) > 0 && kv_cache.size(3) > 0 && q.size(2) > 0,
+              "kv_cache needs at least one KV head, a block size and a head size above 0");
+  TORCH_CHECK(kv_cache.size(4) == q.size(2) && q.size(1) % kv_cache.size(1) == 0,
+              "q's heads must be a multiple of kv_cache's KV heads, with the same head size");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 && block_table.is_contiguous()
                   && block_table.size(0) == q.size(0), "block_table must be a contiguous [B, nb] int32 tensor");
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.numel() == q.size(0) && seq_lens.is_contiguous(),
