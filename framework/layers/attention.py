@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import weakref
 
 import torch
@@ -32,7 +33,9 @@ class Attention(nn.Module):
         self.head_size = head_size
         self.impl = get_attn_backend().get_impl_cls()(num_heads, head_size, scale, num_kv_heads)
         self.kv_cache = torch.empty(0)
-        self.op_key = f"{prefix}@{id(self):x}"  # unique per instance: two engines may share layer names
+        # Unique in the process (two engines may share layer names) and the same from one run to the next, so
+        # that compiled graphs, which hold it as a constant, hit Inductor's on-disk cache at the next start.
+        self.op_key = f"{prefix}#{next(_INSTANCE_IDS)}"
         _LAYERS[self.op_key] = self
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -44,6 +47,7 @@ class Attention(nn.Module):
 
 
 _LAYERS: weakref.WeakValueDictionary[str, Attention] = weakref.WeakValueDictionary()
+_INSTANCE_IDS = itertools.count()
 
 
 @torch.library.custom_op("tokenmill::attention", mutates_args=())

@@ -169,7 +169,9 @@ class CompiledDecodeRunner:
         above = max(self.quant_max_rows, 3) + 5
         for kind, size in (("one", 1), ("many", 3), ("large", above), ("mixed", above)):
             if kind in self.compiled:
+                kind_start = time.perf_counter()
                 self.run(self._dummy_batch(kind, size, device))
+                logger.debug("compiled %s steps in %.1f s", kind, time.perf_counter() - kind_start)
         self.kind_steps = dict.fromkeys(self.compiled, 0)
         logger.info(
             "compiled forward passes with torch.compile in %.1f s: decode steps of 1-%d requests, prefill and "

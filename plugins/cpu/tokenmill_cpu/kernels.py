@@ -9,13 +9,14 @@ pair dot product. ``python benchmarks/attention_kernel.py`` (256 requests x 192 
 / 3 KV heads, bfloat16, 2 cores, 2026-11-30): eager 10.0 ms, torch.compile 8.9 ms, this kernel 2.7 ms, memory
 floor 1.2 ms.
 
-The build (about 10 to 30 s, once per machine and torch version; cached under torch's extension directory,
-``TORCH_EXTENSIONS_DIR``) needs a C++ compiler and ``ninja``. Without them, or with
+The build (about 10 to 30 s, once per machine, torch version and checkout; cached under torch's extension
+directory, ``TORCH_EXTENSIONS_DIR``) needs a C++ compiler and ``ninja``. Without them, or with
 ``TOKENMILL_CPU_KERNELS=0``, :func:`load` returns ``False`` and attention stays on the torch path.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -62,8 +63,10 @@ def _build() -> bool:
     flags = ["-O3", "-march=native", "-fopenmp", *_CAPABILITY_FLAGS.get(capability, [])]
     start = time.perf_counter()
     try:
+        # One build directory per source location: checkouts sharing it would rebuild each other's copy.
+        where = hashlib.sha1(str(CSRC.resolve()).encode()).hexdigest()[:8]
         load_extension(
-            name=f"tokenmill_cpu_kernels_{capability.lower()}",
+            name=f"tokenmill_cpu_kernels_{capability.lower()}_{where}",
             sources=[str(CSRC / name) for name in SOURCES],
             extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
@@ -71,8 +74,10 @@ def _build() -> bool:
             verbose=False,
         )
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, build error: fall back, never fail
+        # The message starts with the compiler command line; its reason is at the end.
+        reason = " | ".join(line.strip() for line in str(exc).strip().splitlines()[-3:])
         logger.warning("could not build tokenmill-cpu's attention kernel, using the torch path (%s: %s)",
-                       type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+                       type(exc).__name__, reason)
         return False
     _register_fake()
     logger.info("tokenmill-cpu kernels ready (%s, %.1f s)", capability, time.perf_counter() - start)
