@@ -22,8 +22,9 @@ How it runs:
   trace took, and the dense matmul is the right one for large batches) and ``mixed``. The block table is
   padded to at least two columns (block 0, masked by ``seq_lens``) so that short contexts reuse the decode
   compilations.
-* Every compilation happens in :meth:`warm_up`, at engine start-up (a minute or two on a small CPU the first
-  time; Inductor's on-disk cache makes later starts take seconds). Warm-up writes keys/values of dummy tokens
+* Every compilation happens in :meth:`warm_up`, at engine start-up (one to two minutes on 2 cores the first
+  time; about 40 s once Inductor's on-disk caches hold the graphs: each decode kind's first Dynamo analysis
+  restarts once per start and misses AOTAutograd's cache, about 8 s each, not yet understood). Warm-up writes keys/values of dummy tokens
   into block 0, which is harmless: a slot is always written by its owner before it is read, and no request
   exists yet.
 * ``--enforce-eager`` turns it off, as does ``TOKENMILL_COMPILE=0`` in the environment (the test suite sets
