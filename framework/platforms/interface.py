@@ -56,7 +56,7 @@ class Platform:
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float32",)
     default_dtype: ClassVar[str] = "float32"
     supports_graph_capture: ClassVar[bool] = False
-    # torch.compile the forward pass of small decode steps (tokenmill.worker.compiled_runner)
+    # torch.compile the forward pass of every step (tokenmill.worker.compiled_runner)
     supports_compile: ClassVar[bool] = False
     worker_cls: ClassVar[str] = DEFAULT_WORKER
 

@@ -1,4 +1,4 @@
-"""torch.compile'd forward pass for decode-only steps (the CPU's answer to device graphs).
+"""torch.compile'd forward pass for every kind of step (the CPU's answer to device graphs).
 
 A decode step with few running requests does little arithmetic per operator, so on a CPU its time goes to
 launching several hundred small eager operators (norms, rotary, the cache write, attention, conversions).
@@ -67,7 +67,7 @@ def _own_forward(model: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor
     return types.MethodType(private, model)
 
 
-class CompiledDecodeRunner:
+class CompiledRunner:
     """Runs model forward passes through ``torch.compile(model)``: decode steps of at most ``max_batch_size``
     requests with attention traced, other steps with attention as an opaque op.
 
@@ -106,7 +106,7 @@ class CompiledDecodeRunner:
         self.kind_steps = dict.fromkeys(self.compiled, 0)  # steps run per kind since warm-up
 
     @classmethod
-    def create_if_enabled(cls, runner: ModelRunner) -> CompiledDecodeRunner | None:
+    def create_if_enabled(cls, runner: ModelRunner) -> CompiledRunner | None:
         """A warmed-up runner for ``runner``'s model, or ``None`` when compilation is off or fails.
 
         Off with ``enforce_eager`` or ``TOKENMILL_COMPILE=0``, on platforms without ``supports_compile``, with

@@ -11,7 +11,7 @@ from tokenmill.forward_context import set_forward_context
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.quantization import quantize_model
 from tokenmill.model_loader.loader import get_model, str_to_dtype
-from tokenmill.worker.compiled_runner import CompiledDecodeRunner
+from tokenmill.worker.compiled_runner import CompiledRunner
 from tokenmill.worker.graph_runner import GraphRunner
 from tokenmill.worker.input_batch import CachedRequestState, build_batch_inputs, build_sampling_metadata
 from tokenmill.worker.sampler import Sampler, gather_logprobs
@@ -44,7 +44,7 @@ class ModelRunner:
         self.prompt_logprobs: dict[str, list[LogprobEntry]] = {}
         self.vocab_size = config.model_config.vocab_size
         self.graph_runner: GraphRunner | None = None  # device graphs for decode steps (platform-provided)
-        self.compiled_runner: CompiledDecodeRunner | None = None  # torch.compile'd small decode steps
+        self.compiled_runner: CompiledRunner | None = None  # torch.compile'd forward passes
 
     def load_model(self) -> None:
         self.model = get_model(self.config.model_config, self.device)
@@ -83,7 +83,7 @@ class ModelRunner:
             self.kv_caches.append(cache)
         self.graph_runner = GraphRunner.create_if_enabled(self)  # captures against the new cache
         if self.graph_runner is None:
-            self.compiled_runner = CompiledDecodeRunner.create_if_enabled(self)
+            self.compiled_runner = CompiledRunner.create_if_enabled(self)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:

@@ -1,4 +1,4 @@
-"""CompiledDecodeRunner: torch.compile'd decode steps give transformers' greedy tokens, and stay per model."""
+"""CompiledRunner: torch.compile'd decode steps give transformers' greedy tokens, and stay per model."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from tests.models.test_llama_correctness import PROMPTS, run_engine
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine_args import EngineArgs
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.worker.compiled_runner import CompiledDecodeRunner
+from tokenmill.worker.compiled_runner import CompiledRunner
 from tokenmill.worker.input_batch import CachedRequestState, build_batch_inputs
 
 
@@ -48,7 +48,7 @@ def test_enforce_eager_and_environment_switch(compile_on, tiny_llama_dir, monkey
 
 
 def test_steps_choose_their_compiled_kind() -> None:
-    runner = CompiledDecodeRunner.__new__(CompiledDecodeRunner)
+    runner = CompiledRunner.__new__(CompiledRunner)
     runner.max_batch_size = 4
     runner.compiled = {"one": None, "many": None, "mixed": None}
     runner.quant_max_rows = 0

@@ -24,7 +24,7 @@ class CpuPlatform(Platform):
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float16")
     default_dtype: ClassVar[str] = "float32"  # correctness first; bfloat16 with --dtype bfloat16
     supports_graph_capture: ClassVar[bool] = False
-    supports_compile: ClassVar[bool] = True  # per-op overhead dominates small decode steps on a CPU
+    supports_compile: ClassVar[bool] = True  # fused pointwise work; per-op overhead dominates small steps on a CPU
 
     @classmethod
     def get_attn_backend_cls(cls, config: EngineConfig) -> str:
