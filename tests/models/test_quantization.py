@@ -12,6 +12,7 @@ from tokenmill.layers.linear import ColumnParallelLinear
 from tokenmill.layers.vocab_embedding import ParallelLMHead
 from tokenmill.layers.quantization import Int8WeightOnly, UnsupportedShapeError, get_quantized_weight_cls, quantize_model
 from tokenmill_cpu.int4 import Int4WeightOnly
+from tokenmill_cpu.quant_linear import Q4Weight, Q8Weight
 
 
 def test_int8_matmul_close_to_float():
@@ -58,12 +59,17 @@ def test_int4_rejects_unpackable_shapes_and_model_keeps_them_full_precision():
         Int4WeightOnly(torch.randn(8, 64))  # output features not a multiple of 16
     odd, even = ColumnParallelLinear(40, 16), ColumnParallelLinear(64, 16)
     assert quantize_model(torch.nn.Sequential(odd, even), "int4") == 1
-    assert odd.quant is None and isinstance(even.quant, Int4WeightOnly)
+    assert odd.quant is None and isinstance(even.quant, Q4Weight)
 
 
-def test_methods_come_from_the_platform():
+def test_methods_come_from_the_platform(monkeypatch):
+    assert get_quantized_weight_cls("int8") is Q8Weight  # the CPU plugin's VNNI kernels
+    assert get_quantized_weight_cls("int4") is Q4Weight
+    from tokenmill_cpu import kernels
+
+    monkeypatch.setattr(kernels, "load", lambda: False)  # no compiler: torch's packed ops
     assert get_quantized_weight_cls("int8") is Int8WeightOnly
-    assert get_quantized_weight_cls("int4") is Int4WeightOnly  # the CPU plugin's kernel
+    assert get_quantized_weight_cls("int4") is Int4WeightOnly
     with pytest.raises(ValueError, match="quantization"):
         get_quantized_weight_cls("int3")
 
@@ -74,7 +80,7 @@ def test_int4_keeps_the_lm_head_at_int8():
     torch.nn.init.normal_(head.weight)
     torch.nn.init.normal_(layer.weight)
     assert quantize_model(torch.nn.ModuleList([layer, head]), "int4") == 2
-    assert isinstance(layer.quant, Int4WeightOnly) and isinstance(head.quant, Int8WeightOnly)
+    assert isinstance(layer.quant, Q4Weight) and isinstance(head.quant, Q8Weight)
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])

@@ -28,7 +28,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("paged_attention.cpp",)
+SOURCES = ("paged_attention.cpp", "quant_linear.cpp")
 _CAPABILITY_FLAGS = {
     "AVX512": ["-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"],
     "AVX2": ["-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"],
@@ -76,7 +76,7 @@ def _build() -> bool:
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, build error: fall back, never fail
         # The message starts with the compiler command line; its reason is at the end.
         reason = " | ".join(line.strip() for line in str(exc).strip().splitlines()[-3:])
-        logger.warning("could not build tokenmill-cpu's attention kernel, using the torch path (%s: %s)",
+        logger.warning("could not build tokenmill-cpu's C++ kernels, using the torch paths (%s: %s)",
                        type(exc).__name__, reason)
         return False
     _register_fake()
@@ -91,6 +91,14 @@ def _register_fake() -> None:
     def _(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
           scale: float) -> torch.Tensor:
         return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+    @torch.library.register_fake("tokenmill_cpu::q8_linear")
+    def _(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(x.shape[0], packed.shape[0] * 16)
+
+    @torch.library.register_fake("tokenmill_cpu::q4_linear")
+    def _(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(x.shape[0], packed.shape[0] * 16)
 
 
 def paged_decode(

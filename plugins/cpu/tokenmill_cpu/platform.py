@@ -33,6 +33,12 @@ class CpuPlatform(Platform):
 
     @classmethod
     def get_quant_method_cls(cls, method: str) -> str | None:
+        """``int8`` and ``int4`` in this plugin's VNNI kernels (``tokenmill_cpu.quant_linear``); torch's packed
+        int8/int4 ops when the kernels cannot be built (or ``TOKENMILL_CPU_KERNELS=0``)."""
+        from tokenmill_cpu import kernels  # imports torch; platform detection must not
+
+        if kernels.load():
+            return {"int8": "tokenmill_cpu.quant_linear:Q8Weight", "int4": "tokenmill_cpu.quant_linear:Q4Weight"}.get(method)
         if method == "int4":
             return "tokenmill_cpu.int4:Int4WeightOnly"
         return super().get_quant_method_cls(method)

@@ -1,0 +1,261 @@
+// Weight-quantized linear layers for small batches: y[M, N] = x[M, K] @ W^T with W in 8 or 4 bits.
+//
+// Formats (GGUF's, so a GGUF checkpoint's codes come back exactly; packing in tokenmill_cpu/quant_linear.py):
+//   q8: blocks of 32 input channels, w = d * q, q in -127..127, d float16           (GGUF Q8_0)
+//   q4: blocks of 32 input channels, w = d * q + m, q in 0..15, d and m float16     (GGUF Q4_1)
+// Activations are quantized per row to int8 in blocks of 32 too (scale amax / 127, GGUF's Q8_0 for
+// activations), so every block's dot product is an exact integer sum, done with the AVX-512 VNNI instruction
+// vpdpbusd (unsigned 8-bit x signed 8-bit, four products per 32-bit lane).
+//
+// Weight layout: panels of 16 output rows. Within a panel, every 64 bytes feed one 16-lane vpdpbusd: lane r
+// holds row r's four consecutive input channels, so a broadcast of four activation bytes serves all 16 rows,
+// scales are loaded as 16 contiguous float16, and no horizontal sum is needed.
+//   q8 panel: [K / 4][16 rows][4] bytes, each q + 128 (unsigned; the +128 is removed with the activation sums)
+//   q4 panel: [K / 8][16 rows][4] bytes, low nibble = channel 8j + i, high nibble = channel 8j + 4 + i
+//   scales (and q4's mins): [N / 16][K / 32][16] float16
+// Without AVX-512 VNNI (other CPUs, or a build for a lower ATen capability) the same formats run through plain
+// C++ loops.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define TOKENMILL_VNNI 1
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kRows = 16;   // output rows per panel
+constexpr int64_t kBlock = 32;  // input channels per scale
+constexpr int64_t kMaxTile = 4; // activation rows sharing one pass over a panel
+
+// One activation row per block of 32: codes, scale, sum of codes and exact float sum.
+struct QuantizedActivations {
+  std::vector<int8_t> codes;   // [M, K]
+  std::vector<float> scales;   // [M, K / 32]
+  std::vector<int32_t> sums;   // [M, K / 32], sum of codes
+  std::vector<float> fsums;    // [M, K / 32], sum of the float inputs (q4's minimum term)
+};
+
+template <typename T>
+QuantizedActivations quantize_activations(const at::Tensor& x, int64_t M, int64_t K) {
+  const int64_t nb = K / kBlock;
+  QuantizedActivations a{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<int32_t>(M * nb),
+                         std::vector<float>(M * nb)};
+  const T* src = x.data_ptr<T>();
+  const int64_t stride = x.stride(0);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < nb; ++b) {
+      float vals[kBlock];
+      float amax = 0.f, fsum = 0.f;
+      for (int64_t i = 0; i < kBlock; ++i) {
+        vals[i] = static_cast<float>(src[m * stride + b * kBlock + i]);
+        amax = std::max(amax, std::fabs(vals[i]));
+        fsum += vals[i];
+      }
+      const float scale = amax / 127.f;
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t sum = 0;
+      int8_t* dst = a.codes.data() + m * K + b * kBlock;
+      for (int64_t i = 0; i < kBlock; ++i) {
+        const int32_t q = static_cast<int32_t>(std::nearbyint(vals[i] * inv));
+        dst[i] = static_cast<int8_t>(std::clamp(q, -127, 127));
+        sum += dst[i];
+      }
+      a.scales[m * nb + b] = scale;
+      a.sums[m * nb + b] = sum;
+      a.fsums[m * nb + b] = fsum;
+    }
+  }
+  return a;
+}
+
+#ifdef TOKENMILL_VNNI
+inline __m512 load_half16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+inline __m512i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// MT activation rows against one panel; out[m * 16 + r] in float32.
+template <int MT, bool Q4>
+void panel_tile(const uint8_t* w, const at::Half* d, const at::Half* mins, int64_t K, const QuantizedActivations& a,
+                int64_t m0, float* out) {
+  const int64_t nb = K / kBlock;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 accf[MT];
+  for (int m = 0; m < MT; ++m) accf[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i acc[MT];
+    const int8_t* xq[MT];
+    for (int m = 0; m < MT; ++m) {
+      const int64_t row = m0 + m;
+      xq[m] = a.codes.data() + row * K + b * kBlock;
+      // q8 stores q + 128: sum (q + 128) x = sum q x + 128 sum x, so the lane starts at -128 sum x.
+      acc[m] = Q4 ? _mm512_setzero_si512() : _mm512_set1_epi32(-128 * a.sums[row * nb + b]);
+    }
+    if constexpr (Q4) {
+      const uint8_t* wb = w + b * (kBlock / 8) * 64;
+      for (int g = 0; g < kBlock / 8; ++g) {
+        const __m512i v = _mm512_loadu_si512(wb + g * 64);
+        const __m512i lo = _mm512_and_si512(v, low4);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        for (int m = 0; m < MT; ++m) {
+          acc[m] = _mm512_dpbusd_epi32(acc[m], lo, broadcast4(xq[m] + g * 8));
+          acc[m] = _mm512_dpbusd_epi32(acc[m], hi, broadcast4(xq[m] + g * 8 + 4));
+        }
+      }
+    } else {
+      const uint8_t* wb = w + b * (kBlock / 4) * 64;
+      for (int j = 0; j < kBlock / 4; ++j) {
+        const __m512i v = _mm512_loadu_si512(wb + j * 64);
+        for (int m = 0; m < MT; ++m) acc[m] = _mm512_dpbusd_epi32(acc[m], v, broadcast4(xq[m] + j * 4));
+      }
+    }
+    const __m512 scale = load_half16(d + b * kRows);
+    for (int m = 0; m < MT; ++m) {
+      const int64_t row = m0 + m;
+      const __m512 s = _mm512_mul_ps(scale, _mm512_set1_ps(a.scales[row * nb + b]));
+      accf[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m]), s, accf[m]);
+    }
+    if constexpr (Q4) {
+      const __m512 mn = load_half16(mins + b * kRows);
+      for (int m = 0; m < MT; ++m) accf[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.fsums[(m0 + m) * nb + b]), accf[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + m * kRows, accf[m]);
+}
+#endif
+
+// Portable path: the same formats and the same integer block sums.
+template <bool Q4>
+void panel_tile_scalar(const uint8_t* w, const at::Half* d, const at::Half* mins, int64_t K,
+                       const QuantizedActivations& a, int64_t m0, int64_t mt, float* out) {
+  const int64_t nb = K / kBlock;
+  for (int64_t m = 0; m < mt; ++m) {
+    const int64_t row = m0 + m;
+    const int8_t* xq = a.codes.data() + row * K;
+    for (int64_t r = 0; r < kRows; ++r) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t isum = 0;
+        for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k) {
+          int32_t q;
+          if constexpr (Q4) {
+            const uint8_t byte = w[(k / 8) * 64 + r * 4 + k % 4];
+            q = (k % 8) < 4 ? (byte & 0x0F) : (byte >> 4);
+          } else {
+            q = static_cast<int32_t>(w[(k / 4) * 64 + r * 4 + k % 4]) - 128;
+          }
+          isum += q * xq[k];
+        }
+        acc += static_cast<float>(isum) * (static_cast<float>(d[b * kRows + r]) * a.scales[row * nb + b]);
+        if constexpr (Q4) acc += static_cast<float>(mins[b * kRows + r]) * a.fsums[row * nb + b];
+      }
+      out[m * kRows + r] = acc;
+    }
+  }
+}
+
+template <bool Q4>
+void run_tile(const uint8_t* w, const at::Half* d, const at::Half* mins, int64_t K, const QuantizedActivations& a,
+              int64_t m0, int64_t mt, float* out) {
+#ifdef TOKENMILL_VNNI
+  switch (mt) {
+    case 1: return panel_tile<1, Q4>(w, d, mins, K, a, m0, out);
+    case 2: return panel_tile<2, Q4>(w, d, mins, K, a, m0, out);
+    case 3: return panel_tile<3, Q4>(w, d, mins, K, a, m0, out);
+    default: return panel_tile<4, Q4>(w, d, mins, K, a, m0, out);
+  }
+#else
+  panel_tile_scalar<Q4>(w, d, mins, K, a, m0, mt, out);
+#endif
+}
+
+template <bool Q4>
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                        const at::Tensor& mins) {
+  const char* name = Q4 ? "q4_linear" : "q8_linear";
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, ": x must be [M, K] with contiguous rows");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              name, ": x must be float32, bfloat16 or float16");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K > 0 && K % kBlock == 0, name, ": input features must be a positive multiple of 32, got ", K);
+  const int64_t panel_bytes = Q4 ? K * kRows / 2 : K * kRows;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous()
+                  && packed.size(1) == panel_bytes,
+              name, ": packed must be a contiguous uint8 [N / 16, ", panel_bytes, "] tensor for K = ", K);
+  const int64_t P = packed.size(0), N = P * kRows, nb = K / kBlock;
+  auto check_scales = [&](const at::Tensor& s, const char* what) {
+    TORCH_CHECK(s.scalar_type() == at::kHalf && s.is_contiguous() && s.dim() == 3 && s.size(0) == P
+                    && s.size(1) == nb && s.size(2) == kRows,
+                name, ": ", what, " must be a contiguous float16 [N / 16, K / 32, 16] tensor");
+  };
+  check_scales(scales, "scales");
+  if (Q4) check_scales(mins, "mins");
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  QuantizedActivations a;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_activations",
+                                  [&] { a = quantize_activations<scalar_t>(x, M, K); });
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const at::Half* d = scales.data_ptr<at::Half>();
+  const at::Half* mn = Q4 ? mins.data_ptr<at::Half>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quant_linear", [&] {
+    scalar_t* y = out.data_ptr<scalar_t>();
+    at::parallel_for(0, P, 8, [&](int64_t begin, int64_t end) {
+      float tile[kMaxTile * kRows];
+      for (int64_t p = begin; p < end; ++p) {
+        // The panel (K * 16 bytes or half that) stays in L1/L2 while every tile of activation rows reads it.
+        for (int64_t m0 = 0; m0 < M; m0 += kMaxTile) {
+          const int64_t mt = std::min(kMaxTile, M - m0);
+          run_tile<Q4>(w + p * panel_bytes, d + p * nb * kRows, mn ? mn + p * nb * kRows : nullptr, K, a, m0, mt,
+                       tile);
+          for (int64_t m = 0; m < mt; ++m)
+            for (int64_t r = 0; r < kRows; ++r) y[(m0 + m) * N + p * kRows + r] = static_cast<scalar_t>(tile[m * kRows + r]);
+        }
+      }
+    });
+  });
+  return out;
+}
+
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+  return quant_linear<false>(x, packed, scales, scales);
+}
+
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins) {
+  return quant_linear<true>(x, packed, scales, mins);
+}
+
+bool has_vnni() {
+#ifdef TOKENMILL_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
+  m.def("q8_linear(Tensor x, Tensor packed, Tensor scales) -> Tensor");
+  m.def("q4_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins) -> Tensor");
+  m.def("quant_linear_has_vnni() -> bool", &has_vnni);
+}
+
+TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
+  m.impl("q8_linear", &q8_linear);
+  m.impl("q4_linear", &q4_linear);
+}

@@ -1,0 +1,141 @@
+"""Block-quantized weights for tokenmill-cpu's VNNI matmul kernels (``csrc/quant_linear.cpp``).
+
+Why a custom kernel: a decode step of one request reads every weight once, so its matmuls run at the speed
+weights stream from memory. torch's packed-weight CPU ops convert every weight to bfloat16 before multiplying
+(``aten._weight_int8pack_mm`` streams the int8 LM head at about 13 GB/s here, ``_weight_int4pack_mm_for_cpu``
+the int4 layers at about 16 GB/s); these kernels quantize the few activation rows to int8 instead and multiply
+8-bit integers with the AVX-512 VNNI dot product, as llama.cpp does. ``python benchmarks/quant_linear.py``
+measures both against torch on SmolLM2-135M's shapes.
+
+Formats, per block of 32 input channels of one output row (GGUF's, so a GGUF checkpoint's codes come back):
+
+* :class:`Q8Weight` (``--quantization int8``, and the LM head under ``int4``): ``w = d * q``,
+  ``q = round(w / d)`` in ``-127..127``, ``d = max|w| / 127`` (GGUF ``Q8_0``).
+* :class:`Q4Weight` (``--quantization int4``): ``w = d * q + m``, ``q = round((w - m) / d)`` in ``0..15``,
+  ``m = min w``, ``d = (max w - m) / 15`` (GGUF ``Q4_1``).
+
+``d`` and ``m`` are float16. Activations are quantized per row in blocks of 32 (scale ``max|x| / 127``), so
+results differ from the float product by the 8-bit rounding of both sides; ``tests/models/test_quant_linear.py``
+bounds it and ``benchmarks/quant_agreement.py`` reports greedy agreement on real prompts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.layers.quantization import QuantizedWeight, UnsupportedShapeError
+
+BLOCK = 32  # input channels per scale
+ROWS = 16  # output rows per panel of the packed layout
+
+
+def _check_shape(weight: torch.Tensor, method: str) -> tuple[int, int]:
+    n, k = weight.shape
+    if k % BLOCK or n % ROWS:
+        raise UnsupportedShapeError(
+            f"{method} needs input features divisible by {BLOCK} and output features by {ROWS}, got [{n}, {k}]"
+        )
+    return n, k
+
+
+def _panel_scales(values: torch.Tensor) -> torch.Tensor:
+    """``[N, K / 32]`` per-block values -> the kernel's ``[N / 16, K / 32, 16]`` float16."""
+    n, nb = values.shape
+    return values.reshape(n // ROWS, ROWS, nb).permute(0, 2, 1).contiguous()
+
+
+def _safe_div(x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    return torch.where(d > 0, x / torch.where(d > 0, d, torch.ones_like(d)), torch.zeros_like(x))
+
+
+class Q8Weight(QuantizedWeight):
+    """8-bit copy of a weight ``[N, K]`` in blocks of 32 (``K`` a multiple of 32, ``N`` of 16).
+
+    Attributes:
+        packed: ``[N / 16, K * 16]`` uint8, codes ``q + 128`` in the kernel's panel layout.
+        scales: ``[N / 16, K / 32, 16]`` float16.
+
+    Raises:
+        UnsupportedShapeError: ``K`` is not a multiple of 32 or ``N`` of 16.
+    """
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__(weight)
+        n, k = _check_shape(weight, "int8")
+        blocks = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
+        d = (blocks.abs().amax(dim=-1) / 127.0).clamp(max=65504.0).to(torch.float16)
+        codes = _safe_div(blocks, d.float()[..., None]).round().clamp(-127, 127).to(torch.int16) + 128
+        self.packed = (
+            codes.to(torch.uint8).reshape(n // ROWS, ROWS, k // 4, 4).permute(0, 2, 1, 3).reshape(n // ROWS, k * ROWS)
+        ).contiguous()
+        self.scales = _panel_scales(d)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., K]`` (float32, bfloat16 or float16) -> ``[..., N]`` in ``x``'s dtype."""
+        lead = x.shape[:-1]
+        y = torch.ops.tokenmill_cpu.q8_linear(x.reshape(-1, self.in_features).contiguous(), self.packed, self.scales)
+        return y.reshape(*lead, self.out_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight the kernel multiplies by, ``[N, K]`` float32 (tests and error reports)."""
+        n, k, p = self.out_features, self.in_features, self.out_features // ROWS
+        codes = self.packed.reshape(p, k // 4, ROWS, 4).permute(0, 2, 1, 3).reshape(n, k).float() - 128.0
+        d = self.scales.permute(0, 2, 1).reshape(n, k // BLOCK).float()
+        return (codes.reshape(n, -1, BLOCK) * d[..., None]).reshape(n, k)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.scales.numel() * 2
+
+
+class Q4Weight(QuantizedWeight):
+    """4-bit copy of a weight ``[N, K]`` in blocks of 32 with a scale and a minimum (``K`` a multiple of 32,
+    ``N`` of 16).
+
+    Attributes:
+        packed: ``[N / 16, K * 8]`` uint8, two codes per byte in the kernel's panel layout.
+        scales, mins: ``[N / 16, K / 32, 16]`` float16.
+
+    Raises:
+        UnsupportedShapeError: ``K`` is not a multiple of 32 or ``N`` of 16.
+    """
+
+    # Output heads (often tied to the embedding) are commonly stored at 8 bits (GGUF Q8_0) and their errors
+    # move every logit: SmolLM2's Q8_0 head re-quantized to 4 bits is 9% off (relative Frobenius error), its
+    # Q4_1 layers 0.25%, and greedy answers then diverged from float32 after 7 tokens instead of 36.
+    lm_head_method = "int8"
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__(weight)
+        n, k = _check_shape(weight, "int4")
+        blocks = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
+        low = blocks.amin(dim=-1).to(torch.float16)
+        d = ((blocks.amax(dim=-1) - low.float()) / 15.0).clamp(max=65504.0).to(torch.float16)
+        codes = _safe_div(blocks - low.float()[..., None], d.float()[..., None]).round().clamp(0, 15).to(torch.uint8)
+        # [P, 16, K/8, 2, 4] -> [P, K/8, 2, 16, 4]: half 0 (channels 8j..8j+3) low nibble, half 1 high nibble
+        c = codes.reshape(n // ROWS, ROWS, k // 8, 2, 4).permute(0, 2, 3, 1, 4)
+        self.packed = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n // ROWS, k * ROWS // 2).contiguous()
+        self.scales = _panel_scales(d)
+        self.mins = _panel_scales(low)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., K]`` (float32, bfloat16 or float16) -> ``[..., N]`` in ``x``'s dtype."""
+        lead = x.shape[:-1]
+        y = torch.ops.tokenmill_cpu.q4_linear(
+            x.reshape(-1, self.in_features).contiguous(), self.packed, self.scales, self.mins
+        )
+        return y.reshape(*lead, self.out_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight the kernel multiplies by, ``[N, K]`` float32 (tests and error reports)."""
+        n, k, p = self.out_features, self.in_features, self.out_features // ROWS
+        b = self.packed.reshape(p, k // 8, ROWS, 4)
+        c = torch.stack((b & 0x0F, b >> 4), dim=2)  # [P, K/8, 2, 16, 4]
+        codes = c.permute(0, 3, 1, 2, 4).reshape(n, k).float()
+        d = self.scales.permute(0, 2, 1).reshape(n, k // BLOCK).float()[..., None]
+        m = self.mins.permute(0, 2, 1).reshape(n, k // BLOCK).float()[..., None]
+        return (codes.reshape(n, -1, BLOCK) * d + m).reshape(n, k)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + (self.scales.numel() + self.mins.numel()) * 2

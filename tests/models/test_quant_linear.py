@@ -1,0 +1,154 @@
+"""tokenmill-cpu's VNNI quantized matmuls (``csrc/quant_linear.cpp``) against a float64 reference that quantizes
+the activations the same way, so the kernel's own error (not the 8-bit rounding) is what is bounded."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tokenmill.layers.quantization import UnsupportedShapeError
+from tokenmill_cpu import kernels
+from tokenmill_cpu.quant_linear import Q4Weight, Q8Weight
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built_kernels():
+    assert kernels.load(), "tokenmill-cpu's C++ kernels did not build (see the log)"
+
+
+def quantized_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's activation rounding: per row, blocks of 32, scale max|x| / 127 (float32 arithmetic).
+
+    Returns:
+        the dequantized activations ``[M, K]`` float64 and the exact float block sums ``[M, K / 32]`` float64.
+    """
+    xb = x.float().reshape(x.shape[0], -1, 32)
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    codes = torch.round(xb * inv).clamp(-127, 127)
+    deq = (codes.double() * (amax / 127.0).double()).reshape(x.shape)
+    return deq, xb.double().sum(dim=-1)
+
+
+def reference(q: Q8Weight | Q4Weight, x: torch.Tensor) -> torch.Tensor:
+    """``x @ W^T`` in float64 with the kernel's quantized activations (Q4_1's minimum uses exact sums)."""
+    deq, sums = quantized_activations(x)
+    w = q.dequantize().double()
+    if isinstance(q, Q8Weight):
+        return deq @ w.T
+    n, k = w.shape
+    mins = q.mins.permute(0, 2, 1).reshape(n, k // 32).double()
+    return deq @ (w - mins.repeat_interleave(32, dim=1)).T + sums @ mins.T
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b).norm() / b.norm()).item()
+
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}  # output rounding of the dtype
+
+
+@pytest.mark.parametrize("cls", [Q8Weight, Q4Weight], ids=["q8", "q4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 32])
+def test_kernel_matches_reference_for_every_row_tile(cls, dtype, rows):
+    torch.manual_seed(rows)
+    w = torch.randn(48, 160) * 0.1
+    w[3] = 0.0  # an all-zero row: zero scales must not produce NaN
+    x = torch.randn(rows, 160).to(dtype)
+    x[0, :32] = 0.0  # an all-zero activation block
+    q = cls(w)
+    out = q.matmul(x)
+    assert out.shape == (rows, 48) and out.dtype == dtype
+    assert rel_err(out, reference(q, x)) < TOL[dtype]
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("cls,bound", [(Q8Weight, 0.01), (Q4Weight, 0.12)], ids=["q8", "q4"])
+def test_weight_error_and_size(cls, bound):
+    torch.manual_seed(0)
+    w = torch.randn(64, 256)
+    q = cls(w)
+    assert rel_err(q.dequantize(), w.double()) < bound  # 8 bits: ~0.5%; 4 bits of a Gaussian: ~8%
+    x = torch.randn(3, 256)
+    assert rel_err(q.matmul(x), (x @ w.T).double()) < bound + 0.01
+    # GGUF's sizes: Q8_0 8.5 bits per weight, Q4_1 5 bits (codes plus float16 scale / minimum per 32)
+    assert q.nbytes == w.numel() * (8.5 if cls is Q8Weight else 5) / 8
+
+
+def test_gguf_grids_come_back_exactly():
+    torch.manual_seed(1)
+    # Q8_0: float16 scale per 32 weights, codes -127..127 with the extreme used
+    codes = torch.randint(-127, 128, (32, 64)).float()
+    codes[:, ::32] = 127
+    d = (torch.rand(32, 2) * 0.01 + 1e-3).half().float()
+    grid = (codes.view(32, 2, 32) * d[..., None]).view(32, 64)
+    assert torch.equal(Q8Weight(grid).dequantize(), grid)
+    # Q4_1: float16 scale and minimum per 32 weights, codes 0..15 with both ends used
+    codes = torch.randint(0, 16, (32, 64)).float()
+    codes[:, ::32], codes[:, 1::32] = 0, 15
+    d = (torch.rand(32, 2) * 0.01 + 1e-3).half().float()
+    m = (-torch.rand(32, 2)).half().float()
+    grid = (codes.view(32, 2, 32) * d[..., None] + m[..., None]).view(32, 64)
+    assert (Q4Weight(grid).dequantize() - grid).abs().max() < 1e-3 * grid.abs().max()  # d re-derived in fp16
+
+
+def test_unpackable_shapes_are_rejected():
+    for cls in (Q8Weight, Q4Weight):
+        with pytest.raises(UnsupportedShapeError):
+            cls(torch.randn(16, 40))
+        with pytest.raises(UnsupportedShapeError):
+            cls(torch.randn(8, 64))
+
+
+def test_bad_inputs_raise_errors_not_crashes():
+    q = Q4Weight(torch.randn(32, 64))
+    op = torch.ops.tokenmill_cpu.q4_linear
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        op(torch.randn(2, 40), q.packed, q.scales, q.mins)
+    with pytest.raises(RuntimeError, match="packed"):
+        op(torch.randn(2, 96), q.packed, q.scales, q.mins)  # weight packed for K = 64
+    with pytest.raises(RuntimeError, match="mins"):
+        op(torch.randn(2, 64), q.packed, q.scales, q.mins.float())
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        op(torch.randn(2, 64).double(), q.packed, q.scales, q.mins)
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        op(torch.randn(64, 2).T, q.packed, q.scales, q.mins)
+    assert op(torch.randn(0, 64), q.packed, q.scales, q.mins).shape == (0, 32)
+
+
+def test_kernel_traces_under_torch_compile_with_dynamic_rows():
+    q = Q8Weight(torch.randn(32, 64))
+    compiled = torch.compile(lambda x: q.matmul(x) * 2.0, dynamic=True, fullgraph=True)
+    for rows in (2, 7):
+        x = torch.randn(rows, 64)
+        assert torch.allclose(compiled(x), q.matmul(x) * 2.0)
+
+
+SCALAR_CHECK = """
+import torch
+from tokenmill_cpu import kernels
+assert kernels.load()
+assert not torch.ops.tokenmill_cpu.quant_linear_has_vnni()
+from tests.models.test_quant_linear import reference, rel_err
+from tokenmill_cpu.quant_linear import Q4Weight, Q8Weight
+torch.manual_seed(0)
+w, x = torch.randn(32, 96), torch.randn(5, 96)
+for cls in (Q8Weight, Q4Weight):
+    q = cls(w)
+    assert rel_err(q.matmul(x), reference(q, x)) < 1e-5, cls
+print("ok")
+"""
+
+
+def test_portable_build_without_vnni_gives_the_same_results():
+    """The plain C++ path (other CPUs): built for ATen's default capability, in a subprocess."""
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    result = subprocess.run([sys.executable, "-c", SCALAR_CHECK], env=env, cwd=root, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
