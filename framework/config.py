@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-QUANTIZATION_METHODS = ("int8", "int4")  # weight-only methods, see tokenmill.layers.quantization
+QUANTIZATION_METHODS = ("int8", "int4")  # see tokenmill.layers.quantization
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -29,7 +29,7 @@ class ModelConfig:
         served_model_name: the name the API reports and accepts.
         seed: seed of the engine's global random generators.
         trust_remote_code: passed to transformers when reading configs and tokenizers.
-        quantization: weight-only quantization applied after loading (``"int8"`` or ``"int4"``, used for
+        quantization: quantized weight copies made after loading (``"int8"`` or ``"int4"``, used for
             small batches, see :mod:`tokenmill.layers.quantization`), or ``None``.
     """
 

@@ -102,8 +102,9 @@ class EngineArgs:
                        help="Platform plugin to use (skips detection); also TOKENMILL_PLATFORM.")
         g.add_argument("--trust-remote-code", action="store_true", default=d.trust_remote_code)
         g.add_argument("--quantization", "-q", default=d.quantization, choices=list(QUANTIZATION_METHODS),
-                       help="Weight-only quantization used for small batches (faster decode): int8 (per-channel) "
-                            "or int4 (groups of 32, CPU); outputs may differ slightly from full precision.")
+                       help="Quantized weights used for small batches (faster decode): int8 or int4 (CPU: GGUF Q8_0 / "
+                            "Q4_1 blocks of 32 with int8 activations); outputs may differ slightly from full "
+                            "precision.")
         return parser
 
     @classmethod

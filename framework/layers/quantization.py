@@ -1,4 +1,4 @@
-"""Weight-only quantization of linear layers and the LM head (``--quantization int8|int4``).
+"""Quantized copies of linear layers and the LM head (``--quantization int8|int4``).
 
 A layer keeps its full-precision weight and gains a quantized copy (:class:`QuantizedWeight`) that it uses for
 inputs of at most ``max_tokens`` rows: small steps (decode with few running requests) are bound by reading the
@@ -6,10 +6,12 @@ weights, so fewer weight bytes make them faster, while large steps are compute-b
 full-precision weight. Which classes implement a method comes from the platform
 (``Platform.get_quant_method_cls``), since the packed-weight kernels are device-specific:
 
-* ``int8`` (every platform whose torch has ``aten._weight_int8pack_mm``): :class:`Int8WeightOnly`, symmetric
-  per-output-channel scales, ``q[n] = round(W[n] / s[n])``, ``s[n] = max|W[n]| / 127``.
-* ``int4`` (CPU plugin): asymmetric groups of 32 input channels, the layout of GGUF's ``Q4_1``; the LM head
-  stays int8 (``QuantizedWeight.lm_head_method``).
+* ``int8`` (the default for every platform whose torch has ``aten._weight_int8pack_mm``):
+  :class:`Int8WeightOnly`, symmetric per-output-channel scales, ``q[n] = round(W[n] / s[n])``,
+  ``s[n] = max|W[n]| / 127``.
+* The CPU plugin replaces both: ``int8`` and ``int4`` in GGUF's ``Q8_0`` / ``Q4_1`` blocks of 32 input channels,
+  multiplied with int8 activations by its VNNI kernels (``tokenmill_cpu.quant_linear``); under ``int4`` the LM
+  head stays 8-bit (``QuantizedWeight.lm_head_method``).
 """
 
 from __future__ import annotations
