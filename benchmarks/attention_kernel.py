@@ -15,24 +15,13 @@ streaming bandwidth of this machine) and each path's error against the same atte
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 from tokenmill.attention.backends.torch_paged import TorchPagedAttentionImpl
 from tokenmill_cpu import kernels
 
-
-def median_ms(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1000
+from timing import median_ms  # benchmarks/timing.py: this script's folder is on sys.path
 
 
 def main() -> None:

@@ -1,12 +1,15 @@
-"""Quantized matmuls on SmolLM2-135M's shapes: tokenmill-cpu's VNNI kernels against torch's packed-weight ops.
+"""Quantized matmuls of SmolLM2-135M: tokenmill-cpu's VNNI kernels against torch's packed-weight ops.
 
-    python benchmarks/quant_linear.py [--rows 1 4 16 32] [--threads 2] [--json FILE]
+    python benchmarks/quant_linear.py [--rows 1 4 16 32] [--layers 30] [--threads 2] [--json FILE]
 
-For every row count M (tokens in the step), the sum over one decoder layer's four matmuls (qkv, o, gate_up,
-down) and, separately, the LM head: median milliseconds of ``--iters`` calls after warm-up, and the weight
-streaming rate (weight bytes / time). Paths: bfloat16 ``F.linear`` (oneDNN), torch's int8 and int4 packed ops
-(``tokenmill.layers.quantization.Int8WeightOnly``, ``tokenmill_cpu.int4.Int4WeightOnly``) and the kernels
-(``tokenmill_cpu.quant_linear.Q8Weight`` / ``Q4Weight``). Activations are bfloat16, as in ``--dtype bfloat16``.
+For every row count M (tokens in the step): every matmul of one forward step, ``--layers`` decoder layers of
+four matmuls (qkv, o, gate_up, down; distinct random weights per layer, so that they stream from memory as in
+the model: 30 layers of int4 are 66 MB, more than the L3 cache) and then the LM head. Median milliseconds of
+``--iters`` steps after warm-up, and the weight streaming rate (weight bytes / time). Paths: bfloat16
+``F.linear`` (oneDNN), torch's int8 and int4 packed ops (``tokenmill.layers.quantization.Int8WeightOnly``,
+``tokenmill_cpu.int4.Int4WeightOnly``; under ``--quantization int4`` their LM head is int8) and the kernels
+(``tokenmill_cpu.quant_linear.Q8Weight`` / ``Q4Weight``, LM head ``Q8Weight``). Activations are bfloat16, as
+with ``--dtype bfloat16``.
 """
 
 from __future__ import annotations
@@ -14,52 +17,62 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-from tokenmill.layers.quantization import Int8WeightOnly
+from tokenmill.layers.quantization import Int8WeightOnly, QuantizedWeight
 from tokenmill_cpu import kernels
 from tokenmill_cpu.int4 import Int4WeightOnly
 from tokenmill_cpu.quant_linear import Q4Weight, Q8Weight
 
+from timing import median_ms  # benchmarks/timing.py: this script's folder is on sys.path
+
 LAYER = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
-HEAD = {"lm_head": (49152, 576)}
+HEAD = (49152, 576)  # LM head (tied to the embedding)
 
 
-def median_ms(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+class Bf16(QuantizedWeight):
+    """bfloat16 ``F.linear`` behind the same interface."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__(weight)
+        self.weight = weight.bfloat16()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * 2
 
 
-def measure(shapes: dict[str, tuple[int, int]], rows: int, iters: int) -> dict[str, dict[str, float]]:
+PATHS = {  # name: (layer class, LM head class)
+    "bf16": (Bf16, Bf16),
+    "torch_int8": (Int8WeightOnly, Int8WeightOnly),
+    "torch_int4": (Int4WeightOnly, Int8WeightOnly),
+    "q8_kernel": (Q8Weight, Q8Weight),
+    "q4_kernel": (Q4Weight, Q8Weight),
+}
+
+
+def build(layers: int) -> dict[str, list[QuantizedWeight]]:
     torch.manual_seed(0)
-    paths: dict[str, list] = {"bf16": [], "torch_int8": [], "torch_int4": [], "q8_kernel": [], "q4_kernel": []}
-    nbytes = {name: 0 for name in paths}
-    for n, k in shapes.values():
-        w = torch.randn(n, k) * 0.05
-        x = torch.randn(rows, k).bfloat16()
-        wb = w.bfloat16()
-        quants = {"torch_int8": Int8WeightOnly(w), "torch_int4": Int4WeightOnly(w), "q8_kernel": Q8Weight(w),
-                  "q4_kernel": Q4Weight(w)}
-        paths["bf16"].append(lambda x=x, wb=wb: F.linear(x, wb))
-        nbytes["bf16"] += wb.numel() * 2
-        for name, q in quants.items():
-            paths[name].append(lambda x=x, q=q: q.matmul(x))
-            nbytes[name] += q.nbytes
+    weights = [torch.randn(n, k) * 0.05 for _ in range(layers) for n, k in LAYER.values()]
+    weights.append(torch.randn(*HEAD) * 0.05)
+    return {name: [layer_cls(w) for w in weights[:-1]] + [head_cls(weights[-1])]
+            for name, (layer_cls, head_cls) in PATHS.items()}
+
+
+def measure(paths: dict[str, list[QuantizedWeight]], rows: int, iters: int) -> dict[str, dict[str, float]]:
+    inputs = {k: torch.randn(rows, k).bfloat16() for k in {k for _, k in LAYER.values()} | {HEAD[1]}}
     out = {}
-    for name, fns in paths.items():
-        ms = median_ms(lambda fns=fns: [f() for f in fns], iters)
-        out[name] = {"ms": round(ms, 4), "weight_MB": round(nbytes[name] / 1e6, 2),
-                     "GB_per_s": round(nbytes[name] / ms / 1e6, 1)}
+    for name, quants in paths.items():
+        ms = median_ms(lambda quants=quants: [q.matmul(inputs[q.in_features]) for q in quants], iters)
+        nbytes = sum(q.nbytes for q in quants)
+        out[name] = {"ms": round(ms, 3), "weight_MB": round(nbytes / 1e6, 1), "GB_per_s": round(nbytes / ms / 1e6, 1)}
     return out
 
 
@@ -67,7 +80,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--layers", type=int, default=30, help="decoder layers (SmolLM2-135M has 30)")
+    parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -76,14 +90,16 @@ def main() -> None:
     results = {"machine": {"processor": platform.processor() or platform.machine(), "threads": args.threads,
                            "torch": torch.__version__,
                            "vnni": bool(torch.ops.tokenmill_cpu.quant_linear_has_vnni())},
+               "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"), "layers": args.layers,
                "rows": {}}
-    print(f"{'M':>3} {'matmuls':<8} " + " ".join(f"{p:>20}" for p in ("bf16", "torch_int8", "torch_int4", "q8_kernel", "q4_kernel")))
+    paths = build(args.layers)
+    names = list(PATHS)
+    print(f"matmuls of one step: {args.layers} layers + LM head; ms and weight GB/s")
+    print(f"{'M':>3} " + " ".join(f"{n:>19}" for n in names))
     for rows in args.rows:
-        entry = {"layer": measure(LAYER, rows, args.iters), "lm_head": measure(HEAD, rows, max(10, args.iters // 5))}
+        entry = measure(paths, rows, args.iters)
         results["rows"][rows] = entry
-        for part, res in entry.items():
-            cells = " ".join(f"{r['ms']:>8.3f} ms {r['GB_per_s']:>5.1f} GB/s" for r in res.values())
-            print(f"{rows:>3} {part:<8} {cells}")
+        print(f"{rows:>3} " + " ".join(f"{entry[n]['ms']:>7.2f} ms {entry[n]['GB_per_s']:>5.1f} GB/s" for n in names))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
