@@ -31,7 +31,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <vector>
+#include <memory>
 
 namespace {
 
@@ -42,45 +42,78 @@ constexpr int64_t kMaxTile = 4; // activation rows sharing one pass over a panel
 constexpr float kActMax = 32767.f;
 
 // Activation rows in blocks of 32: int16 codes, their scale and the exact float sum of the block.
+// Buffers are left uninitialized (every element is written): zero-filling them cost as much as quantizing.
 struct QuantizedActivations {
-  std::vector<int16_t> codes;  // [M, K]
-  std::vector<float> scales;   // [M, K / 32]
-  std::vector<float> fsums;    // [M, K / 32], sum of the float inputs (q4's minimum term)
+  QuantizedActivations(int64_t M, int64_t K)
+      : codes(new int16_t[M * K]), scales(new float[M * K / kBlock]), fsums(new float[M * K / kBlock]) {}
+  std::unique_ptr<int16_t[]> codes;  // [M, K]
+  std::unique_ptr<float[]> scales;   // [M, K / 32]
+  std::unique_ptr<float[]> fsums;    // [M, K / 32], sum of the float inputs (q4's minimum term)
 };
 
+#ifdef TOKENMILL_VNNI
 template <typename T>
-QuantizedActivations quantize_activations(const at::Tensor& x, int64_t M, int64_t K) {
-  const int64_t nb = K / kBlock;
-  QuantizedActivations a{std::vector<int16_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb)};
-  const T* src = x.data_ptr<T>();
-  const int64_t stride = x.stride(0);
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b < nb; ++b) {
-      float vals[kBlock];
-      float amax = 0.f, fsum = 0.f;
-      for (int64_t i = 0; i < kBlock; ++i) {
-        vals[i] = static_cast<float>(src[m * stride + b * kBlock + i]);
-        amax = std::max(amax, std::fabs(vals[i]));
-        fsum += vals[i];
-      }
-      const float inv = amax > 0.f ? kActMax / amax : 0.f;
-      int16_t* dst = a.codes.data() + m * K + b * kBlock;
-      for (int64_t i = 0; i < kBlock; ++i) {
-        const int32_t q = static_cast<int32_t>(std::nearbyint(vals[i] * inv));
-        dst[i] = static_cast<int16_t>(std::clamp(q, -32767, 32767));
-      }
-      a.scales[m * nb + b] = amax / kActMax;
-      a.fsums[m * nb + b] = fsum;
-    }
+inline __m512 load_float16(const T* p) {  // double: instantiated by the dispatch, rejected before it runs
+  float tmp[16];
+  for (int i = 0; i < 16; ++i) tmp[i] = static_cast<float>(p[i]);
+  return _mm512_loadu_ps(tmp);
+}
+template <>
+inline __m512 load_float16<float>(const float* p) {
+  return _mm512_loadu_ps(p);
+}
+template <>
+inline __m512 load_float16<at::BFloat16>(const at::BFloat16* p) {
+  const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+}
+template <>
+inline __m512 load_float16<at::Half>(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
+// One block of 32 activations: int16 codes, scale amax / 32767 and the float sum.
+template <typename T>
+inline void quantize_block(const T* src, int16_t* dst, float* scale, float* fsum) {
+#ifdef TOKENMILL_VNNI
+  const __m512 lo = load_float16(src), hi = load_float16(src + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+  *fsum = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+  const __m512 inv = _mm512_set1_ps(amax > 0.f ? kActMax / amax : 0.f);
+  // cvtps_epi32 rounds to nearest even (the default MXCSR mode), as nearbyint below; |x * inv| <= 32767.
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(lo, inv))));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16),
+                      _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(hi, inv))));
+#else
+  float vals[kBlock];
+  float amax = 0.f, sum = 0.f;
+  for (int64_t i = 0; i < kBlock; ++i) {
+    vals[i] = static_cast<float>(src[i]);
+    amax = std::max(amax, std::fabs(vals[i]));
+    sum += vals[i];
   }
-  return a;
+  const float inv = amax > 0.f ? kActMax / amax : 0.f;
+  for (int64_t i = 0; i < kBlock; ++i) {
+    const int32_t q = static_cast<int32_t>(std::nearbyint(vals[i] * inv));
+    dst[i] = static_cast<int16_t>(std::clamp(q, -32767, 32767));
+  }
+  *fsum = sum;
+#endif
+  *scale = amax / kActMax;
+}
+
+template <typename T>
+void quantize_activations(const at::Tensor& x, int64_t M, int64_t K, QuantizedActivations& a) {
+  const int64_t nb = K / kBlock;
+  const T* src = x.data_ptr<T>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b)
+      quantize_block(src + m * x.stride(0) + b * kBlock, a.codes.get() + m * K + b * kBlock,
+                     &a.scales[m * nb + b], &a.fsums[m * nb + b]);
 }
 
 #ifdef TOKENMILL_VNNI
-inline __m512 load_half16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
 inline __m512i broadcast2(const int16_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -99,7 +132,7 @@ void panel_tile(const uint8_t* w, const at::Half* d, const at::Half* mins, int64
     __m512i acc[MT];
     const int16_t* xq[MT];
     for (int m = 0; m < MT; ++m) {
-      xq[m] = a.codes.data() + (m0 + m) * K + b * kBlock;
+      xq[m] = a.codes.get() + (m0 + m) * K + b * kBlock;
       acc[m] = _mm512_setzero_si512();
     }
     if constexpr (Q4) {
@@ -121,13 +154,13 @@ void panel_tile(const uint8_t* w, const at::Half* d, const at::Half* mins, int64
         for (int m = 0; m < MT; ++m) acc[m] = _mm512_dpwssd_epi32(acc[m], v, broadcast2(xq[m] + j * 2));
       }
     }
-    const __m512 scale = load_half16(d + b * kRows);
+    const __m512 scale = load_float16(d + b * kRows);
     for (int m = 0; m < MT; ++m) {
       const __m512 s = _mm512_mul_ps(scale, _mm512_set1_ps(a.scales[(m0 + m) * nb + b]));
       accf[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m]), s, accf[m]);
     }
     if constexpr (Q4) {
-      const __m512 mn = load_half16(mins + b * kRows);
+      const __m512 mn = load_float16(mins + b * kRows);
       for (int m = 0; m < MT; ++m) accf[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.fsums[(m0 + m) * nb + b]), accf[m]);
     }
   }
@@ -142,7 +175,7 @@ void panel_tile_scalar(const uint8_t* w, const at::Half* d, const at::Half* mins
   const int64_t nb = K / kBlock;
   for (int64_t m = 0; m < mt; ++m) {
     const int64_t row = m0 + m;
-    const int16_t* xq = a.codes.data() + row * K;
+    const int16_t* xq = a.codes.get() + row * K;
     for (int64_t r = 0; r < kRows; ++r) {
       float acc = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
@@ -205,9 +238,9 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at:
   if (Q4) check_scales(mins, "mins");
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
-  QuantizedActivations a;
+  QuantizedActivations a(M, K);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_activations",
-                                  [&] { a = quantize_activations<scalar_t>(x, M, K); });
+                                  [&] { quantize_activations<scalar_t>(x, M, K, a); });
   const auto* w = static_cast<const uint8_t*>(packed.data_ptr());
   const at::Half* d = scales.data_ptr<at::Half>();
   const at::Half* mn = Q4 ? mins.data_ptr<at::Half>() : nullptr;
