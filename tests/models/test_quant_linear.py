@@ -21,16 +21,16 @@ def built_kernels():
 
 
 def quantized_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's activation rounding: per row, blocks of 32, int16 codes, scale max|x| / 32767 (float32).
+    """The kernel's activation rounding: per row, blocks of 32, 14-bit codes, scale max|x| / 8191 (float32).
 
     Returns:
         the dequantized activations ``[M, K]`` float64 and the exact float block sums ``[M, K / 32]`` float64.
     """
     xb = x.float().reshape(x.shape[0], -1, 32)
     amax = xb.abs().amax(dim=-1, keepdim=True)
-    inv = torch.where(amax > 0, torch.tensor(32767.0) / amax, torch.zeros_like(amax))
-    codes = torch.round(xb * inv).clamp(-32767, 32767)
-    deq = (codes.double() * (amax / 32767.0).double()).reshape(x.shape)
+    inv = torch.where(amax > 0, torch.tensor(8191.0) / amax, torch.zeros_like(amax))
+    codes = torch.round(xb * inv).clamp(-8191, 8191)
+    deq = (codes.double() * (amax / 8191.0).double()).reshape(x.shape)
     return deq, xb.double().sum(dim=-1)
 
 
@@ -112,8 +112,8 @@ def test_bad_inputs_raise_errors_not_crashes():
         op(torch.randn(2, 40), q.packed, q.scales, q.mins)
     with pytest.raises(RuntimeError, match="packed"):
         op(torch.randn(2, 96), q.packed, q.scales, q.mins)  # weight packed for K = 64
-    with pytest.raises(RuntimeError, match="int8"):
-        torch.ops.tokenmill_cpu.q8_linear(torch.randn(2, 64), q.packed, q.scales)  # q4's uint8 codes
+    with pytest.raises(RuntimeError, match="packed"):
+        torch.ops.tokenmill_cpu.q8_linear(torch.randn(2, 64), q.packed, q.scales)  # q4's half-size panels
     with pytest.raises(RuntimeError, match="mins"):
         op(torch.randn(2, 64), q.packed, q.scales, q.mins.float())
     with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):

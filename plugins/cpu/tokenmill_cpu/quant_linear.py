@@ -3,8 +3,8 @@
 Why a custom kernel: a decode step of one request reads every weight once, so its matmuls run at the speed
 weights stream from memory. torch's packed-weight CPU ops convert every weight to bfloat16 before multiplying
 (``aten._weight_int8pack_mm`` streams the int8 LM head at about 13 GB/s here, ``_weight_int4pack_mm_for_cpu``
-the int4 layers at about 16 GB/s); these kernels quantize the few activation rows to int16 instead and multiply
-integers with the AVX-512 VNNI dot product (``vpdpwssd``), with no per-weight conversion.
+the int4 layers at about 16 GB/s); these kernels quantize the few activation rows to 14-bit integers instead and multiply
+integers with the AVX-512 VNNI dot product (``vpdpbusd``), with no per-weight conversion.
 ``python benchmarks/quant_linear.py`` measures both against torch on SmolLM2-135M's shapes.
 
 Formats, per block of 32 input channels of one output row (GGUF's, so a GGUF checkpoint's codes come back):
@@ -14,7 +14,7 @@ Formats, per block of 32 input channels of one output row (GGUF's, so a GGUF che
 * :class:`Q4Weight` (``--quantization int4``): ``w = d * q + m``, ``q = round((w - m) / d)`` in ``0..15``,
   ``m = min w``, ``d = (max w - m) / 15`` (GGUF ``Q4_1``).
 
-``d`` and ``m`` are float16. Activations are quantized per row in blocks of 32 (scale ``max|x| / 32767``; why
+``d`` and ``m`` are float16. Activations are quantized per row in blocks of 32 (scale ``max|x| / 8191``; why
 not 8 bits: ``csrc/quant_linear.cpp``), finer than their bfloat16 rounding except next to an outlier in the
 same block; ``tests/models/test_quant_linear.py`` checks the kernels against a float64 reference and
 ``benchmarks/quant_agreement.py`` reports greedy agreement on real prompts.
@@ -53,7 +53,8 @@ class Q8Weight(QuantizedWeight):
     """8-bit copy of a weight ``[N, K]`` in blocks of 32 (``K`` a multiple of 32, ``N`` of 16).
 
     Attributes:
-        packed: ``[N / 16, K * 16]`` int8 codes in the kernel's panel layout (``[K / 2][16 rows][2]`` per panel).
+        packed: ``[N / 16, K * 16]`` uint8, codes ``q + 128`` in the kernel's panel layout (``[K / 4][16 rows][4]``
+            per panel).
         scales: ``[N / 16, K / 32, 16]`` float16.
 
     Raises:
@@ -65,8 +66,8 @@ class Q8Weight(QuantizedWeight):
         n, k = _check_shape(weight, "int8")
         blocks = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
         d = (blocks.abs().amax(dim=-1) / 127.0).clamp(max=65504.0).to(torch.float16)
-        codes = _safe_div(blocks, d.float()[..., None]).round().clamp(-127, 127).to(torch.int8)
-        self.packed = codes.reshape(n // ROWS, ROWS, k // 2, 2).permute(0, 2, 1, 3).reshape(n // ROWS, k * ROWS)
+        codes = (_safe_div(blocks, d.float()[..., None]).round().clamp(-127, 127) + 128).to(torch.uint8)
+        self.packed = codes.reshape(n // ROWS, ROWS, k // 4, 4).permute(0, 2, 1, 3).reshape(n // ROWS, k * ROWS)
         self.packed = self.packed.contiguous()
         self.scales = _panel_scales(d)
 
@@ -79,7 +80,7 @@ class Q8Weight(QuantizedWeight):
     def dequantize(self) -> torch.Tensor:
         """The weight the kernel multiplies by, ``[N, K]`` float32 (tests and error reports)."""
         n, k, p = self.out_features, self.in_features, self.out_features // ROWS
-        codes = self.packed.reshape(p, k // 2, ROWS, 2).permute(0, 2, 1, 3).reshape(n, k).float()
+        codes = self.packed.reshape(p, k // 4, ROWS, 4).permute(0, 2, 1, 3).reshape(n, k).float() - 128.0
         d = self.scales.permute(0, 2, 1).reshape(n, k // BLOCK).float()
         return (codes.reshape(n, -1, BLOCK) * d[..., None]).reshape(n, k)
 
@@ -93,8 +94,8 @@ class Q4Weight(QuantizedWeight):
     ``N`` of 16).
 
     Attributes:
-        packed: ``[N / 16, K * 8]`` uint8, two codes per byte in the kernel's panel layout (``[K / 4][16 rows][2]``
-            bytes per panel: channel ``4j + i`` in the low nibble, ``4j + 2 + i`` in the high one).
+        packed: ``[N / 16, K * 8]`` uint8, two codes per byte in the kernel's panel layout (``[K / 8][16 rows][4]``
+            bytes per panel: channel ``8j + i`` in the low nibble, ``8j + 4 + i`` in the high one).
         scales, mins: ``[N / 16, K / 32, 16]`` float16.
 
     Raises:
@@ -113,8 +114,8 @@ class Q4Weight(QuantizedWeight):
         low = blocks.amin(dim=-1).to(torch.float16)
         d = ((blocks.amax(dim=-1) - low.float()) / 15.0).clamp(max=65504.0).to(torch.float16)
         codes = _safe_div(blocks - low.float()[..., None], d.float()[..., None]).round().clamp(0, 15).to(torch.uint8)
-        # [P, 16, K/4, 2, 2] -> [P, K/4, 2, 16, 2]: half 0 (channels 4j, 4j+1) low nibble, half 1 high nibble
-        c = codes.reshape(n // ROWS, ROWS, k // 4, 2, 2).permute(0, 2, 3, 1, 4)
+        # [P, 16, K/8, 2, 4] -> [P, K/8, 2, 16, 4]: half 0 (channels 8j..8j+3) low nibble, half 1 high nibble
+        c = codes.reshape(n // ROWS, ROWS, k // 8, 2, 4).permute(0, 2, 3, 1, 4)
         self.packed = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n // ROWS, k * ROWS // 2).contiguous()
         self.scales = _panel_scales(d)
         self.mins = _panel_scales(low)
@@ -130,8 +131,8 @@ class Q4Weight(QuantizedWeight):
     def dequantize(self) -> torch.Tensor:
         """The weight the kernel multiplies by, ``[N, K]`` float32 (tests and error reports)."""
         n, k, p = self.out_features, self.in_features, self.out_features // ROWS
-        b = self.packed.reshape(p, k // 4, ROWS, 2)
-        c = torch.stack((b & 0x0F, b >> 4), dim=2)  # [P, K/4, 2, 16, 2]
+        b = self.packed.reshape(p, k // 8, ROWS, 4)
+        c = torch.stack((b & 0x0F, b >> 4), dim=2)  # [P, K/8, 2, 16, 4]
         codes = c.permute(0, 3, 1, 2, 4).reshape(n, k).float()
         d = self.scales.permute(0, 2, 1).reshape(n, k // BLOCK).float()[..., None]
         m = self.mins.permute(0, 2, 1).reshape(n, k // BLOCK).float()[..., None]

@@ -3,18 +3,21 @@
 // Formats (GGUF's, so a GGUF checkpoint's codes come back exactly; packing in tokenmill_cpu/quant_linear.py):
 //   q8: blocks of 32 input channels, w = d * q, q in -127..127, d float16           (GGUF Q8_0)
 //   q4: blocks of 32 input channels, w = d * q + m, q in 0..15, d and m float16     (GGUF Q4_1)
-// Activations are quantized per row to int16 in blocks of 32 (scale amax / 32767: finer than bfloat16 except
-// next to an outlier of the same block), so every block's dot product is an exact integer sum, done with the
-// AVX-512 VNNI instruction vpdpwssd (two signed 16-bit products per 32-bit lane). 8-bit activations (llama.cpp's
-// Q8_0 / Q8_1, and vpdpbusd's four products per lane) were tried first: on SmolLM2-135M the greedy answers then
-// left the float32 reference after 10-16 tokens on average instead of about 30 with 16-bit activations,
-// because the inputs of the MLP's down projection have outliers that coarsen their whole block.
 //
-// Weight layout: panels of 16 output rows. Within a panel, the 32 int16 weights of one vpdpwssd are lane r =
-// row r's two consecutive input channels, so a broadcast of two activations serves all 16 rows, the scales
-// are loaded as 16 contiguous float16 and no horizontal sum is needed.
-//   q8 panel: [K / 2][16 rows][2] int8
-//   q4 panel: [K / 4][16 rows][2] bytes, low nibble = channel 4j + i, high nibble = channel 4j + 2 + i
+// Activations are quantized per row in blocks of 32 to 14-bit integers c (scale amax / 8191), each stored as
+// two bytes, c = 128 * hi + lo with hi in -64..63 and lo in 0..127. A block's dot product is then two exact
+// integer sums made with the AVX-512 VNNI instruction vpdpbusd (unsigned 8-bit x signed 8-bit, four products
+// per 32-bit lane): sum q c = 128 * sum q hi + sum q lo. Why not plain 8-bit activations (llama.cpp's Q8_0 /
+// Q8_1, one vpdpbusd): on SmolLM2-135M the greedy answers then left the float32 reference after 10-16 tokens
+// on average instead of about 37, because the inputs of the MLP's down projection have outliers that coarsen
+// their whole block. Why not int16 activations with vpdpwssd (two products per lane): the same accuracy, but
+// widening the weights to 16 bits made a one-request step compute-bound (25 against 40 GB/s per core).
+//
+// Weight layout: panels of 16 output rows. Within a panel, every 64 bytes feed one 16-lane vpdpbusd: lane r
+// holds row r's four consecutive input channels, so a broadcast of four activation bytes serves all 16 rows,
+// the scales are loaded as 16 contiguous float16 and no horizontal sum is needed.
+//   q8 panel: [K / 4][16 rows][4] bytes, each q + 128 (unsigned; the +128 is taken out with the activation sums)
+//   q4 panel: [K / 8][16 rows][4] bytes, low nibble = channel 8j + i, high nibble = channel 8j + 4 + i
 //   scales (and q4's mins): [N / 16][K / 32][16] float16
 // Without AVX-512 VNNI (other CPUs, or a build for a lower ATen capability) the same formats run through plain
 // C++ loops with the same integer sums.
@@ -38,17 +41,19 @@ namespace {
 constexpr int64_t kRows = 16;   // output rows per panel
 constexpr int64_t kBlock = 32;  // input channels per scale
 constexpr int64_t kMaxTile = 4; // activation rows sharing one pass over a panel
+constexpr float kActMax = 8191.f;  // 14-bit activation codes
 
-constexpr float kActMax = 32767.f;
-
-// Activation rows in blocks of 32: int16 codes, their scale and the exact float sum of the block.
-// Buffers are left uninitialized (every element is written): zero-filling them cost as much as quantizing.
+// Activation rows in blocks of 32: the two bytes of every code, per block the code scale, the sums of the
+// bytes (to take out q8's +128) and the exact float sum (q4's minimum term). Buffers are left uninitialized
+// (every element is written): zero-filling them cost as much as quantizing.
 struct QuantizedActivations {
   QuantizedActivations(int64_t M, int64_t K)
-      : codes(new int16_t[M * K]), scales(new float[M * K / kBlock]), fsums(new float[M * K / kBlock]) {}
-  std::unique_ptr<int16_t[]> codes;  // [M, K]
-  std::unique_ptr<float[]> scales;   // [M, K / 32]
-  std::unique_ptr<float[]> fsums;    // [M, K / 32], sum of the float inputs (q4's minimum term)
+      : hi(new int8_t[M * K]), lo(new int8_t[M * K]), scales(new float[M * K / kBlock]),
+        hi_sums(new int32_t[M * K / kBlock]), lo_sums(new int32_t[M * K / kBlock]), fsums(new float[M * K / kBlock]) {}
+  std::unique_ptr<int8_t[]> hi, lo;           // [M, K]: code >> 7 (-64..63), code & 127 (0..127)
+  std::unique_ptr<float[]> scales;            // [M, K / 32]
+  std::unique_ptr<int32_t[]> hi_sums, lo_sums;  // [M, K / 32]
+  std::unique_ptr<float[]> fsums;             // [M, K / 32]
 };
 
 #ifdef TOKENMILL_VNNI
@@ -73,48 +78,63 @@ inline __m512 load_float16<at::Half>(const at::Half* p) {
 }
 #endif
 
-// One block of 32 activations: int16 codes, scale amax / 32767 and the float sum.
+// One block of 32 activations (see QuantizedActivations); i indexes the block.
 template <typename T>
-inline void quantize_block(const T* src, int16_t* dst, float* scale, float* fsum) {
+inline void quantize_block(const T* src, int64_t i, QuantizedActivations& a) {
+  int8_t* hi = a.hi.get() + i * kBlock;
+  int8_t* lo = a.lo.get() + i * kBlock;
 #ifdef TOKENMILL_VNNI
-  const __m512 lo = load_float16(src), hi = load_float16(src + 16);
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-  *fsum = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+  const __m512 x0 = load_float16(src), x1 = load_float16(src + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+  a.fsums[i] = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
   const __m512 inv = _mm512_set1_ps(amax > 0.f ? kActMax / amax : 0.f);
-  // cvtps_epi32 rounds to nearest even (the default MXCSR mode), as nearbyint below; |x * inv| <= 32767.
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(lo, inv))));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16),
-                      _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(hi, inv))));
+  const __m512i low7 = _mm512_set1_epi32(127);
+  __m512i hsum = _mm512_setzero_si512(), lsum = _mm512_setzero_si512();
+  for (int half = 0; half < 2; ++half) {
+    // cvtps_epi32 rounds to nearest even (the default MXCSR mode), as nearbyint below; |x * inv| <= 8191.
+    const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(half ? x1 : x0, inv));
+    const __m512i h = _mm512_srai_epi32(c, 7), l = _mm512_and_si512(c, low7);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + half * 16), _mm512_cvtepi32_epi8(h));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + half * 16), _mm512_cvtepi32_epi8(l));
+    hsum = _mm512_add_epi32(hsum, h);
+    lsum = _mm512_add_epi32(lsum, l);
+  }
+  a.hi_sums[i] = _mm512_reduce_add_epi32(hsum);
+  a.lo_sums[i] = _mm512_reduce_add_epi32(lsum);
 #else
   float vals[kBlock];
   float amax = 0.f, sum = 0.f;
-  for (int64_t i = 0; i < kBlock; ++i) {
-    vals[i] = static_cast<float>(src[i]);
-    amax = std::max(amax, std::fabs(vals[i]));
-    sum += vals[i];
+  for (int64_t k = 0; k < kBlock; ++k) {
+    vals[k] = static_cast<float>(src[k]);
+    amax = std::max(amax, std::fabs(vals[k]));
+    sum += vals[k];
   }
   const float inv = amax > 0.f ? kActMax / amax : 0.f;
-  for (int64_t i = 0; i < kBlock; ++i) {
-    const int32_t q = static_cast<int32_t>(std::nearbyint(vals[i] * inv));
-    dst[i] = static_cast<int16_t>(std::clamp(q, -32767, 32767));
+  int32_t hsum = 0, lsum = 0;
+  for (int64_t k = 0; k < kBlock; ++k) {
+    const int32_t c = std::clamp(static_cast<int32_t>(std::nearbyint(vals[k] * inv)), -8191, 8191);
+    hi[k] = static_cast<int8_t>(c >> 7);  // arithmetic shift: floor(c / 128)
+    lo[k] = static_cast<int8_t>(c & 127);
+    hsum += hi[k];
+    lsum += lo[k];
   }
-  *fsum = sum;
+  a.fsums[i] = sum;
+  a.hi_sums[i] = hsum;
+  a.lo_sums[i] = lsum;
 #endif
-  *scale = amax / kActMax;
+  a.scales[i] = amax / kActMax;
 }
 
 template <typename T>
 void quantize_activations(const at::Tensor& x, int64_t M, int64_t K, QuantizedActivations& a) {
-  const int64_t nb = K / kBlock;
   const T* src = x.data_ptr<T>();
+  const int64_t nb = K / kBlock;
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < nb; ++b)
-      quantize_block(src + m * x.stride(0) + b * kBlock, a.codes.get() + m * K + b * kBlock,
-                     &a.scales[m * nb + b], &a.fsums[m * nb + b]);
+    for (int64_t b = 0; b < nb; ++b) quantize_block(src + m * x.stride(0) + b * kBlock, m * nb + b, a);
 }
 
 #ifdef TOKENMILL_VNNI
-inline __m512i broadcast2(const int16_t* p) {
+inline __m512i broadcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return _mm512_set1_epi32(v);
@@ -125,39 +145,49 @@ template <int MT, bool Q4>
 void panel_tile(const uint8_t* w, const at::Half* d, const at::Half* mins, int64_t K, const QuantizedActivations& a,
                 int64_t m0, float* out) {
   const int64_t nb = K / kBlock;
-  const __m512i low4 = _mm512_set1_epi16(0x0F);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 accf[MT];
   for (int m = 0; m < MT; ++m) accf[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    __m512i acc[MT];
-    const int16_t* xq[MT];
+    __m512i acc_hi[MT], acc_lo[MT];
+    const int8_t* xh[MT];
+    const int8_t* xl[MT];
     for (int m = 0; m < MT; ++m) {
-      xq[m] = a.codes.get() + (m0 + m) * K + b * kBlock;
-      acc[m] = _mm512_setzero_si512();
+      const int64_t i = (m0 + m) * nb + b;
+      xh[m] = a.hi.get() + i * kBlock;
+      xl[m] = a.lo.get() + i * kBlock;
+      // q8 stores q + 128: sum (q + 128) x = sum q x + 128 sum x, so each lane starts at -128 sum x.
+      acc_hi[m] = Q4 ? _mm512_setzero_si512() : _mm512_set1_epi32(-128 * a.hi_sums[i]);
+      acc_lo[m] = Q4 ? _mm512_setzero_si512() : _mm512_set1_epi32(-128 * a.lo_sums[i]);
     }
     if constexpr (Q4) {
       const uint8_t* wb = w + b * kBlock * kRows / 2;
-      for (int j = 0; j < kBlock / 4; ++j) {
-        // 32 bytes = 16 rows x 4 channels; widened to 16 bits, the low nibbles are channels 0-1, the high 2-3.
-        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + j * 32)));
-        const __m512i lo = _mm512_and_si512(v, low4);
-        const __m512i hi = _mm512_srli_epi16(v, 4);
+      for (int g = 0; g < kBlock / 8; ++g) {
+        const __m512i v = _mm512_loadu_si512(wb + g * 64);
+        const __m512i w0 = _mm512_and_si512(v, low4);
+        const __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
         for (int m = 0; m < MT; ++m) {
-          acc[m] = _mm512_dpwssd_epi32(acc[m], lo, broadcast2(xq[m] + j * 4));
-          acc[m] = _mm512_dpwssd_epi32(acc[m], hi, broadcast2(xq[m] + j * 4 + 2));
+          acc_hi[m] = _mm512_dpbusd_epi32(acc_hi[m], w0, broadcast4(xh[m] + g * 8));
+          acc_hi[m] = _mm512_dpbusd_epi32(acc_hi[m], w1, broadcast4(xh[m] + g * 8 + 4));
+          acc_lo[m] = _mm512_dpbusd_epi32(acc_lo[m], w0, broadcast4(xl[m] + g * 8));
+          acc_lo[m] = _mm512_dpbusd_epi32(acc_lo[m], w1, broadcast4(xl[m] + g * 8 + 4));
         }
       }
     } else {
       const uint8_t* wb = w + b * kBlock * kRows;
-      for (int j = 0; j < kBlock / 2; ++j) {
-        const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + j * 32)));
-        for (int m = 0; m < MT; ++m) acc[m] = _mm512_dpwssd_epi32(acc[m], v, broadcast2(xq[m] + j * 2));
+      for (int j = 0; j < kBlock / 4; ++j) {
+        const __m512i v = _mm512_loadu_si512(wb + j * 64);
+        for (int m = 0; m < MT; ++m) {
+          acc_hi[m] = _mm512_dpbusd_epi32(acc_hi[m], v, broadcast4(xh[m] + j * 4));
+          acc_lo[m] = _mm512_dpbusd_epi32(acc_lo[m], v, broadcast4(xl[m] + j * 4));
+        }
       }
     }
     const __m512 scale = load_float16(d + b * kRows);
     for (int m = 0; m < MT; ++m) {
+      const __m512i acc = _mm512_add_epi32(_mm512_slli_epi32(acc_hi[m], 7), acc_lo[m]);  // sum q c, exact
       const __m512 s = _mm512_mul_ps(scale, _mm512_set1_ps(a.scales[(m0 + m) * nb + b]));
-      accf[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m]), s, accf[m]);
+      accf[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), s, accf[m]);
     }
     if constexpr (Q4) {
       const __m512 mn = load_float16(mins + b * kRows);
@@ -175,7 +205,6 @@ void panel_tile_scalar(const uint8_t* w, const at::Half* d, const at::Half* mins
   const int64_t nb = K / kBlock;
   for (int64_t m = 0; m < mt; ++m) {
     const int64_t row = m0 + m;
-    const int16_t* xq = a.codes.get() + row * K;
     for (int64_t r = 0; r < kRows; ++r) {
       float acc = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
@@ -183,12 +212,12 @@ void panel_tile_scalar(const uint8_t* w, const at::Half* d, const at::Half* mins
         for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k) {
           int32_t q;
           if constexpr (Q4) {
-            const uint8_t byte = w[(k / 4) * 32 + r * 2 + k % 2];
-            q = (k % 4) < 2 ? (byte & 0x0F) : (byte >> 4);
+            const uint8_t byte = w[(k / 8) * 64 + r * 4 + k % 4];
+            q = (k % 8) < 4 ? (byte & 0x0F) : (byte >> 4);
           } else {
-            q = static_cast<int8_t>(w[(k / 2) * 32 + r * 2 + k % 2]);
+            q = static_cast<int32_t>(w[(k / 4) * 64 + r * 4 + k % 4]) - 128;
           }
-          isum += q * xq[k];
+          isum += q * (128 * a.hi[row * K + k] + a.lo[row * K + k]);
         }
         acc += static_cast<float>(isum) * (static_cast<float>(d[b * kRows + r]) * a.scales[row * nb + b]);
         if constexpr (Q4) acc += static_cast<float>(mins[b * kRows + r]) * a.fsums[row * nb + b];
@@ -223,10 +252,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at:
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K > 0 && K % kBlock == 0, name, ": input features must be a positive multiple of 32, got ", K);
   const int64_t panel_bytes = Q4 ? K * kRows / 2 : K * kRows;
-  const auto packed_dtype = Q4 ? at::kByte : at::kChar;
+  const auto packed_dtype = at::kByte;
   TORCH_CHECK(packed.scalar_type() == packed_dtype && packed.dim() == 2 && packed.is_contiguous()
                   && packed.size(1) == panel_bytes,
-              name, ": packed must be a contiguous ", Q4 ? "uint8" : "int8", " [N / 16, ", panel_bytes,
+              name, ": packed must be a contiguous uint8 [N / 16, ", panel_bytes,
               "] tensor for K = ", K);
   const int64_t P = packed.size(0), N = P * kRows, nb = K / kBlock;
   auto check_scales = [&](const at::Tensor& s, const char* what) {
