@@ -1,7 +1,9 @@
-"""tokenmill-cpu's C++ kernels (``csrc/``), compiled on first use with ``torch.utils.cpp_extension``.
+"""tokenmill-cpu's C++ kernels (``csrc/``), compiled on first use with ``torch.utils.cpp_extension``:
+``paged_decode`` (``csrc/paged_attention.cpp``, below) and the quantized matmuls ``q8_linear`` / ``q4_linear``
+(``csrc/quant_linear.cpp``, why: ``tokenmill_cpu.quant_linear``).
 
-Why a custom kernel: decode attention over the paged cache is a memory-bound loop over the blocks of every
-request. Neither eager torch (gather the blocks, then two batched matmuls of a few rows each) nor
+Why a custom attention kernel: decode attention over the paged cache is a memory-bound loop over the blocks of
+every request. Neither eager torch (gather the blocks, then two batched matmuls of a few rows each) nor
 TorchInductor's code for the same computation (index arithmetic and a horizontal sum per key row) comes near
 the memory floor. ``csrc/paged_attention.cpp`` reads each block in place once, shares every key/value row
 among the query heads of its KV head, keeps accumulators in registers and, for bfloat16, uses the AVX-512 BF16
@@ -11,7 +13,8 @@ floor 1.2 ms.
 
 The build (about 10 to 30 s, once per machine, torch version and checkout; cached under torch's extension
 directory, ``TORCH_EXTENSIONS_DIR``) needs a C++ compiler and ``ninja``. Without them, or with
-``TOKENMILL_CPU_KERNELS=0``, :func:`load` returns ``False`` and attention stays on the torch path.
+``TOKENMILL_CPU_KERNELS=0``, :func:`load` returns ``False``: attention stays on the torch path and
+``--quantization`` uses torch's packed int8/int4 ops.
 """
 
 from __future__ import annotations
