@@ -16,6 +16,7 @@ full-precision weight. Which classes implement a method comes from the platform
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
@@ -23,6 +24,8 @@ import torch
 from torch import nn
 
 from tokenmill.config import QUANTIZATION_METHODS
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 32
 
@@ -111,7 +114,7 @@ def quantize_model(model: nn.Module, method: str, max_tokens: int = DEFAULT_MAX_
     """
     cls = get_quantized_weight_cls(method)
     head_cls = get_quantized_weight_cls(cls.lm_head_method) if cls.lm_head_method else cls
-    count = 0
+    count = skipped = nbytes = 0
     for module in model.modules():
         attach = getattr(module, "attach_quantized", None)
         if attach is None:
@@ -119,6 +122,12 @@ def quantize_model(model: nn.Module, method: str, max_tokens: int = DEFAULT_MAX_
         try:
             attach(head_cls if getattr(module, "is_lm_head", False) else cls, max_tokens)
         except UnsupportedShapeError:
+            skipped += 1
             continue
         count += 1
+        quant = getattr(module, "quant", None)  # where the layers of tokenmill.layers keep it
+        nbytes += quant.nbytes if quant is not None else 0
+    logger.info("quantization %s: %d modules quantized (%s, LM head %s; %.1f MiB more), %d left full precision; "
+                "used for steps of at most %d tokens", method, count, cls.__qualname__, head_cls.__qualname__,
+                nbytes / 2**20, skipped, max_tokens)
     return count
