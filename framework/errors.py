@@ -18,5 +18,9 @@ class EngineDeadError(RuntimeError):
     """The engine core process died or stopped answering; requests in flight cannot complete."""
 
 
+class ServerShuttingDownError(RuntimeError):
+    """The server was asked to stop (SIGINT/SIGTERM): requests in flight end with this error (HTTP 503)."""
+
+
 class EngineGenerateError(RuntimeError):
     """The engine core failed one request (the engine itself keeps running)."""

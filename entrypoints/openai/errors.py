@@ -14,6 +14,7 @@ InvalidRequestError / SamplingParamsError              400     invalid_request_e
 unknown model                                          404     NotFoundError              "model"
 missing or wrong API key                               401     invalid_request_error      null
 engine core died (the server then shuts down)          500     server_error               null
+server stopping (SIGINT/SIGTERM) mid-request           503     server_error               null
 anything else (traceback logged, never sent)           500     server_error               null
 =====================================================  ======  =========================  ===================
 """
@@ -34,7 +35,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tokenmill.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
-from tokenmill.errors import EngineDeadError, EngineGenerateError, InvalidRequestError
+from tokenmill.errors import EngineDeadError, EngineGenerateError, InvalidRequestError, ServerShuttingDownError
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,9 @@ def error_from_exception(exc: BaseException) -> tuple[int, dict[str, Any]]:
     if isinstance(exc, EngineDeadError):
         return 500, error_body("The inference engine stopped; the server is shutting down.", SERVER_ERROR,
                                code="engine_dead")
+    if isinstance(exc, ServerShuttingDownError):
+        return 503, error_body("The server is shutting down; the request was stopped before it finished.",
+                               SERVER_ERROR, code="server_shutting_down")
     if isinstance(exc, EngineGenerateError):
         return 500, error_body(f"The engine failed to process the request: {exc}", SERVER_ERROR)
     return 500, error_body("Internal server error.", SERVER_ERROR)
@@ -262,7 +266,7 @@ def install_exception_handlers(app: FastAPI, on_engine_dead: Callable[[], None])
     app.add_exception_handler(RequestValidationError, on_request_validation)  # type: ignore[arg-type]
     app.add_exception_handler(ValidationError, on_validation)  # type: ignore[arg-type]
     for cls in (InvalidRequestError, ModelNotFoundError, EngineDeadError, EngineGenerateError, RequestTooLargeError,
-                UnsupportedMediaTypeError):
+                UnsupportedMediaTypeError, ServerShuttingDownError):
         app.add_exception_handler(cls, on_known)
     app.add_exception_handler(AuthenticationError, on_auth)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, on_http)  # type: ignore[arg-type]

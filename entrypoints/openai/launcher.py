@@ -1,7 +1,9 @@
 """Running the server: bind, start the engine, serve with uvicorn, stop cleanly.
 
-* SIGINT / SIGTERM: during the engine start they interrupt it; while serving, uvicorn drains connections
-  (at most 5 s), then the engine core is shut down. Exit status 0.
+* SIGINT / SIGTERM: during the engine start they interrupt it; while serving, the server stops accepting
+  connections, every request in flight ends at once with a 503 ``server_shutting_down`` error (a streaming
+  one with an SSE error event; the engine core aborts them and frees their KV blocks), uvicorn closes the
+  connections (waiting at most 5 s) and the engine core is shut down. Exit status 0.
 * Engine-core death: in-flight requests fail (500, or an SSE error event), ``/health`` answers 503 for
   :data:`ENGINE_DEAD_EXIT_DELAY_S` seconds (so probes and load balancers see it), then the server stops and
   the process exits with status 1.
@@ -115,8 +117,16 @@ async def _serve(args: argparse.Namespace, engine_args: Any, sock: socket.socket
             timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
             timeout_keep_alive=5,
         )
-        server = uvicorn.Server(config)
         loop = asyncio.get_running_loop()
+
+        class Server(uvicorn.Server):  # type: ignore[misc, valid-type]
+            def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+                first = not self.should_exit
+                super().handle_exit(sig, frame)
+                if first:  # signal handler: hand the work to the event loop
+                    loop.call_soon_threadsafe(_stop_requests, engine)
+
+        server = Server(config)
 
         def stop_serving_soon() -> None:
             loop.call_later(ENGINE_DEAD_EXIT_DELAY_S, setattr, server, "should_exit", True)
@@ -131,6 +141,14 @@ async def _serve(args: argparse.Namespace, engine_args: Any, sock: socket.socket
             watcher.cancel()
         logger.info("shutting down the engine")
         engine.shutdown()
+
+
+def _stop_requests(engine: Any) -> None:
+    from tokenmill.errors import ServerShuttingDownError
+
+    logger.info("stopping: %d request(s) in flight end with 503 server_shutting_down",
+                engine.get_num_unfinished_requests())
+    engine.fail_all_requests(ServerShuttingDownError("the server is shutting down"))
 
 
 def _url_host(host: str) -> str:

@@ -16,7 +16,7 @@ from tokenmill.engine.input_processor import child_request_id
 from tokenmill.entrypoints.openai.errors import ContextLengthExceededError, error_from_exception
 from tokenmill.entrypoints.openai.serving_models import OpenAIServingModels
 from tokenmill.entrypoints.openai.streaming import sse_json
-from tokenmill.errors import EngineDeadError, InvalidRequestError
+from tokenmill.errors import EngineDeadError, InvalidRequestError, ServerShuttingDownError
 from tokenmill.metrics.stats import RequestStatsTracker
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams, SamplingParamsError
@@ -44,6 +44,10 @@ class EngineClient(Protocol):
     def errored(self) -> bool: ...
 
     async def check_health(self) -> None: ...
+
+    def get_num_unfinished_requests(self) -> int: ...
+
+    def fail_all_requests(self, error: ServerShuttingDownError) -> None: ...
 
 
 class Tokenization:
@@ -199,6 +203,8 @@ class OpenAIServing:
         if isinstance(exc, EngineDeadError):
             logger.error("request %s: engine core is dead: %s", request_id, exc)
             self.on_engine_dead()
+        elif isinstance(exc, ServerShuttingDownError):
+            logger.info("request %s stopped: the server is shutting down", request_id)
         elif not isinstance(exc, InvalidRequestError):
             logger.error("request %s failed while streaming", request_id, exc_info=exc)
         _, body = error_from_exception(exc)

@@ -14,7 +14,7 @@ from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.engine.messages import EngineCoreOutputs, SchedulerStats
 from tokenmill.engine.output_processor import OutputProcessor, RequestOutputCollector
 from tokenmill.engine_args import EngineArgs
-from tokenmill.errors import EngineDeadError
+from tokenmill.errors import EngineDeadError, ServerShuttingDownError
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -67,6 +67,7 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(tokenizer)
         self._output_handler: asyncio.Task[None] | None = None
         self._dead_error: EngineDeadError | None = None
+        self._stop_error: ServerShuttingDownError | None = None
         self._last_stats: SchedulerStats | None = None
         self._stats_listeners: list[StatsListener] = []
 
@@ -135,6 +136,13 @@ class AsyncLLM:
     def _abort_now(self, request_id: str) -> None:
         self.engine_core.abort_requests(self.output_processor.abort_requests([request_id]))
 
+    def fail_all_requests(self, error: ServerShuttingDownError) -> None:
+        """Stop serving: every request in flight raises ``error`` from its ``generate`` (and is aborted in the
+        engine core, freeing its KV blocks); so does every later ``generate`` call. The server calls this
+        on SIGINT/SIGTERM so that clients get an error response instead of a cut connection."""
+        self._stop_error = error
+        self.engine_core.abort_requests(self.output_processor.propagate_error(error))
+
     # -- output handling -------------------------------------------------------------------------------
 
     def _ensure_output_handler(self) -> None:
@@ -174,7 +182,7 @@ class AsyncLLM:
         return self._dead_error or self.engine_core.dead_error
 
     def _check_alive(self) -> None:
-        error = self.dead_error
+        error = self.dead_error or self._stop_error
         if error is not None:
             raise error
 

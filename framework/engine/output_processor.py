@@ -287,12 +287,19 @@ class OutputProcessor:
             self._remove(request)
         return to_abort
 
-    def propagate_error(self, exc: BaseException) -> None:
-        """Fail every request in flight with ``exc`` (e.g. EngineDeadError) and forget them."""
+    def propagate_error(self, exc: BaseException) -> list[str]:
+        """Fail every request in flight with ``exc`` (e.g. EngineDeadError) and forget them.
+
+        Returns:
+            the engine-core ids of their unfinished sequences (to abort in the engine core, if it lives).
+        """
+        unfinished: list[str] = []
         for request in list(self._requests.values()):
+            unfinished.extend(seq.engine_id for seq in request.sequences if not seq.finished)
             if request.queue is not None:
                 request.queue.put(exc)
             self._remove(request)
+        return unfinished
 
     def process_outputs(self, outputs: Sequence[EngineCoreOutput], now: float | None = None) -> OutputProcessorResult:
         """Apply one engine-core step's outputs.

@@ -24,7 +24,7 @@ from tests.engine.engine_fakes import (
     make_config,
 )
 from tokenmill.engine.async_llm import AsyncLLM
-from tokenmill.errors import EngineDeadError, EngineGenerateError, InvalidRequestError
+from tokenmill.errors import EngineDeadError, EngineGenerateError, InvalidRequestError, ServerShuttingDownError
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
@@ -154,6 +154,30 @@ def test_abort_ends_the_stream(tokenizer: Any) -> None:
         await llm.abort("a")
         await task
         assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+
+    run_with_llm(tokenizer, SlowEchoEngineCore, body)
+
+
+def test_fail_all_requests_ends_streams_and_aborts_them_in_the_engine_core(tokenizer: Any) -> None:
+    async def body(llm: AsyncLLM) -> None:
+        gens = [llm.generate([5, 6, 7], SamplingParams(max_tokens=240), f"s{i}") for i in range(3)]
+        for gen in gens:
+            await gen.__anext__()
+        assert (await llm.refresh_stats()).num_running_reqs == 3
+        llm.fail_all_requests(ServerShuttingDownError("stopping"))
+        for gen in gens:
+            with pytest.raises(ServerShuttingDownError):
+                async for _ in gen:
+                    pass
+        with pytest.raises(ServerShuttingDownError):
+            await collect(llm, [5], SamplingParams(), "after")
+        assert not llm.errored  # stopping is not a dead engine: /health stays 200 until the server is gone
+        for _ in range(50):  # the aborts reach the engine core, which frees the requests' KV blocks
+            stats = await llm.refresh_stats()
+            if stats.num_running_reqs == 0 and stats.kv_cache_usage == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0 and stats.kv_cache_usage == 0
 
     run_with_llm(tokenizer, SlowEchoEngineCore, body)
 

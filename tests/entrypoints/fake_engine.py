@@ -104,6 +104,7 @@ class FakeAsyncLLM:
     cached_tokens: int = 0
     reply: str = REPLY
     dead: bool = False
+    stop_error: BaseException | None = None
     calls: list[Call] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     active: set[str] = field(default_factory=set)
@@ -150,6 +151,12 @@ class FakeAsyncLLM:
     def shutdown(self) -> None:
         self.shutdown_called = True
 
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.active)
+
+    def fail_all_requests(self, error: BaseException) -> None:
+        self.stop_error = error
+
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str
                        ) -> AsyncGenerator[RequestOutput, None]:
         self.calls.append(Call(request_id, prompt, sampling_params))
@@ -164,6 +171,8 @@ class FakeAsyncLLM:
             raise InvalidRequestError("max_tokens: too long", param="max_tokens")
         if self.dead:
             raise EngineDeadError("fake engine is dead")
+        if self.stop_error is not None:
+            raise self.stop_error
         if self.fail_with is not None:
             raise self.fail_with
         self.active.add(request_id)
@@ -181,6 +190,8 @@ class FakeAsyncLLM:
                     await asyncio.sleep(self.delay_s)
                 else:
                     await asyncio.sleep(0)
+                if self.stop_error is not None:
+                    raise self.stop_error
                 if self.die_after is not None and step >= self.die_after:
                     self.dead = True
                     raise EngineDeadError("fake engine died")

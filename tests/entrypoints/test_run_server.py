@@ -254,3 +254,37 @@ def test_api_key_flag() -> None:
         assert json.loads(r.text)["data"][0]["id"]
         proc.process.send_signal(signal.SIGTERM)
         assert proc.finish() == 0
+
+
+def test_stop_signal_ends_requests_in_flight_with_503_not_a_cut_connection() -> None:
+    with launch(env={"FAKE_DELAY_S": "0.5"}) as proc:
+        wait_healthy(proc)
+        results: dict[str, Any] = {}
+
+        def plain() -> None:
+            r = httpx.post(proc.url + "/v1/completions", json={"prompt": "x", "max_tokens": 50}, timeout=30)
+            results["plain"] = (r.status_code, r.json())
+
+        def streamed() -> None:
+            body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 50, "stream": True}
+            with httpx.stream("POST", proc.url + "/v1/chat/completions", json=body, timeout=30) as r:
+                results["stream"] = [json.loads(line[6:]) for line in r.iter_lines()
+                                     if line.startswith("data: ") and line != "data: [DONE]"]
+
+        threads = [threading.Thread(target=plain), threading.Thread(target=streamed)]
+        for t in threads:
+            t.start()
+        time.sleep(1.5)  # both have produced a token or two of the 50
+        start = time.monotonic()
+        proc.process.send_signal(signal.SIGINT)
+        for t in threads:
+            t.join(timeout=20)
+        assert proc.finish() == 0, proc.output
+        assert time.monotonic() - start < 4.5, "requests were not stopped before uvicorn's 5 s drain"
+    status, body = results["plain"]
+    assert status == 503 and body["error"]["code"] == "server_shutting_down", body
+    assert body["error"]["type"] == "server_error" and body["error"]["param"] is None
+    events = results["stream"]
+    assert events[0]["choices"] and events[-1]["error"]["code"] == "server_shutting_down", events
+    assert "Traceback" not in proc.output and "graceful shutdown exceeded" not in proc.output, proc.output
+    assert "FAKE ENGINE SHUTDOWN" in proc.output
