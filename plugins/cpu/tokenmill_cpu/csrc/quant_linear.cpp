@@ -284,7 +284,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at:
           run_tile<Q4>(w + p * panel_bytes, d + p * nb * kRows, mn ? mn + p * nb * kRows : nullptr, K, a, m0, mt,
                        tile);
           for (int64_t m = 0; m < mt; ++m)
-            for (int64_t r = 0; r < kRows; ++r) y[(m0 + m) * N + p * kRows + r] = static_cast<scalar_t>(tile[m * kRows + r]);
+            for (int64_t r = 0; r < kRows; ++r)
+              y[(m0 + m) * N + p * kRows + r] = static_cast<scalar_t>(tile[m * kRows + r]);
         }
       }
     });
