@@ -39,7 +39,7 @@ class Bf16(QuantizedWeight):
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__(weight)
-        self.weight = weight.bfloat16()
+        self.store(weight=weight.bfloat16())
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)

@@ -30,8 +30,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_TOKENS = 32
 
 
-class QuantizedWeight(ABC):
-    """A quantized copy of one weight ``W [N, K]``.
+class QuantizedWeight(nn.Module, ABC):
+    """A quantized copy of one weight ``W [N, K]``: a submodule of the layer (``layer.quant``) whose tensors are
+    non-persistent buffers (:meth:`store`). As plain attributes of a plain object they made torch.compile trace
+    and guard each tensor separately: a warm start with ``--quantization int4`` took 91 s instead of 68.
 
     Attributes:
         lm_head_method: the method the LM head uses when this one is chosen (``None``: this one).
@@ -43,7 +45,14 @@ class QuantizedWeight(ABC):
     lm_head_method: ClassVar[str | None] = None
 
     def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
         self.out_features, self.in_features = weight.shape
+
+    def store(self, **tensors: torch.Tensor) -> None:
+        """Keep ``tensors`` as non-persistent buffers: they follow the module (``.to()``) and torch.compile
+        lifts them as graph inputs of the layer that owns this copy."""
+        for name, tensor in tensors.items():
+            self.register_buffer(name, tensor, persistent=False)
 
     @abstractmethod
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -71,8 +80,8 @@ class Int8WeightOnly(QuantizedWeight):
         super().__init__(weight)
         w = weight.detach().float()
         scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-        self.qweight = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
-        self.scales = scales.to(torch.bfloat16)
+        self.store(qweight=torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous(),
+                   scales=scales.to(torch.bfloat16))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

@@ -41,9 +41,12 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection to vocabulary logits; shares the embedding's layout (and weights when tied)."""
 
-    quant: QuantizedWeight | None = None
-    quant_max_tokens = 0
     is_lm_head = True  # quantize_model gives it the method's lm_head_method
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.quant: QuantizedWeight | None = None  # a submodule once attached: never a class attribute (it shadows)
+        self.quant_max_tokens = 0
 
     def attach_quantized(self, cls: type[QuantizedWeight], max_tokens: int) -> None:
         """Use a ``cls`` copy of the head for at most ``max_tokens`` rows (see layers.quantization).

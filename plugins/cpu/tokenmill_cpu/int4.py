@@ -46,9 +46,9 @@ class Int4WeightOnly(QuantizedWeight):
         scale = ((groups.amax(dim=-1, keepdim=True) - low) / 15.0).clamp(min=1e-12)
         codes = torch.round((groups - low) / scale).clamp(0, 15).to(torch.int32).reshape(n, k)
         zero = low + 8.0 * scale
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), INNER_K_TILES)
-        self.scales_and_zeros = (
-            torch.cat((scale, zero), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        self.store(
+            packed=torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), INNER_K_TILES),
+            scales_and_zeros=torch.cat((scale, zero), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16),
         )
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:

@@ -67,9 +67,8 @@ class Q8Weight(QuantizedWeight):
         blocks = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
         d = (blocks.abs().amax(dim=-1) / 127.0).clamp(max=65504.0).to(torch.float16)
         codes = (_safe_div(blocks, d.float()[..., None]).round().clamp(-127, 127) + 128).to(torch.uint8)
-        self.packed = codes.reshape(n // ROWS, ROWS, k // 4, 4).permute(0, 2, 1, 3).reshape(n // ROWS, k * ROWS)
-        self.packed = self.packed.contiguous()
-        self.scales = _panel_scales(d)
+        packed = codes.reshape(n // ROWS, ROWS, k // 4, 4).permute(0, 2, 1, 3).reshape(n // ROWS, k * ROWS)
+        self.store(packed=packed.contiguous(), scales=_panel_scales(d))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., K]`` (float32, bfloat16 or float16) -> ``[..., N]`` in ``x``'s dtype."""
@@ -116,9 +115,8 @@ class Q4Weight(QuantizedWeight):
         codes = _safe_div(blocks - low.float()[..., None], d.float()[..., None]).round().clamp(0, 15).to(torch.uint8)
         # [P, 16, K/8, 2, 4] -> [P, K/8, 2, 16, 4]: half 0 (channels 8j..8j+3) low nibble, half 1 high nibble
         c = codes.reshape(n // ROWS, ROWS, k // 8, 2, 4).permute(0, 2, 3, 1, 4)
-        self.packed = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n // ROWS, k * ROWS // 2).contiguous()
-        self.scales = _panel_scales(d)
-        self.mins = _panel_scales(low)
+        packed = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n // ROWS, k * ROWS // 2).contiguous()
+        self.store(packed=packed, scales=_panel_scales(d), mins=_panel_scales(low))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., K]`` (float32, bfloat16 or float16) -> ``[..., N]`` in ``x``'s dtype."""
