@@ -44,10 +44,6 @@ class Bf16(QuantizedWeight):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
 
-    @property
-    def nbytes(self) -> int:
-        return self.weight.numel() * 2
-
 
 PATHS = {  # name: (layer class, LM head class)
     "bf16": (Bf16, Bf16),

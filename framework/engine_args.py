@@ -103,7 +103,7 @@ class EngineArgs:
         g.add_argument("--trust-remote-code", action="store_true", default=d.trust_remote_code)
         g.add_argument("--quantization", "-q", default=d.quantization, choices=list(QUANTIZATION_METHODS),
                        help="Quantized weights used for small batches (faster decode): int8 or int4 (CPU: GGUF Q8_0 / "
-                            "Q4_1 blocks of 32 with int8 activations); outputs may differ slightly from full "
+                            "Q4_1 blocks of 32 with 14-bit integer activations); outputs may differ slightly from full "
                             "precision.")
         return parser
 

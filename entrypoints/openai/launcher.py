@@ -22,6 +22,7 @@ from typing import Any
 from tokenmill.entrypoints.openai.api_server import DEFAULT_HOST, DEFAULT_PORT, ServerState, build_app
 from tokenmill.entrypoints.openai.chat_template import load_chat_template
 from tokenmill.entrypoints.openai.serving_engine import EngineClient
+from tokenmill.errors import ServerShuttingDownError
 
 logger = logging.getLogger(__name__)
 
@@ -143,9 +144,7 @@ async def _serve(args: argparse.Namespace, engine_args: Any, sock: socket.socket
         engine.shutdown()
 
 
-def _stop_requests(engine: Any) -> None:
-    from tokenmill.errors import ServerShuttingDownError
-
+def _stop_requests(engine: EngineClient) -> None:
     logger.info("stopping: %d request(s) in flight end with 503 server_shutting_down",
                 engine.get_num_unfinished_requests())
     engine.fail_all_requests(ServerShuttingDownError("the server is shutting down"))

@@ -10,7 +10,7 @@ full-precision weight. Which classes implement a method comes from the platform
   :class:`Int8WeightOnly`, symmetric per-output-channel scales, ``q[n] = round(W[n] / s[n])``,
   ``s[n] = max|W[n]| / 127``.
 * The CPU plugin replaces both: ``int8`` and ``int4`` in GGUF's ``Q8_0`` / ``Q4_1`` blocks of 32 input channels,
-  multiplied with int8 activations by its VNNI kernels (``tokenmill_cpu.quant_linear``); under ``int4`` the LM
+  multiplied with 14-bit integer activations by its VNNI kernels (``tokenmill_cpu.quant_linear``); under ``int4`` the LM
   head stays 8-bit (``QuantizedWeight.lm_head_method``).
 """
 
@@ -33,7 +33,8 @@ DEFAULT_MAX_TOKENS = 32
 class QuantizedWeight(nn.Module, ABC):
     """A quantized copy of one weight ``W [N, K]``: a submodule of the layer (``layer.quant``) whose tensors are
     non-persistent buffers (:meth:`store`). As plain attributes of a plain object they made torch.compile trace
-    and guard each tensor separately: a warm start with ``--quantization int4`` took 91 s instead of 68.
+    and guard each tensor separately: with ``--quantization int4`` and a warm compile cache the engine core was
+    ready in 87 s instead of 60 (the "engine core ready" log line of ``tokenmill bench latency``).
 
     Attributes:
         lm_head_method: the method the LM head uses when this one is chosen (``None``: this one).
@@ -59,9 +60,9 @@ class QuantizedWeight(nn.Module, ABC):
         """``x [..., K]`` -> ``x @ W^T`` ``[..., N]`` in ``x``'s dtype."""
 
     @property
-    @abstractmethod
     def nbytes(self) -> int:
-        """Bytes the quantized weight and its scales take."""
+        """Bytes the quantized weight and its scales take (every tensor kept with :meth:`store`)."""
+        return sum(t.numel() * t.element_size() for t in self.buffers())
 
 
 class UnsupportedShapeError(ValueError):
@@ -88,10 +89,6 @@ class Int8WeightOnly(QuantizedWeight):
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
         y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
         return y.reshape(*lead, -1).to(x.dtype)
-
-    @property
-    def nbytes(self) -> int:
-        return self.qweight.numel() + self.scales.numel() * 2
 
 
 def get_quantized_weight_cls(method: str) -> type[QuantizedWeight]:

@@ -23,9 +23,10 @@ How it runs:
   padded to at least two columns (block 0, masked by ``seq_lens``) so that short contexts reuse the decode
   compilations.
 * Every compilation happens in :meth:`warm_up`, at engine start-up (one to two minutes on 2 cores the first
-  time; about 40 s once Inductor's on-disk caches hold the graphs: each decode kind's first Dynamo analysis
-  restarts once per start and misses AOTAutograd's cache, about 8 s each, not yet understood). Warm-up writes keys/values of dummy tokens
-  into block 0, which is harmless: a slot is always written by its owner before it is read, and no request
+  time; about 40 s, 55 s with ``--quantization``, once Inductor's on-disk caches hold the graphs: most of it
+  is Dynamo tracing, and each decode kind's first Dynamo analysis restarts once per start and misses
+  AOTAutograd's cache, about 8 s each, not yet understood). Warm-up writes keys/values of dummy tokens into
+  block 0, which is harmless: a slot is always written by its owner before it is read, and no request
   exists yet.
 * ``--enforce-eager`` turns it off, as does ``TOKENMILL_COMPILE=0`` in the environment (the test suite sets
   it so that its many short-lived engines skip compiling) and a platform without ``supports_compile``. If

@@ -56,7 +56,3 @@ class Int4WeightOnly(QuantizedWeight):
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP_SIZE, self.scales_and_zeros)
         return y.reshape(*lead, -1).to(x.dtype)
-
-    @property
-    def nbytes(self) -> int:
-        return self.packed.numel() * self.packed.element_size() + self.scales_and_zeros.numel() * 2

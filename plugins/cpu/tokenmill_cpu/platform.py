@@ -38,7 +38,8 @@ class CpuPlatform(Platform):
         from tokenmill_cpu import kernels  # imports torch; platform detection must not
 
         if kernels.load():
-            return {"int8": "tokenmill_cpu.quant_linear:Q8Weight", "int4": "tokenmill_cpu.quant_linear:Q4Weight"}.get(method)
+            return {"int8": "tokenmill_cpu.quant_linear:Q8Weight",
+                    "int4": "tokenmill_cpu.quant_linear:Q4Weight"}.get(method)
         if method == "int4":
             return "tokenmill_cpu.int4:Int4WeightOnly"
         return super().get_quant_method_cls(method)

@@ -45,6 +45,12 @@ def _panel_scales(values: torch.Tensor) -> torch.Tensor:
     return values.reshape(n // ROWS, ROWS, nb).permute(0, 2, 1).contiguous()
 
 
+def _block_values(panels: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_panel_scales`: ``[N / 16, K / 32, 16]`` -> ``[N, K / 32]`` float32."""
+    p, nb, _ = panels.shape
+    return panels.permute(0, 2, 1).reshape(p * ROWS, nb).float()
+
+
 def _safe_div(x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return torch.where(d > 0, x / torch.where(d > 0, d, torch.ones_like(d)), torch.zeros_like(x))
 
@@ -80,12 +86,7 @@ class Q8Weight(QuantizedWeight):
         """The weight the kernel multiplies by, ``[N, K]`` float32 (tests and error reports)."""
         n, k, p = self.out_features, self.in_features, self.out_features // ROWS
         codes = self.packed.reshape(p, k // 4, ROWS, 4).permute(0, 2, 1, 3).reshape(n, k).float() - 128.0
-        d = self.scales.permute(0, 2, 1).reshape(n, k // BLOCK).float()
-        return (codes.reshape(n, -1, BLOCK) * d[..., None]).reshape(n, k)
-
-    @property
-    def nbytes(self) -> int:
-        return self.packed.numel() + self.scales.numel() * 2
+        return (codes.reshape(n, -1, BLOCK) * _block_values(self.scales)[..., None]).reshape(n, k)
 
 
 class Q4Weight(QuantizedWeight):
@@ -101,10 +102,7 @@ class Q4Weight(QuantizedWeight):
         UnsupportedShapeError: ``K`` is not a multiple of 32 or ``N`` of 16.
     """
 
-    # Output heads (often tied to the embedding) are commonly stored at 8 bits (GGUF Q8_0) and their errors
-    # move every logit: SmolLM2's Q8_0 head re-quantized to 4 bits is 9% off (relative Frobenius error), its
-    # Q4_1 layers 0.25%, and greedy answers then diverged from float32 after 7 tokens instead of 36.
-    lm_head_method = "int8"
+    lm_head_method = "int8"  # why the head stays 8-bit: tokenmill_cpu.int4.Int4WeightOnly
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__(weight)
@@ -132,10 +130,5 @@ class Q4Weight(QuantizedWeight):
         b = self.packed.reshape(p, k // 8, ROWS, 4)
         c = torch.stack((b & 0x0F, b >> 4), dim=2)  # [P, K/8, 2, 16, 4]
         codes = c.permute(0, 3, 1, 2, 4).reshape(n, k).float()
-        d = self.scales.permute(0, 2, 1).reshape(n, k // BLOCK).float()[..., None]
-        m = self.mins.permute(0, 2, 1).reshape(n, k // BLOCK).float()[..., None]
+        d, m = _block_values(self.scales)[..., None], _block_values(self.mins)[..., None]
         return (codes.reshape(n, -1, BLOCK) * d + m).reshape(n, k)
-
-    @property
-    def nbytes(self) -> int:
-        return self.packed.numel() + (self.scales.numel() + self.mins.numel()) * 2

@@ -9,9 +9,9 @@
 // integer sums made with the AVX-512 VNNI instruction vpdpbusd (unsigned 8-bit x signed 8-bit, four products
 // per 32-bit lane): sum q c = 128 * sum q hi + sum q lo. Why not plain 8-bit activations (llama.cpp's Q8_0 /
 // Q8_1, one vpdpbusd): on SmolLM2-135M the greedy answers then left the float32 reference after 10-16 tokens
-// on average instead of about 37, because the inputs of the MLP's down projection have outliers that coarsen
-// their whole block. Why not int16 activations with vpdpwssd (two products per lane): the same accuracy, but
-// widening the weights to 16 bits made a one-request step compute-bound (25 against 40 GB/s per core).
+// on average instead of about 37 (likely activation outliers, such as the MLP down projection's inputs, that
+// coarsen their whole block). Why not int16 activations with vpdpwssd (two products per lane): the same
+// accuracy, but widening the weights to 16 bits made a one-request step compute-bound (docs/benchmarks.md).
 //
 // Weight layout: panels of 16 output rows. Within a panel, every 64 bytes feed one 16-lane vpdpbusd: lane r
 // holds row r's four consecutive input channels, so a broadcast of four activation bytes serves all 16 rows,
