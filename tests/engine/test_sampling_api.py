@@ -136,8 +136,12 @@ def test_engine_core_backstop_rejects_out_of_vocab_ids(llm: LLM) -> None:
 def test_tokenized_bad_words_outside_the_model_vocabulary(tok: Any) -> None:
     """A tokenizer larger than the model: a bad word whose ids the model cannot produce is an error."""
     small = make_config(vocab_size=300).model_config
-    word = next(t for t, i in tok.get_vocab().items() if i >= 300 and not t.startswith("<"))
+    # A word whose own tokenization (as InputProcessor does it: stripped) needs an id the model lacks. Chosen
+    # by checking, not by vocabulary order: the trained merges and get_vocab()'s order vary between processes.
+    by_id = sorted(tok.get_vocab().items(), key=lambda item: item[1])
+    words = (tok.convert_tokens_to_string([t]).strip() for t, i in by_id if i >= 300 and not t.startswith("<"))
+    word = next(w for w in words if w and max(tok.encode(w, add_special_tokens=False)) >= 300)
     ip = InputProcessor(small, tok)
     with pytest.raises(SamplingParamsError) as info:
-        ip.process("r", [5, 6], SamplingParams(bad_words=[tok.convert_tokens_to_string([word])]))
+        ip.process("r", [5, 6], SamplingParams(bad_words=[word]))
     assert info.value.param == "bad_words"
