@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 QUANTIZATION_METHODS = ("int8", "int4")  # see tokenmill.layers.quantization
+COMPILE_MODES = ("background", "blocking")  # see tokenmill.worker.compiled_runner
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -150,3 +151,5 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     enforce_eager: bool = False
+    # "blocking": compile before serving; "background": serve eagerly and swap compiled graphs in when ready.
+    compile_mode: str = "blocking"

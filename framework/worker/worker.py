@@ -82,3 +82,8 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.model_runner is not None
         return self.model_runner.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        """Stop background work of the model runner (compilation); the model stays usable."""
+        if self.model_runner is not None:
+            self.model_runner.shutdown()

@@ -15,8 +15,9 @@ from tokenmill.worker.input_batch import CachedRequestState, build_batch_inputs
 
 
 @pytest.fixture
-def compile_on(monkeypatch: pytest.MonkeyPatch) -> None:
+def compile_on(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setenv("TOKENMILL_COMPILE", "1")
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
 
 
 def _compiled_core(model_dir: str, **kwargs) -> EngineCore:
@@ -51,6 +52,7 @@ def test_steps_choose_their_compiled_kind() -> None:
     runner = CompiledRunner.__new__(CompiledRunner)
     runner.max_batch_size = 4
     runner.compiled = {"one": None, "many": None, "mixed": None}
+    runner.kinds = list(runner.compiled)
     runner.quant_max_rows = 0
     params = SamplingParams(max_tokens=4)
 
@@ -69,6 +71,7 @@ def test_steps_choose_their_compiled_kind() -> None:
     assert runner.can_run(mixed) and runner.kind(mixed.attn_metadata) == "mixed"
     # With quantized layers (dense above 2 rows here), decode steps above the limit have their own kind.
     runner.compiled["large"], runner.quant_max_rows = None, 2
+    runner.kinds.append("large")
     assert runner.kind(build_batch_inputs(decodes[:2], [1] * 2, 8, cpu).attn_metadata) == "many"
     assert runner.kind(build_batch_inputs(decodes[:3], [1] * 3, 8, cpu).attn_metadata) == "large"
 
