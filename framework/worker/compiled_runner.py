@@ -234,8 +234,15 @@ class CompiledRunner:
     def shutdown(self) -> None:
         """Stop background compilation (the child process is killed; loaded kinds stay)."""
         self._stop.set()
+        self._end_child(grace_s=0.0)
+
+    def _end_child(self, grace_s: float) -> None:
         child = self.child
-        if child is not None and child.poll() is None:
+        if child is None:
+            return
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(grace_s)
+        if child.poll() is None:
             child.kill()
             with contextlib.suppress(Exception):
                 child.wait(5)
@@ -253,8 +260,8 @@ class CompiledRunner:
             logger.warning("background compilation stopped, the remaining step kinds run eagerly (%s: %s)",
                            type(exc).__name__, exc)
         finally:
-            self.shutdown()
-        if not self._stop.is_set() or len(self.compiled) == len(self.kinds):
+            self._end_child(grace_s=30.0)  # it exits by itself after its last kind
+        if not self._stop.is_set():
             logger.info("background compilation done in %.1f s: compiled %s; eager: %s",
                         time.perf_counter() - start, ", ".join(self.compiled) or "none",
                         ", ".join(k for k in self.kinds if k not in self.compiled) or "none")

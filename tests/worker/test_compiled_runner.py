@@ -85,3 +85,36 @@ def test_quantized_model_compiles_a_large_decode_kind_and_matches_eager(compile_
     assert runner is not None and runner.quant_max_rows == 32 and "large" in runner.compiled
     assert run_engine(core, prompts, max_tokens=6) == eager
     assert runner.kind_steps["large"] >= 4 and runner.kind_steps["mixed"] >= 1
+
+
+@pytest.mark.slow
+def test_background_mode_serves_eagerly_then_swaps_in_compiled_kinds_and_caches_them(compile_on, tmp_path) -> None:
+    model_dir = build_tiny_llama(str(tmp_path / "m"), seed=3)
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
+    expected = hf_greedy(model_dir, prompts, 8)
+    core = _compiled_core(model_dir, compile_mode="background")
+    runner = core.executor.worker.model_runner.compiled_runner
+    assert runner is not None and runner.kinds == ["one", "many", "mixed"]
+    # the engine answers before anything is compiled (steps of missing kinds run eagerly)
+    assert run_engine(core, prompts, max_tokens=8) == expected
+    assert runner.wait(timeout=900), "background compilation did not finish"
+    assert sorted(runner.compiled) == ["many", "mixed", "one"]
+    assert run_engine(core, prompts, max_tokens=8) == expected
+    assert runner.kind_steps["many"] >= 6 and runner.kind_steps["mixed"] >= 1
+    assert runner.child is not None and runner.child.returncode == 0
+    core.shutdown()
+    # a second engine with the same key loads every kind from the cache instead of compiling
+    warm = _compiled_core(model_dir)
+    warm_runner = warm.executor.worker.model_runner.compiled_runner
+    assert sorted(warm_runner.compiled) == ["many", "mixed", "one"] and warm_runner.child is None
+    assert run_engine(warm, [[5, 6, 7]], max_tokens=8) == expected[:1]
+    assert warm_runner.kind_steps["one"] >= 7
+
+
+def test_compile_cache_key_follows_the_architecture_not_the_weights(compile_on, tmp_path) -> None:
+    from tokenmill.worker.compile_cache import CompileCache
+
+    base = {"architecture": "a", "dtype": "float32"}
+    assert CompileCache(base, []).key == CompileCache(dict(base), []).key
+    assert CompileCache(base, []).key != CompileCache({**base, "dtype": "bfloat16"}, []).key
+    assert str(CompileCache(base, []).directory).startswith(str(tmp_path / "cache"))

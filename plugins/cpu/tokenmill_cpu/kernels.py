@@ -53,7 +53,8 @@ _X86_ARCH_FLAGS = {
     "DEFAULT": ["-march=x86-64"],
 }
 
-_lock = threading.Lock()
+_lock = threading.Lock()  # held for a whole build
+_start_lock = threading.Lock()  # guards _thread only (never waits for a build)
 _loaded: bool | None = None
 _thread: threading.Thread | None = None
 
@@ -78,7 +79,7 @@ def load_async() -> None:
     it needs (an engine serving with the torch attention path meanwhile).
     """
     global _thread
-    with _lock:
+    with _start_lock:
         if _loaded is not None or _thread is not None:
             return
         _thread = threading.Thread(target=load, name="tokenmill-cpu-kernels", daemon=True)
