@@ -88,6 +88,7 @@ def test_quantized_model_compiles_a_large_decode_kind_and_matches_eager(compile_
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # the compile worker runs at a lower priority than everything else on the machine
 def test_background_mode_serves_eagerly_then_swaps_in_compiled_kinds_and_caches_them(compile_on, tmp_path) -> None:
     model_dir = build_tiny_llama(str(tmp_path / "m"), seed=3)
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
