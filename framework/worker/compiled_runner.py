@@ -100,7 +100,10 @@ class CompiledRunner:
     """
 
     def __init__(self, model: torch.nn.Module, max_batch_size: int, block_size: int) -> None:
+        from tokenmill.layers.attention import attention_layers
+
         self.model = model
+        self.attn_layers = attention_layers(model)  # where opaque attention finds its layers
         self.max_batch_size = max_batch_size
         self.block_size = block_size
         self.quant_max_rows = quant_row_limit(model)
@@ -181,7 +184,7 @@ class CompiledRunner:
         if kind != "mixed" and md.block_table.shape[1] < 2:
             md = self._pad_block_table(md)
         self.kind_steps[kind] += 1
-        with set_forward_context(md, opaque_attention=kind == "mixed"):
+        with set_forward_context(md, opaque_attention=kind == "mixed", attn_layers=self.attn_layers):
             return self.compiled[kind](self.model, batch.input_ids, batch.positions)
 
     def _pad_block_table(self, md: AttentionMetadata) -> AttentionMetadata:
@@ -371,8 +374,8 @@ def compile_kind(
         fullgraph=True,
         options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe, "size_asserts": False},
     )
-    with torch.inference_mode(), _aot_settings(), set_forward_context(batch.attn_metadata,
-                                                                      opaque_attention=kind == "mixed"):
+    with torch.inference_mode(), _aot_settings(), set_forward_context(
+            batch.attn_metadata, opaque_attention=kind == "mixed", attn_layers=runner.attn_layers):
         compiled = fn.aot_compile(((model, batch.input_ids, batch.positions), {}))
     if cache is not None:
         cache.prepare()

@@ -109,7 +109,7 @@ def test_background_mode_serves_eagerly_then_swaps_in_compiled_kinds_and_caches_
     warm_runner = warm.executor.worker.model_runner.compiled_runner
     assert sorted(warm_runner.compiled) == ["many", "mixed", "one"] and warm_runner.child is None
     assert run_engine(warm, [[5, 6, 7]], max_tokens=8) == expected[:1]
-    assert warm_runner.kind_steps["one"] >= 7
+    assert warm_runner.kind_steps["one"] >= 7 and warm_runner.kind_steps["mixed"] >= 1  # graphs of another process
 
 
 def test_compile_cache_key_follows_the_architecture_not_the_weights(compile_on, tmp_path) -> None:
