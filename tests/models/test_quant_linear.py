@@ -1,4 +1,4 @@
-"""tokenmill-cpu's VNNI quantized matmuls (``csrc/quant_linear.cpp``) against a float64 reference that quantizes
+"""tokenmill-cpu's quantized matmuls (VNNI, AVX2 and scalar builds) (``csrc/quant_linear.cpp``) against a float64 reference that quantizes
 the activations the same way, so the kernel's own error (not the 8-bit rounding) is what is bounded."""
 
 from __future__ import annotations
