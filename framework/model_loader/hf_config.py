@@ -62,16 +62,63 @@ def resolve_model_location(model: str | None) -> ModelLocation:
     raise FileNotFoundError(f"model: {model!r} does not exist (expected a directory, a .gguf file or a hub id)")
 
 
+# transformers' model_type of a GGUF-derived config -> tokenmill architecture
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}
+
+
 def load_hf_config(directory: str, gguf_file: str | None, *, trust_remote_code: bool = False) -> Any:
-    """Read the ``transformers`` config from ``config.json`` or from a GGUF file's metadata."""
+    """Read the ``transformers`` config from ``config.json`` or from a GGUF file's metadata.
+
+    For GGUF files the architecture comes from the model type (:data:`GGUF_ARCHITECTURES`; llama.cpp writes
+    Mistral and Mixtral files as ``llama``: transformers recognises Mistral by name, and a ``llama`` file with
+    experts becomes a Mixtral config here), and ``head_dim`` is taken from ``attention.key_length`` where
+    transformers' reader leaves the config class's default (Qwen3).
+    """
     from transformers import AutoConfig
 
-    if gguf_file is not None:
-        config = AutoConfig.from_pretrained(directory, gguf_file=gguf_file)
-        if not getattr(config, "architectures", None):
-            arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-            name = arch.get(config.model_type)
-            if name:
-                config.architectures = [name]
-        return config
-    return AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    if gguf_file is None:
+        return AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    config = AutoConfig.from_pretrained(directory, gguf_file=gguf_file)
+    config = _fix_gguf_config(config, os.path.join(directory, gguf_file))
+    if not getattr(config, "architectures", None):
+        name = GGUF_ARCHITECTURES.get(config.model_type)
+        if name:
+            config.architectures = [name]
+    return config
+
+
+def _fix_gguf_config(config: Any, path: str) -> Any:
+    import gguf
+
+    from tokenmill.model_loader.gguf_weights import gguf_architecture
+
+    reader = gguf.GGUFReader(path)
+    arch = gguf_architecture(reader)
+
+    def value(key: str) -> Any:
+        field = reader.fields.get(f"{arch}.{key}")
+        return None if field is None else field.parts[field.data[0]].tolist()[0]
+
+    key_length = value("attention.key_length")
+    if key_length and hasattr(config, "head_dim") and config.head_dim != key_length:
+        config.head_dim = int(key_length)
+    if hasattr(config, "attention_bias") and any(t.name.endswith(".attn_q.bias") for t in reader.tensors):
+        config.attention_bias = True  # not in the metadata: the tensors say it
+    experts = value("expert_count")
+    if config.model_type in ("llama", "mistral") and experts:
+        from transformers import MixtralConfig
+
+        fields = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")}
+        config = MixtralConfig(**fields, num_local_experts=int(experts),
+                               num_experts_per_tok=int(value("expert_used_count") or 2))
+    return config

@@ -8,8 +8,9 @@ A model declares how checkpoint names map to its parameters:
   places it). A checkpoint that already ships the fused tensor (Phi-3's ``qkv_proj`` / ``gate_up_proj``) matches
   the parameter name directly and its loader splits it.
 * ``expert_weight_names``: checkpoint projection name -> FusedMoE shard (``"w1"`` gate, ``"w3"`` up,
-  ``"w2"`` down), for per-expert tensors ``...experts.<e>.<proj>.weight``; transformers' fused 3-D
-  ``...experts.gate_up_proj`` / ``...experts.down_proj`` are accepted too.
+  ``"w2"`` down), for per-expert tensors ``...experts.<e>.<proj>.weight``; 3-D tensors of all experts are
+  accepted too: transformers' ``...experts.gate_up_proj`` / ``...experts.down_proj`` and the GGUF loader's
+  ``...experts.gate_proj`` / ``up_proj`` / ``down_proj``.
 * ``checkpoint_name_remap``: substring replacements applied to checkpoint names first (Mixtral's
   ``.block_sparse_moe.`` -> ``.mlp.``).
 """
@@ -27,7 +28,10 @@ from tokenmill.layers.linear import default_weight_loader
 StackedMapping = Sequence[tuple[str, str, "str | int"]]
 
 _EXPERT_RE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
-_FUSED_EXPERTS_RE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<proj>gate_up_proj|down_proj)(?:\.weight)?$")
+_FUSED_EXPERTS_RE = re.compile(
+    r"^(?P<prefix>.*\.experts)\.(?P<proj>gate_up_proj|gate_proj|up_proj|down_proj)(?:\.weight)?$"
+)
+_FUSED_SHARDS = {"gate_up_proj": "w13", "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 _EXPERT_PARAM = {"w1": "w13_weight", "w3": "w13_weight", "w13": "w13_weight", "w2": "w2_weight"}
 
 DEFAULT_SKIP = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
@@ -100,7 +104,7 @@ def _load_expert(
         m = _FUSED_EXPERTS_RE.match(name)
         if m is None:
             return False
-        shard, expert = ("w13" if m.group("proj") == "gate_up_proj" else "w2"), None
+        shard, expert = _FUSED_SHARDS[m.group("proj")], None
     pname = f"{m.group('prefix')}.{_EXPERT_PARAM[shard]}"
     param = params.get(pname)
     if param is None:
