@@ -21,11 +21,6 @@ BASE = [(i * 37 + 11) % 500 + 3 for i in range(40)]
 PROMPTS = [BASE[:33], BASE[:20] + [5, 6, 7], [3, 4], BASE[:9], [7] * 13, BASE]
 
 
-@pytest.fixture(scope="session")
-def family_root(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(tmp_path_factory.mktemp("families"))
-
-
 def hf_reference(model_dir: str, prompts: list[list[int]], max_new_tokens: int):
     """transformers' greedy continuation of the prompts, generated as one left-padded batch (EOS is an ordinary
     token, as with ``ignore_eos``), and the log-softmax rows over each prompt (``[len(prompt), V]`` float32)."""
