@@ -112,10 +112,18 @@ def build_family(spec: FamilySpec, path: str, seed: int = 0) -> str:
 
 
 _BUILT: dict[str, str] = {}
+_TOKENIZER: list[Any] = []
 
 
 def family_dir(name: str, root: str) -> str:
-    """The session's model directory of family ``name`` (built under ``root`` on first use)."""
+    """The session's model directory of family ``name`` (built under ``root`` on first use), with the byte-level
+    test tokenizer (ids < 400, inside every family's 512) saved next to the weights for ``LLM`` and the server."""
     if name not in _BUILT:
-        _BUILT[name] = build_family(BY_NAME[name], os.path.join(root, name))
+        from tests.engine.engine_fakes import byte_level_tokenizer
+
+        if not _TOKENIZER:
+            _TOKENIZER.append(byte_level_tokenizer())
+        path = build_family(BY_NAME[name], os.path.join(root, name))
+        _TOKENIZER[0].save_pretrained(path)
+        _BUILT[name] = path
     return _BUILT[name]

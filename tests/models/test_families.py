@@ -1,8 +1,9 @@
 """Every built-in family against transformers on a tiny random model: greedy tokens and prompt logprobs.
 
-One engine per family with chunked prefill (16-token budget, 4-token blocks) and prefix caching; a first wave
-of prompts of different lengths (most longer than the sliding window) asks for prompt logprobs, a second wave
-repeats them and must hit the prefix cache and give the same tokens. transformers runs once per family.
+One offline ``LLM`` per family with chunked prefill (16-token budget, 4-token blocks) and prefix caching; a
+first batch of prompts of different lengths (most longer than the sliding window) asks for prompt logprobs, a
+second batch repeats them and must hit the prefix cache and give the same tokens. transformers runs once per
+family (one left-padded ``generate`` batch).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import torch
 from tests.models.families import FAMILIES, family_dir
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.messages import EngineCoreOutput, EngineCoreRequest
-from tokenmill.engine_args import EngineArgs
 from tokenmill.sampling_params import SamplingParams
 
 MAX_TOKENS = 24
@@ -57,20 +57,27 @@ def tokens(outs: list[EngineCoreOutput]) -> list[int]:
 
 @pytest.mark.parametrize("spec", FAMILIES, ids=[f.name for f in FAMILIES])
 def test_family_greedy_and_prompt_logprobs_match_transformers(spec, family_root):
+    from tokenmill.entrypoints.llm import LLM
+
     model_dir = family_dir(spec.name, family_root)
-    args = EngineArgs(model=model_dir, dtype="float32", block_size=4, max_num_batched_tokens=16,
-                      num_gpu_blocks_override=256, enable_prefix_caching=True)
-    core = EngineCore(args.create_engine_config())
-    first = run_wave(core, "a", SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
-                                               prompt_logprobs=1))
-    again = run_wave(core, "b", SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    llm = LLM(model_dir, dtype="float32", block_size=4, max_num_batched_tokens=16, num_gpu_blocks_override=256,
+              enable_prefix_caching=True)
+    assert type(llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.model).__name__ == spec.model_cls
+    inputs = [{"prompt_token_ids": p} for p in PROMPTS]
+    first = llm.generate(inputs, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                                prompt_logprobs=1), use_tqdm=False)
+    again = llm.generate(inputs, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                         use_tqdm=False)
+    pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_blocks, "KV blocks leaked after all requests finished"
     greedy, rows = hf_reference(model_dir, PROMPTS, MAX_TOKENS)
     for i, prompt in enumerate(PROMPTS):
-        assert tokens(first[i]) == greedy[i], f"prompt {i} (len {len(prompt)})"
-        assert tokens(again[i]) == greedy[i], f"prompt {i} with prefix-cache hits"
-        entries = first[i][0].prompt_logprobs
-        assert entries is not None and len(entries) == len(prompt) - 1
-        got = [lps[0] for _, lps, _ in entries]
+        assert list(first[i].outputs[0].token_ids) == greedy[i], f"prompt {i} (len {len(prompt)})"
+        assert list(again[i].outputs[0].token_ids) == greedy[i], f"prompt {i} with prefix-cache hits"
+        entries = first[i].prompt_logprobs
+        assert entries is not None and len(entries) == len(prompt) and entries[0] is None
+        got = [entries[t + 1][prompt[t + 1]].logprob for t in range(len(prompt) - 1)]
         want = [float(rows[i][t, prompt[t + 1]]) for t in range(len(prompt) - 1)]
         assert got == pytest.approx(want, abs=1e-4), f"prompt logprobs of prompt {i}"
-    assert sum(again[i][0].num_cached_tokens for i in range(len(PROMPTS))) >= 60  # the second wave hit the cache
+    assert sum(out.num_cached_tokens for out in again) >= 60  # the second batch hit the prefix cache
+    llm.llm_engine.shutdown()
