@@ -278,6 +278,7 @@ class SparseMoeBlock(nn.Module):
     ) -> None:
         super().__init__()
         self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False)
+        self.gate.quantizable = False  # --quantization must not change which experts a token goes to
         self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize=renormalize,
                                 activation=activation, prefix=f"{prefix}.experts")
 

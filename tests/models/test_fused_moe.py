@@ -156,3 +156,19 @@ def test_platform_hook_supplies_the_fused_moe_kernel(family_root):
     assert RecordingMoEMethod.calls >= 2 * 6  # every MoE layer of every step
     greedy, _ = hf_reference(model_dir, PROMPTS, 6)
     assert [tokens(outs[i]) for i in range(len(PROMPTS))] == greedy
+
+
+def test_quantization_leaves_routers_and_experts_full_precision(family_root):
+    from tokenmill.engine.core import EngineCore
+    from tokenmill.engine_args import EngineArgs
+    from tokenmill.layers import SparseMoeBlock
+    from tokenmill.sampling_params import SamplingParams
+
+    core = EngineCore(EngineArgs(model=family_dir("qwen3_moe", family_root), dtype="float32", quantization="int8",
+                                 num_gpu_blocks_override=64).create_engine_config())
+    model = core.executor.worker.model_runner.model
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    assert blocks and all(b.gate.quant is None for b in blocks)
+    assert model.model.layers[0].self_attn.qkv_proj.quant is not None  # the rest is quantized
+    outs = run_wave(core, "q", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert all(len(tokens(o)) == 4 for o in outs.values())
