@@ -114,6 +114,10 @@ def _fix_gguf_config(config: Any, path: str) -> Any:
         config.head_dim = int(key_length)
     if hasattr(config, "attention_bias") and any(t.name.endswith(".attn_q.bias") for t in reader.tensors):
         config.attention_bias = True  # not in the metadata: the tensors say it
+    if arch == "phi3":
+        config = _phi3_rope(config, reader, value)
+    if config.model_type == "mistral" and value("attention.sliding_window") is None:
+        config.sliding_window = None  # llama.cpp's llama files attend to the whole context
     experts = value("expert_count")
     if config.model_type in ("llama", "mistral") and experts:
         from transformers import MixtralConfig
@@ -121,4 +125,32 @@ def _fix_gguf_config(config: Any, path: str) -> Any:
         fields = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")}
         config = MixtralConfig(**fields, num_local_experts=int(experts),
                                num_experts_per_tok=int(value("expert_used_count") or 2))
+    return config
+
+
+def _phi3_rope(config: Any, reader: Any, value: Any) -> Any:
+    """Partial rotary (``rope.dimension_count``) and LongRoPE (the ``rope_factors_long`` / ``_short`` tensors,
+    ``rope.scaling.original_context_length``, ``rope.scaling.attn_factor``) of a Phi-3 file, which transformers'
+    GGUF reader does not carry over."""
+    import gguf
+
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    head_dim = config.hidden_size // config.num_attention_heads
+    rotary = value("rope.dimension_count")
+    if rotary and rotary != head_dim:
+        params["partial_rotary_factor"] = rotary / head_dim
+    factors = {t.name: t for t in reader.tensors if t.name.startswith("rope_factors_")}
+    if {"rope_factors_long.weight", "rope_factors_short.weight"} <= set(factors):
+        def read(name: str) -> list[float]:
+            t = factors[name]
+            return [float(x) for x in gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1)]
+
+        original = int(value("rope.scaling.original_context_length") or config.max_position_embeddings)
+        params.update(rope_type="longrope", long_factor=read("rope_factors_long.weight"),
+                      short_factor=read("rope_factors_short.weight"), original_max_position_embeddings=original)
+        attention = value("rope.scaling.attn_factor")
+        if attention:
+            params["attention_factor"] = float(attention)
+        config.original_max_position_embeddings = original
+    config.rope_parameters = params
     return config

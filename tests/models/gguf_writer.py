@@ -16,7 +16,7 @@ def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def write_gguf(model_dir: str, path: str, arch: str, *, name: str = "tiny") -> str:
     """Convert ``model_dir`` (safetensors + config.json) to ``path``; ``arch`` is llama.cpp's architecture name
-    (``"qwen2"``, ``"qwen3"``, ``"llama"``). A small tokenizer vocabulary (``<tok_i>`` pieces) is included so
+    (``"qwen2"``, ``"qwen3"``, ``"llama"``, ``"phi3"``). A small tokenizer vocabulary (``<tok_i>`` pieces) is included so
     that transformers reads the vocabulary size. Returns ``path``."""
     import gguf
     from safetensors.numpy import load_file
@@ -37,7 +37,7 @@ def write_gguf(model_dir: str, path: str, arch: str, *, name: str = "tiny") -> s
     w.add_head_count_kv(n_kv)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
+    w.add_rope_dimension_count(int(head_dim * float(rope.get("partial_rotary_factor") or 1.0)))
     w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
     w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
     w.add_vocab_size(cfg["vocab_size"])
@@ -46,6 +46,10 @@ def write_gguf(model_dir: str, path: str, arch: str, *, name: str = "tiny") -> s
     w.add_token_types([1] * cfg["vocab_size"])
     w.add_bos_token_id(cfg.get("bos_token_id") or 1)
     w.add_eos_token_id(cfg.get("eos_token_id") or 2)
+    if rope.get("rope_type") == "longrope":  # llama.cpp keeps the factors as tensors
+        w.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     tensor_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], n_layers)
     state = load_file(os.path.join(model_dir, "model.safetensors"))
     for hf_name, array in state.items():

@@ -1,9 +1,10 @@
-"""Qwen2, Qwen3 and Mistral written to GGUF with the ``gguf`` package and served from the file.
+"""Qwen2, Qwen3, Mistral and Phi-3 written to GGUF with the ``gguf`` package and served from the file.
 
 The reference is transformers on the original safetensors directory: the file must give the same greedy tokens
 and prompt logprobs. Qwen files are not query/key-permuted (llama.cpp does not permute them), the Mistral file
 is written as llama.cpp does (architecture ``llama``, permuted rows, named ``mistral``) and must load as
-``MistralForCausalLM``.
+``MistralForCausalLM``; the Phi-3 file has fused q/k/v and gate/up tensors, partial rotary and LongRoPE factors
+stored as tensors, as llama.cpp writes them.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import os
 
 import pytest
 
-from tests.models.families import FamilySpec, build_family
+from tests.models.families import BY_NAME, FamilySpec, build_family
 from tests.models.gguf_writer import write_gguf
 from tests.models.test_families import MAX_TOKENS, PROMPTS, hf_reference, run_wave, tokens
 from tokenmill.engine.core import EngineCore
@@ -27,6 +28,8 @@ GGUF_FAMILIES = [
      "Qwen3ForCausalLM"),
     (FamilySpec("mistral", "MistralConfig", "MistralForCausalLM", dict(head_dim=16, sliding_window=None)), "llama",
      "MistralForCausalLM"),
+    (FamilySpec("phi3", "Phi3Config", "Phi3ForCausalLM", {k: v for k, v in BY_NAME["phi3"].kwargs.items()
+                                                            if k != "sliding_window"}), "phi3", "Phi3ForCausalLM"),
 ]
 
 
