@@ -140,7 +140,7 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
         args: parsed CLI arguments; read (missing ones take their defaults): ``api_key`` (else
             ``$TOKENMILL_API_KEY``), ``chat_template`` (file or inline template), ``allowed_origins``,
             ``allowed_methods``, ``allowed_headers``, ``allow_credentials`` (CORS; off without origins),
-            ``max_request_body_bytes``.
+            ``max_request_body_bytes``, ``return_tokens_as_token_ids``.
 
     Raises:
         FileNotFoundError: ``chat_template`` is neither a file nor a template.
@@ -158,8 +158,9 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
     if add_listener is not None:
         add_listener(stats.on_engine_outputs)
     common = (engine, models, tokenization, state.mark_engine_dead)
-    serving_chat = OpenAIServingChat(*common, renderer=renderer, stats=stats)
-    serving_completion = OpenAIServingCompletion(*common, stats=stats)
+    token_ids = bool(getattr(args, "return_tokens_as_token_ids", False))
+    serving_chat = OpenAIServingChat(*common, renderer=renderer, stats=stats, return_tokens_as_token_ids=token_ids)
+    serving_completion = OpenAIServingCompletion(*common, stats=stats, return_tokens_as_token_ids=token_ids)
     serving_tokenization = OpenAIServingTokenization(*common, renderer=renderer)
     api_key = getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None
 
