@@ -12,6 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 from tokenmill.entrypoints.openai.api_server import build_app
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from tokenmill.entrypoints.openai.protocol_responses import ResponsesRequest
 from tokenmill.entrypoints.openai.request_fields import FieldPolicy, Refused, check_request_fields
 from tokenmill.errors import InvalidRequestError
 
@@ -95,7 +96,7 @@ def test_every_declared_field_is_documented_or_used() -> None:
     # The request models' own fields are what docs/serving.md lists; a new field must be added there too.
     with open("docs/serving.md", encoding="utf-8") as f:
         docs = f.read()
-    for model in (ChatCompletionRequest, CompletionRequest):
+    for model in (ChatCompletionRequest, CompletionRequest, ResponsesRequest):
         for name in model.model_fields:
             assert f"`{name}`" in docs, f"{model.__name__}.{name} is not documented in docs/serving.md"
         for name in [*model.field_policy.ignored, *model.field_policy.refused]:
