@@ -70,9 +70,26 @@ class TextOffsets:
         return offset
 
 
-def prompt_text_offsets(view: TokenizerView) -> TextOffsets:
-    """Offsets for an echoed prompt's own tokens (special tokens kept, as in the prompt's text)."""
-    return TextOffsets(view, (), 0, skip_special_tokens=False, spaces_between_special_tokens=False)
+def echo_text_offsets(view: TokenizerView, prompt_ids: Sequence[int], echo_text: str) -> list[int]:
+    """Offsets of an echoed prompt's tokens in ``echo_text`` (the prompt as sent, or its decoded ids).
+
+    Special tokens the tokenizer added (a BOS that is not in the text) take no room; special tokens written
+    in the text (``<|im_start|>`` in a hand-made chat prompt) do.
+    """
+    def fresh() -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(view, (), skip_special_tokens=False, spaces_between_special_tokens=False)
+
+    detokenizer = fresh()
+    offsets: list[int] = []
+    position = 0
+    for token_id in prompt_ids:
+        piece = detokenizer.push([token_id])
+        offsets.append(position)
+        if token_id in view.special_ids and not echo_text.startswith(piece, position):
+            detokenizer = fresh()  # the text goes on as if the token were not there
+            continue
+        position += len(piece)
+    return offsets
 
 
 def top_logprobs_of(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
@@ -139,11 +156,12 @@ def completion_logprobs(tokenizer: Any, token_ids: list[int], logprobs: SampleLo
     return result
 
 
-def echo_logprobs(tokenizer: Any, view: TokenizerView, prompt_ids: list[int], prompt_logprobs: PromptLogprobs | None,
-                  k: int, as_token_ids: bool = False) -> CompletionLogprobs:
-    """Legacy ``logprobs`` of an echoed prompt: its first token has ``null`` logprob and top_logprobs."""
+def echo_logprobs(tokenizer: Any, view: TokenizerView, prompt_ids: list[int], echo_text: str,
+                  prompt_logprobs: PromptLogprobs | None, k: int, as_token_ids: bool = False) -> CompletionLogprobs:
+    """Legacy ``logprobs`` of an echoed prompt (``echo_text``): its first token has ``null`` logprob and
+    top_logprobs."""
     result = CompletionLogprobs()
-    offsets = prompt_text_offsets(view)
+    offsets = echo_text_offsets(view, prompt_ids, echo_text)
     entries = list(prompt_logprobs or [])
     for i, token_id in enumerate(prompt_ids):
         entry = entries[i] if i < len(entries) else None
@@ -151,7 +169,7 @@ def echo_logprobs(tokenizer: Any, view: TokenizerView, prompt_ids: list[int], pr
         result.tokens.append(token_label(tokenizer, token_id, sampled, as_token_ids))
         result.token_logprobs.append(clamp(sampled.logprob) if sampled is not None else None)
         result.top_logprobs.append(_legacy_top(tokenizer, token_id, entry, k, as_token_ids) if entry else None)
-        result.text_offset.append(offsets.push(token_id))
+        result.text_offset.append(offsets[i])
     return result
 
 

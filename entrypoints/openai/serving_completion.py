@@ -140,9 +140,9 @@ class OpenAIServingCompletion(OpenAIServing):
         return TextOffsets(self.tokenization.view, prompt_ids, start, skip_special_tokens=request.skip_special_tokens,
                            spaces_between_special_tokens=request.spaces_between_special_tokens)
 
-    def _echo_logprobs(self, request: CompletionRequest, output: RequestOutput | None, prompt_ids: list[int]
-                       ) -> CompletionLogprobs:
-        return echo_logprobs(self.tokenization.tokenizer, self.tokenization.view, prompt_ids,
+    def _echo_logprobs(self, request: CompletionRequest, output: RequestOutput | None, prompt_ids: list[int],
+                       echo: str) -> CompletionLogprobs:
+        return echo_logprobs(self.tokenization.tokenizer, self.tokenization.view, prompt_ids, echo,
                              output.prompt_logprobs if output else None, request.logprobs or 0,
                              self.tokens_as_ids(request.return_tokens_as_token_ids))
 
@@ -173,7 +173,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 completion_tokens += len(o.token_ids)
                 logprobs = None
                 if request.logprobs is not None:
-                    echo_lps = self._echo_logprobs(request, last, prompt_ids[i]) if request.echo else None
+                    echo_lps = self._echo_logprobs(request, last, prompt_ids[i], echoes[i]) if request.echo else None
                     logprobs = self._logprobs(request, o, self._offsets(request, prompt_ids[i], len(echoes[i])),
                                               echo_lps)
                 choices.append(CompletionChoice(
@@ -237,7 +237,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 for i, echo in enumerate(echoes):
                     if not echo:
                         continue
-                    lps = self._echo_logprobs(request, firsts[i], prompt_ids[i]) if request.logprobs is not None else None
+                    lps = None
+                    if request.logprobs is not None:
+                        lps = self._echo_logprobs(request, firsts[i], prompt_ids[i], echo)
                     for j in range(n):
                         yield chunk([CompletionChoice(index=i * n + j, text=echo, logprobs=lps)])
                 async for i, output in merged:

@@ -231,3 +231,44 @@ def test_priority_needs_the_priority_policy(client: TestClient, fake_engine: Fak
         assert c.post(COMPLETIONS, json=cmpl(priority=-2)).status_code == 200
         assert c.post(CHAT, json=chat(priority=4)).status_code == 200
     assert [call.priority for call in fake_engine.calls] == [0, -2, 4]
+
+
+# ------------------------------------------------------------------------------------------- text offsets
+
+
+def test_text_offsets_follow_the_detokenized_text() -> None:
+    from tokenmill.engine.detokenizer import TokenizerView
+    from tokenmill.entrypoints.openai.logprobs import TextOffsets
+
+    from tests.engine.engine_fakes import byte_level_tokenizer
+
+    tokenizer = byte_level_tokenizer()
+    view = TokenizerView(tokenizer)
+    text = "the 日本 cat 😀!"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text.split())  # the CJK characters and the emoji are split over byte tokens
+    offsets = TextOffsets(view, (), 5, skip_special_tokens=True, spaces_between_special_tokens=True)
+    got = [offsets.push(t) for t in ids]
+    for i, offset in enumerate(got):
+        prefix = tokenizer.decode(ids[:i])
+        complete = prefix.rstrip("\ufffd")  # the characters finished before token i
+        assert offset == 5 + len(complete), (i, prefix)
+    assert got == sorted(got) and got[-1] < 5 + len(text)
+
+
+def test_echo_offsets_skip_only_the_special_tokens_the_tokenizer_added() -> None:
+    from tokenmill.engine.detokenizer import TokenizerView
+    from tokenmill.entrypoints.openai.logprobs import echo_text_offsets
+
+    from tests.engine.engine_fakes import metaspace_tokenizer
+
+    tokenizer = metaspace_tokenizer()
+    view = TokenizerView(tokenizer)
+    bos = tokenizer.convert_tokens_to_ids("<s>")
+    words = tokenizer.encode("the cat", add_special_tokens=False)
+    # A BOS the tokenizer put in front takes no room in the echoed text.
+    offsets = echo_text_offsets(view, [bos, *words], "the cat")
+    assert offsets[:2] == [0, 0] and offsets[-1] == len("the cat") - len(tokenizer.decode(words[-1:]).strip())
+    # A special token written in the text does.
+    offsets = echo_text_offsets(view, [bos, *words], "<s>the cat")
+    assert offsets[:2] == [0, 3]
