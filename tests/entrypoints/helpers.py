@@ -144,8 +144,6 @@ def bad_inputs(model: str, vocab_size: int, max_model_len: int) -> list[BadInput
                  cmpl(temperature=3)),
         BadInput("unknown-field", CHAT, 400, "no_such_field", chat(no_such_field=1)),
         BadInput("unknown-field-completions", COMPLETIONS, 400, "guided_json", cmpl(guided_json={"type": "object"})),
-        BadInput("structured-outputs-not-yet", CHAT, 400, "structured_outputs",
-                 chat(structured_outputs={"json": {"type": "object"}})),
         BadInput("refused-field", CHAT, 400, "use_beam_search", chat(use_beam_search=True)),
         BadInput("refused-field-completions", COMPLETIONS, 400, "prompt_embeds", cmpl(prompt_embeds="AAAA")),
         BadInput("unknown-field-tokenize", "/tokenize", 400, "no_such_field", {"prompt": "x", "no_such_field": 1}),

@@ -66,8 +66,8 @@ def template_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealSe
 
 
 def test_responses_create_equals_chat(oai: openai.OpenAI) -> None:
-    chat = oai.chat.completions.create(model=REAL_SERVED_NAME, messages=MESSAGES, temperature=0, max_tokens=12)
-    response = oai.responses.create(model=REAL_SERVED_NAME, input=QUESTION, temperature=0, max_output_tokens=12)
+    chat = oai.chat.completions.create(model=REAL_SERVED_NAME, messages=MESSAGES, temperature=0, max_tokens=10)
+    response = oai.responses.create(model=REAL_SERVED_NAME, input=QUESTION, temperature=0, max_output_tokens=10)
     assert "Paris" in response.output_text
     assert response.output_text == chat.choices[0].message.content
     assert response.usage.input_tokens == chat.usage.prompt_tokens
@@ -75,8 +75,8 @@ def test_responses_create_equals_chat(oai: openai.OpenAI) -> None:
     assert response.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
     # The same conversation as message items, with instructions: rendered as a system message.
     with_instructions = oai.responses.create(model=REAL_SERVED_NAME, input=MESSAGES, instructions="Answer briefly.",
-                                             temperature=0, max_output_tokens=12)
-    chat = oai.chat.completions.create(model=REAL_SERVED_NAME, temperature=0, max_tokens=12, messages=[
+                                             temperature=0, max_output_tokens=4)
+    chat = oai.chat.completions.create(model=REAL_SERVED_NAME, temperature=0, max_tokens=4, messages=[
         {"role": "system", "content": "Answer briefly."}, *MESSAGES])
     assert with_instructions.output_text == chat.choices[0].message.content
     assert with_instructions.usage.input_tokens == chat.usage.prompt_tokens
@@ -84,7 +84,7 @@ def test_responses_create_equals_chat(oai: openai.OpenAI) -> None:
 
 def test_responses_stream_equals_create(oai: openai.OpenAI) -> None:
     kwargs: dict[str, Any] = {"model": REAL_SERVED_NAME, "input": MESSAGES, "temperature": 0,
-                              "max_output_tokens": 40}
+                              "max_output_tokens": 16}
     full = oai.responses.create(**kwargs)
     with oai.responses.stream(**kwargs) as stream:
         events = list(stream)
@@ -122,13 +122,13 @@ def test_responses_refusals_name_the_field(oai: openai.OpenAI) -> None:
 
 
 @pytest.mark.parametrize("body", [
-    {"prompt": "The capital of France is", "stop": ["Paris."], "logprobs": 1},
-    {"prompt": "Count: 1, 2, 3,", "stop": [" 7,"], "logprobs": 0},
-    {"prompt": "日本の首都は", "logprobs": 0},
-    {"prompt": "The capital of France is", "echo": True, "logprobs": 2},
+    {"prompt": "The capital of France is", "stop": ["Paris."], "logprobs": 1, "max_tokens": 4},
+    {"prompt": "Count: 1, 2, 3,", "stop": [" 7,"], "logprobs": 0, "max_tokens": 10},
+    {"prompt": "日本の首都は", "logprobs": 0, "max_tokens": 8},
+    {"prompt": "The capital of France is", "echo": True, "logprobs": 2, "max_tokens": 3},
 ], ids=["stop-string", "stop-string-held-back", "multibyte", "echo"])
 def test_streamed_text_offsets_equal_whole(real_server: RealServer, body: dict[str, Any]) -> None:
-    body = {**body, "max_tokens": 20, "temperature": 0}
+    body = {**body, "temperature": 0}
     whole = post(real_server, COMPLETIONS, body)["choices"][0]
     chunks = stream_chunks(real_server, COMPLETIONS, body)
     parts = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
@@ -167,7 +167,7 @@ def test_return_tokens_as_token_ids(real_server: RealServer) -> None:
 
 def test_content_parts_equal_the_string(real_server: RealServer) -> None:
     as_parts = [{"role": "user", "content": [{"type": "text", "text": QUESTION}]}]
-    bodies = [{"messages": m, "max_tokens": 8, "temperature": 0} for m in (MESSAGES, as_parts)]
+    bodies = [{"messages": m, "max_tokens": 4, "temperature": 0} for m in (MESSAGES, as_parts)]
     replies = [post(real_server, CHAT, b) for b in bodies]
     assert replies[0]["choices"][0]["message"] == replies[1]["choices"][0]["message"]
     assert replies[0]["usage"]["prompt_tokens"] == replies[1]["usage"]["prompt_tokens"]
