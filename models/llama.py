@@ -9,10 +9,12 @@ import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig
-from tokenmill.distributed import get_tp_size
+from tokenmill.distributed import get_pp_group, get_tp_size
 from tokenmill.layers import (
     Attention,
+    IntermediateTensors,
     MergedColumnParallelLinear,
+    PPMissingLayer,
     ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
@@ -21,6 +23,9 @@ from tokenmill.layers import (
     VocabParallelEmbedding,
     default_weight_loader,
     get_rope,
+    is_pp_missing_parameter,
+    make_empty_intermediate_tensors_factory,
+    make_layers,
 )
 
 
@@ -84,17 +89,34 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: Any, max_position: int, prefix: str = "model") -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, max_position, prefix=f"{prefix}.layers.{i}") for i in range(cfg.num_hidden_layers)
+        # PP: each pipeline stage builds only its layers; the embedding lives on the first stage, the norm
+        # on the last (PPMissingLayer elsewhere). With one stage this is the plain model.
+        pp = get_pp_group()
+        self.embed_tokens = (
+            VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if pp.is_first_rank else PPMissingLayer()
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            cfg.num_hidden_layers, lambda p: LlamaDecoderLayer(cfg, max_position, prefix=p), f"{prefix}.layers"
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if pp.is_last_rank else PPMissingLayer()
+        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
+            ["hidden_states", "residual"], cfg.hidden_size
+        )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors: IntermediateTensors | None = None
+    ) -> torch.Tensor | IntermediateTensors:
+        pp = get_pp_group()
+        if pp.is_first_rank:
+            hidden_states = self.embed_tokens(input_ids)
+            residual = None
+        else:  # PP: a later stage continues from the previous stage's activations
+            assert intermediate_tensors is not None
+            hidden_states, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
+        for layer in self.layers[self.start_layer : self.end_layer]:
             hidden_states, residual = layer(positions, hidden_states, residual)
+        if not pp.is_last_rank:
+            return IntermediateTensors({"hidden_states": hidden_states, "residual": residual})
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -105,6 +127,8 @@ class LlamaForCausalLM(nn.Module):
     Args:
         config: the engine's ModelConfig; ``config.hf_config`` is a transformers LlamaConfig (or compatible).
     """
+
+    supports_pp = True  # PP: the pipeline-parallel model contract (see tokenmill.layers.pipeline)
 
     # checkpoint name fragment -> (parameter name fragment, shard id)
     stacked_params = [
@@ -122,13 +146,20 @@ class LlamaForCausalLM(nn.Module):
         max_position = max(config.max_model_len, int(getattr(cfg, "max_position_embeddings", 0) or 0))
         self.model = LlamaModel(cfg, max_position)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
-        if self.tie_word_embeddings:
+        pp = get_pp_group()
+        # PP: the LM head lives on the last stage; tied to the embedding only when both are on this stage.
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if pp.is_last_rank else PPMissingLayer()
+        self._tied_here = self.tie_word_embeddings and pp.world_size == 1
+        if self._tied_here:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``input_ids``, ``positions``: ``[T]`` int64 -> hidden states ``[T, hidden]``."""
-        return self.model(input_ids, positions)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors: IntermediateTensors | None = None
+    ) -> torch.Tensor | IntermediateTensors:
+        """``input_ids``, ``positions``: ``[T]`` int64 -> hidden states ``[T, hidden]`` (on a non-last
+        pipeline stage: ``IntermediateTensors`` for the next one)."""
+        return self.model(input_ids, positions, intermediate_tensors)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> ``[N, vocab]`` logits (the weights' dtype; the sampler widens to float32 as needed)."""
@@ -142,10 +173,18 @@ class LlamaForCausalLM(nn.Module):
         """
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
+        last_stage = get_pp_group().is_last_rank
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            if self.tie_word_embeddings and not self._tied_here and last_stage and name == "model.embed_tokens.weight":
+                # PP: a tied head on a later stage than the embedding loads its own copy of the embedding
+                self.lm_head.weight_loader(self.lm_head.weight, tensor)
+                loaded.add("lm_head.weight")
+                continue
+            if is_pp_missing_parameter(name, self):  # PP: another stage holds it
                 continue
             for ckpt_part, param_part, shard in self.stacked_params:
                 if ckpt_part in name:
@@ -162,6 +201,6 @@ class LlamaForCausalLM(nn.Module):
                     raise KeyError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
                 getattr(param, "weight_loader", default_weight_loader)(param, tensor)
                 loaded.add(name)
-        if self.tie_word_embeddings:
+        if self._tied_here:
             loaded.add("lm_head.weight")
         return loaded
