@@ -5,7 +5,8 @@ makes that GPU the only visible one so every actor uses local device 0; ``{"CPU"
 in bundle ``i``. When the engine core itself runs inside a placement group (a Ray data-parallel engine
 core, or a user's own Ray task) the ranks use that group; otherwise the executor creates one with the
 strategy of ``TOKENMILL_RAY_PLACEMENT_STRATEGY`` (default ``PACK``: as few nodes as fit) and removes it at
-shutdown. The cluster is joined through ``--ray-address`` / ``RAY_ADDRESS``, or a local Ray instance is
+shutdown. Actors are named ``tokenmill-<id>-dp<d>-rank<r>`` in the Ray namespace ``tokenmill`` (for
+``ray list actors`` and ``ray.get_actor``). The cluster is joined through ``--ray-address`` / ``RAY_ADDRESS``, or a local Ray instance is
 started (see :mod:`tokenmill.executor.ray_utils`).
 
 The actors rendezvous for ``torch.distributed`` (the platform's backend: gloo on CPU, nccl on GPUs) at
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 from typing import Any
 
 from tokenmill.config import EngineConfig
@@ -162,6 +164,7 @@ class RayExecutor(Executor):
             actor_cls = ray.remote(RayWorkerWrapper)
             path = _platform_path()
             env = {"env_vars": ray_utils.forwarded_env()}
+            tag = f"tokenmill-{uuid.uuid4().hex[:8]}-dp{pc.data_parallel_rank}"
             for rank in range(self.world_size):
                 bundle = pg.bundle_specs[first_bundle + rank]
                 options: dict[str, Any] = {
@@ -174,6 +177,8 @@ class RayExecutor(Executor):
                     ),
                     "runtime_env": env,
                     "max_restarts": 0,
+                    "name": f"{tag}-rank{rank}",
+                    "namespace": ray_utils.RAY_NAMESPACE,
                 }
                 self.actors.append(actor_cls.options(**options).remote(self.config, rank, path, num_threads))
             start_timeout = _env_seconds(START_TIMEOUT_ENV, DEFAULT_START_TIMEOUT_S)
@@ -252,8 +257,28 @@ class RayExecutor(Executor):
             self._fail(f"actor died during {what!r}")
             raise WorkerDiedError(f"a Ray worker actor died during {what!r}: {_first_line(exc)}") from exc
         except ray.exceptions.RayTaskError as exc:
+            # A peer's death often surfaces first as a collective error on a live rank: prefer reporting it.
+            dead = self._dead_ranks()
             self._fail(f"actor raised in {what!r}")
+            if dead:
+                raise WorkerDiedError(
+                    f"Ray worker actor(s) of rank(s) {dead} died or stopped answering during {what!r} (a surviving rank saw: "
+                    f"{_first_line(exc.cause if getattr(exc, 'cause', None) else exc)})"
+                ) from exc
             raise WorkerError(f"a Ray worker actor failed in {what!r}:\n{exc}") from exc
+
+    def _dead_ranks(self, grace_s: float = 3.0) -> list[int]:
+        """Ranks whose actor does not answer a ping (dead, or on a node that left)."""
+        ray = self._ray
+        pings = {a.pid.remote(): rank for rank, a in enumerate(self.actors)}
+        ready, not_ready = ray.wait(list(pings), num_returns=len(pings), timeout=grace_s)
+        dead = [pings[r] for r in not_ready]
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError:
+                dead.append(pings[ref])
+        return sorted(dead)
 
     def _fail(self, reason: str) -> None:
         if self._broken is None:

@@ -32,6 +32,7 @@ CPUS_PER_WORKER_ENV = "TOKENMILL_RAY_CPUS_PER_WORKER"
 STRATEGY_ENV = "TOKENMILL_RAY_PLACEMENT_STRATEGY"
 BUNDLE_RESOURCES_ENV = "TOKENMILL_RAY_BUNDLE_RESOURCES"
 PLACEMENT_TIMEOUT_ENV = "TOKENMILL_RAY_PLACEMENT_TIMEOUT_S"
+RAY_NAMESPACE = "tokenmill"  # actors are named in it: tokenmill-<engine id>-dp<d>-rank<r>
 _STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 # environment variables every actor inherits from the process that creates it
 _FORWARDED_PREFIXES = ("TOKENMILL_", "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
@@ -64,10 +65,12 @@ def connect_ray(address: str | None, num_cpus_if_local: int | None = None) -> bo
     address = address or os.environ.get("RAY_ADDRESS") or None
     kwargs: dict[str, Any] = {"ignore_reinit_error": True, "log_to_driver": True}
     if address is None:
+        # "local": always a new instance, never some other cluster that happens to run on this machine
+        address = "local"
         cores = os.cpu_count() or 1
         kwargs.update(num_cpus=max(cores, num_cpus_if_local or 0), include_dashboard=False)
         logger.info("no Ray cluster given (--ray-address / RAY_ADDRESS): starting a local Ray instance")
-    ray.init(address=address, **kwargs)
+    ray.init(address=address, namespace=RAY_NAMESPACE, **kwargs)
     return True
 
 
