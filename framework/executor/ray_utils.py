@@ -88,12 +88,18 @@ def cpus_per_worker(total_ranks: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, total_ranks))
 
 
-def bundle_specs(num_bundles: int, base: dict[str, float]) -> list[dict[str, float]]:
+def bundle_specs(
+    num_bundles: int, base: dict[str, float], first: int = 0, total: int | None = None
+) -> list[dict[str, float]]:
     """``num_bundles`` copies of ``base`` plus ``TOKENMILL_RAY_BUNDLE_RESOURCES``.
 
+    A list in the variable names every bundle of all engine cores (``total``, default ``num_bundles``);
+    these bundles are its entries ``first .. first + num_bundles - 1``.
+
     Raises:
-        ValueError: the variable is not a JSON object or a list of ``num_bundles`` objects.
+        ValueError: the variable is not a JSON object or a list of ``total`` objects.
     """
+    total = num_bundles if total is None else total
     bundles = [dict(base) for _ in range(num_bundles)]
     text = os.environ.get(BUNDLE_RESOURCES_ENV)
     if not text:
@@ -103,10 +109,10 @@ def bundle_specs(num_bundles: int, base: dict[str, float]) -> list[dict[str, flo
     except json.JSONDecodeError as exc:
         raise ValueError(f"{BUNDLE_RESOURCES_ENV}: not JSON ({exc})") from None
     if isinstance(extra, dict):
-        extra = [extra] * num_bundles
-    if not isinstance(extra, list) or len(extra) != num_bundles or not all(isinstance(e, dict) for e in extra):
-        raise ValueError(f"{BUNDLE_RESOURCES_ENV}: expected an object or a list of {num_bundles} objects, got {text!r}")
-    for bundle, more in zip(bundles, extra):
+        extra = [extra] * total
+    if not isinstance(extra, list) or len(extra) != total or not all(isinstance(e, dict) for e in extra):
+        raise ValueError(f"{BUNDLE_RESOURCES_ENV}: expected an object or a list of {total} objects, got {text!r}")
+    for bundle, more in zip(bundles, extra[first : first + num_bundles]):
         for key, value in more.items():
             bundle[key] = bundle.get(key, 0) + float(value)
     return bundles
