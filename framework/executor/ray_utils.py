@@ -70,8 +70,30 @@ def connect_ray(address: str | None, num_cpus_if_local: int | None = None) -> bo
         cores = os.cpu_count() or 1
         kwargs.update(num_cpus=max(cores, num_cpus_if_local or 0), include_dashboard=False)
         logger.info("no Ray cluster given (--ray-address / RAY_ADDRESS): starting a local Ray instance")
-    ray.init(address=address, namespace=RAY_NAMESPACE, **kwargs)
+    # ray.init installs its own SIGTERM handler in a driver (exit at once); the server's must stay in charge.
+    saved = _signal_handlers()
+    try:
+        ray.init(address=address, namespace=RAY_NAMESPACE, **kwargs)
+    finally:
+        _restore_signal_handlers(saved)
     return True
+
+
+def _signal_handlers() -> dict[int, Any]:
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+
+def _restore_signal_handlers(saved: dict[int, Any]) -> None:
+    import signal
+
+    for sig, handler in saved.items():
+        if handler is not None and signal.getsignal(sig) is not handler:
+            signal.signal(sig, handler)
 
 
 def forwarded_env() -> dict[str, str]:
