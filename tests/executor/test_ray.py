@@ -176,3 +176,42 @@ def test_unplaceable_group_is_a_clear_error(ray_cluster, tiny_llama_dir, monkeyp
     with pytest.raises(RayPlacementError, match="could not place 2 bundles"):
         _ray_core(ray_cluster, tiny_llama_dir, tensor_parallel_size=2)
     assert _wait_until(lambda: not _live_placement_groups())
+
+
+_LOCAL_SCRIPT = """
+import json, sys
+from tests.models.test_llama_correctness import PROMPTS, run_engine
+from tokenmill.engine.core import EngineCore
+from tokenmill.engine_args import EngineArgs
+import ray
+
+args = EngineArgs(model=sys.argv[1], distributed_executor_backend="ray", tensor_parallel_size=2, **json.loads(sys.argv[2]))
+core = EngineCore(args.create_engine_config())
+started_here = ray.is_initialized() and core.executor._owns_connection
+out = run_engine(core, PROMPTS, max_tokens=8)
+core.shutdown()
+print("RESULT", json.dumps({"tokens": out, "started_here": started_here, "still_connected": ray.is_initialized()}))
+"""
+
+
+def test_without_an_address_a_local_ray_instance_is_started_and_stopped(tiny_llama_dir, reference):
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    from tests.ray_cluster import RAY_ENV, REPO_ROOT
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    ray_tmp = tempfile.mkdtemp(prefix="tm-ray-", dir="/tmp")  # unix socket paths must stay short
+    env.update(RAY_ENV, PYTHONPATH=REPO_ROOT, RAY_TMPDIR=ray_tmp)
+    try:
+        proc = subprocess.run([sys.executable, "-c", _LOCAL_SCRIPT, tiny_llama_dir, json.dumps(ENGINE_KWARGS)],
+                              env=env, capture_output=True, text=True, timeout=400, cwd=REPO_ROOT)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert result == {"tokens": reference, "started_here": True, "still_connected": False}
