@@ -11,6 +11,16 @@ from tokenmill.plugins import hookimpl
 
 BUILTIN_MODELS: dict[str, str] = {
     "LlamaForCausalLM": "tokenmill.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "tokenmill.models.mistral:MistralForCausalLM",
+    "Qwen2ForCausalLM": "tokenmill.models.qwen2:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "tokenmill.models.qwen3:Qwen3ForCausalLM",
+    "Gemma2ForCausalLM": "tokenmill.models.gemma2:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "tokenmill.models.gemma3:Gemma3ForCausalLM",
+    "Phi3ForCausalLM": "tokenmill.models.phi3:Phi3ForCausalLM",
+    "GraniteForCausalLM": "tokenmill.models.granite:GraniteForCausalLM",
+    "Olmo2ForCausalLM": "tokenmill.models.olmo2:Olmo2ForCausalLM",
+    "MixtralForCausalLM": "tokenmill.models.mixtral:MixtralForCausalLM",
+    "Qwen3MoeForCausalLM": "tokenmill.models.qwen3_moe:Qwen3MoeForCausalLM",
 }
 
 

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP app: FastAPI routes over an ``AsyncLLM`` (see docs/serving.md).
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``, ``GET /v1/models``,
 ``GET /v1/models/{model}``, ``POST /tokenize``, ``POST /detokenize``, ``GET /health`` (200, or 503 once
 the engine is dead), ``GET /version``, ``GET /metrics`` (Prometheus). With an API key (``--api-key`` or
 ``TOKENMILL_API_KEY``) the ``/v1`` routes and ``/tokenize`` / ``/detokenize`` need
@@ -44,6 +44,7 @@ from tokenmill.entrypoints.openai.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from tokenmill.entrypoints.openai.protocol_responses import ResponsesRequest, ResponsesResponse
 from tokenmill.entrypoints.openai.responses import (
     ChatCompletionResponse,
     CompletionResponse,
@@ -57,6 +58,7 @@ from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenmill.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tokenmill.entrypoints.openai.serving_engine import EngineClient, Tokenization
 from tokenmill.entrypoints.openai.serving_models import OpenAIServingModels
+from tokenmill.entrypoints.openai.serving_responses import OpenAIServingResponses
 from tokenmill.entrypoints.openai.serving_tokenization import OpenAIServingTokenization, parse_tokenize_request
 from tokenmill.errors import EngineDeadError
 from tokenmill.metrics.prometheus import CONTENT_TYPE, PrometheusStatLogger
@@ -140,7 +142,7 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
         args: parsed CLI arguments; read (missing ones take their defaults): ``api_key`` (else
             ``$TOKENMILL_API_KEY``), ``chat_template`` (file or inline template), ``allowed_origins``,
             ``allowed_methods``, ``allowed_headers``, ``allow_credentials`` (CORS; off without origins),
-            ``max_request_body_bytes``.
+            ``max_request_body_bytes``, ``return_tokens_as_token_ids``.
 
     Raises:
         FileNotFoundError: ``chat_template`` is neither a file nor a template.
@@ -158,8 +160,11 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
     if add_listener is not None:
         add_listener(stats.on_engine_outputs)
     common = (engine, models, tokenization, state.mark_engine_dead)
-    serving_chat = OpenAIServingChat(*common, renderer=renderer, stats=stats)
-    serving_completion = OpenAIServingCompletion(*common, stats=stats)
+    token_ids = bool(getattr(args, "return_tokens_as_token_ids", False))
+    serving_chat = OpenAIServingChat(*common, renderer=renderer, stats=stats, return_tokens_as_token_ids=token_ids)
+    serving_completion = OpenAIServingCompletion(*common, stats=stats, return_tokens_as_token_ids=token_ids)
+    serving_responses = OpenAIServingResponses(*common, renderer=renderer, stats=stats,
+                                               return_tokens_as_token_ids=token_ids)
     serving_tokenization = OpenAIServingTokenization(*common, renderer=renderer)
     api_key = getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None
 
@@ -194,6 +199,12 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
     async def create_completion(raw_request: Request) -> Response:
         request = await parse_json_body(raw_request, CompletionRequest)
         return await serving_completion.create_completion(request, raw_request)
+
+    @v1.post("/responses", openapi_extra=json_body(ResponsesRequest),
+             responses={200: {"model": ResponsesResponse, "content": _STREAM_DOC}})
+    async def create_response(raw_request: Request) -> Response:
+        request = await parse_json_body(raw_request, ResponsesRequest)
+        return await serving_responses.create_response(request, raw_request)
 
     @v1.get("/models", response_model=ModelList)
     async def list_models() -> Response:
@@ -249,6 +260,6 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
                 await asyncio.wait_for(refresh(), timeout=_METRICS_REFRESH_TIMEOUT_S)
         return Response(stat_logger.render(), media_type=CONTENT_TYPE)
 
-    install_openapi(app, [ChatCompletionRequest, CompletionRequest, TokenizeCompletionRequest,
+    install_openapi(app, [ChatCompletionRequest, CompletionRequest, ResponsesRequest, TokenizeCompletionRequest,
                           TokenizeChatRequest, DetokenizeRequest])
     return app

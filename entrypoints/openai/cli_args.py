@@ -22,6 +22,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              f"(also ${API_KEY_ENV}).")
     server.add_argument("--chat-template", default=None, metavar="FILE",
                         help="Jinja chat template file (or inline template) replacing the tokenizer's.")
+    server.add_argument("--return-tokens-as-token-ids", action="store_true", default=False,
+                        help="Name tokens 'token_id:<id>' in logprobs unless a request says otherwise with "
+                             "return_tokens_as_token_ids (vLLM's flag).")
     server.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
                         help="Enable CORS for these origins: comma-separated or a JSON list, '*' for any "
                              "(default: CORS off).")

@@ -199,11 +199,19 @@ async def read_json_object(request: Request) -> dict[str, Any]:
 async def parse_json_body(request: Request, model: type[M]) -> M:
     """Read the request body as a JSON object (see :func:`read_json_object`) and validate it as ``model``.
 
+    A model with a ``check_request_fields(data)`` class method (the request models) first checks the fields
+    it does not declare (see :mod:`tokenmill.entrypoints.openai.request_fields`).
+
     Raises:
-        UnsupportedMediaTypeError, RequestTooLargeError, InvalidRequestError: see :func:`read_json_object`.
+        UnsupportedMediaTypeError, RequestTooLargeError, InvalidRequestError: see :func:`read_json_object`;
+            also a field the model refuses or does not know.
         pydantic.ValidationError: a field is invalid (the handler turns it into a 400 with ``param``).
     """
-    return model.model_validate(await read_json_object(request))
+    data = await read_json_object(request)
+    check_fields = getattr(model, "check_request_fields", None)
+    if check_fields is not None:
+        data = check_fields(data)
+    return model.model_validate(data)
 
 
 def _find_lone_surrogate(value: Any, path: tuple[int | str, ...]) -> tuple[int | str, ...] | None:

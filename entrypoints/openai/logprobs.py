@@ -2,13 +2,17 @@
 vLLM's ``prompt_logprobs``.
 
 A logprob of ``-inf`` cannot be written as JSON; it is sent as :data:`MIN_LOGPROB`, as OpenAI-compatible
-servers do.
+servers do. With ``as_token_ids`` (vLLM's ``return_tokens_as_token_ids``) tokens are named
+``"token_id:<id>"`` instead of by their text, so that tokens that are not whole characters can be told
+apart; ``bytes`` stay the UTF-8 bytes of the token's text.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+from tokenmill.engine.detokenizer import IncrementalDetokenizer, TokenizerView
 from tokenmill.entrypoints.openai.responses import (
     ChatChoiceLogprobs,
     ChatLogprobToken,
@@ -34,6 +38,60 @@ def token_text(tokenizer: Any, token_id: int, logprob: Logprob | None) -> str:
     return str(tokenizer.decode([token_id]))
 
 
+def token_label(tokenizer: Any, token_id: int, logprob: Logprob | None, as_token_ids: bool) -> str:
+    """How a token is named in logprobs: its text, or ``"token_id:<id>"`` with ``as_token_ids``."""
+    return f"token_id:{token_id}" if as_token_ids else token_text(tokenizer, token_id, logprob)
+
+
+class TextOffsets:
+    """Character offsets of a sequence's tokens in the text they decode to, fed one token at a time.
+
+    The text is that of the engine's incremental detokenizer (same context, same special-token options), so
+    ``offset[i]`` is where token ``i``'s text starts in the choice's text (plus ``start``). The tokens of a
+    character split over several tokens (an emoji's bytes) all get the offset of that character. Streamed and
+    whole responses feed the same tokens, so they get the same offsets.
+
+    Args:
+        view: the tokenizer view (:attr:`Tokenization.view`).
+        context: the prompt ids the sequence continues (its decoding context); ``()`` for a prompt itself.
+        start: offset of the first token (e.g. the length of an echoed prompt).
+    """
+
+    def __init__(self, view: TokenizerView, context: Sequence[int], start: int, *, skip_special_tokens: bool,
+                 spaces_between_special_tokens: bool) -> None:
+        self._detokenizer = IncrementalDetokenizer(view, context, skip_special_tokens=skip_special_tokens,
+                                                   spaces_between_special_tokens=spaces_between_special_tokens)
+        self._chars = start
+
+    def push(self, token_id: int) -> int:
+        """The offset of ``token_id``, the sequence's next token."""
+        offset = self._chars
+        self._chars += len(self._detokenizer.push([token_id]))
+        return offset
+
+
+def echo_text_offsets(view: TokenizerView, prompt_ids: Sequence[int], echo_text: str) -> list[int]:
+    """Offsets of an echoed prompt's tokens in ``echo_text`` (the prompt as sent, or its decoded ids).
+
+    Special tokens the tokenizer added (a BOS that is not in the text) take no room; special tokens written
+    in the text (``<|im_start|>`` in a hand-made chat prompt) do.
+    """
+    def fresh() -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(view, (), skip_special_tokens=False, spaces_between_special_tokens=False)
+
+    detokenizer = fresh()
+    offsets: list[int] = []
+    position = 0
+    for token_id in prompt_ids:
+        piece = detokenizer.push([token_id])
+        offsets.append(position)
+        if token_id in view.special_ids and not echo_text.startswith(piece, position):
+            detokenizer = fresh()  # the text goes on as if the token were not there
+            continue
+        position += len(piece)
+    return offsets
+
+
 def top_logprobs_of(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     """The ``k`` most likely tokens of one position, best first (the sampled token may rank lower)."""
     if k <= 0:
@@ -43,71 +101,75 @@ def top_logprobs_of(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logpro
     return ranked[:k]
 
 
-def chat_logprobs(tokenizer: Any, token_ids: list[int], logprobs: SampleLogprobs | None, k: int
-                  ) -> ChatChoiceLogprobs:
+def chat_logprobs(tokenizer: Any, token_ids: list[int], logprobs: SampleLogprobs | None, k: int,
+                  as_token_ids: bool = False) -> ChatChoiceLogprobs:
     """``choices[i].logprobs`` of a chat completion: one entry per generated token with its ``k`` best
     alternatives (``k`` = ``top_logprobs``)."""
     content: list[ChatLogprobToken] = []
     for token_id, entry in zip(token_ids, logprobs or []):
         sampled = entry.get(token_id)
-        text = token_text(tokenizer, token_id, sampled)
         tops = []
         for tid, lp in top_logprobs_of(entry, k):
-            t = token_text(tokenizer, tid, lp)
-            tops.append(ChatTopLogprob(token=t, logprob=clamp(lp.logprob), bytes=list(t.encode("utf-8"))))
+            tops.append(ChatTopLogprob(token=token_label(tokenizer, tid, lp, as_token_ids), logprob=clamp(lp.logprob),
+                                       bytes=list(token_text(tokenizer, tid, lp).encode("utf-8"))))
         content.append(ChatLogprobToken(
-            token=text,
+            token=token_label(tokenizer, token_id, sampled, as_token_ids),
             logprob=clamp(sampled.logprob) if sampled is not None else MIN_LOGPROB,
-            bytes=list(text.encode("utf-8")),
+            bytes=list(token_text(tokenizer, token_id, sampled).encode("utf-8")),
             top_logprobs=tops,
         ))
     return ChatChoiceLogprobs(content=content)
 
 
+def _legacy_top(tokenizer: Any, token_id: int, entry: dict[int, Logprob], k: int, as_token_ids: bool
+                ) -> dict[str, float]:
+    """One legacy ``top_logprobs`` entry: the ``k`` most likely tokens and the actual one (so up to ``k + 1``
+    entries, as the OpenAI legacy API documents; with ``k = 0`` just the actual token)."""
+    top = {token_label(tokenizer, tid, lp, as_token_ids): clamp(lp.logprob) for tid, lp in top_logprobs_of(entry, k)}
+    actual = entry.get(token_id)
+    if actual is not None:
+        top.setdefault(token_label(tokenizer, token_id, actual, as_token_ids), clamp(actual.logprob))
+    return top
+
+
 def completion_logprobs(tokenizer: Any, token_ids: list[int], logprobs: SampleLogprobs | None, k: int,
-                        start_offset: int, into: CompletionLogprobs | None = None) -> CompletionLogprobs:
+                        offsets: TextOffsets, into: CompletionLogprobs | None = None, as_token_ids: bool = False
+                        ) -> CompletionLogprobs:
     """Legacy ``logprobs`` of generated tokens, appended to ``into`` (default: a new object).
 
     Args:
-        k: alternatives per position (the request's ``logprobs``); 0 gives ``null`` top_logprobs entries.
-        start_offset: character offset of the first token in the choice's text.
+        k: alternatives per position (the request's ``logprobs``, 0..20).
+        offsets: the choice's text offsets; every token of ``token_ids`` is fed to it, in order.
     """
     result = into if into is not None else CompletionLogprobs()
-    offset = start_offset
-    for token_id, entry in zip(token_ids, logprobs or []):
+    entries = list(logprobs or [])
+    for i, token_id in enumerate(token_ids):
+        offset = offsets.push(token_id)
+        if i >= len(entries):
+            continue
+        entry = entries[i]
         sampled = entry.get(token_id)
-        text = token_text(tokenizer, token_id, sampled)
-        result.tokens.append(text)
+        result.tokens.append(token_label(tokenizer, token_id, sampled, as_token_ids))
         result.token_logprobs.append(clamp(sampled.logprob) if sampled is not None else None)
-        result.top_logprobs.append(
-            {token_text(tokenizer, tid, lp): clamp(lp.logprob) for tid, lp in top_logprobs_of(entry, k)}
-            if k > 0 else None
-        )
+        result.top_logprobs.append(_legacy_top(tokenizer, token_id, entry, k, as_token_ids))
         result.text_offset.append(offset)
-        offset += len(text)
     return result
 
 
-def echo_logprobs(tokenizer: Any, prompt_ids: list[int], prompt_logprobs: PromptLogprobs | None, k: int
-                  ) -> CompletionLogprobs:
-    """Legacy ``logprobs`` of an echoed prompt: its first token has ``null`` logprob and top_logprobs."""
+def echo_logprobs(tokenizer: Any, view: TokenizerView, prompt_ids: list[int], echo_text: str,
+                  prompt_logprobs: PromptLogprobs | None, k: int, as_token_ids: bool = False) -> CompletionLogprobs:
+    """Legacy ``logprobs`` of an echoed prompt (``echo_text``): its first token has ``null`` logprob and
+    top_logprobs."""
     result = CompletionLogprobs()
-    offset = 0
+    offsets = echo_text_offsets(view, prompt_ids, echo_text)
     entries = list(prompt_logprobs or [])
     for i, token_id in enumerate(prompt_ids):
         entry = entries[i] if i < len(entries) else None
         sampled = entry.get(token_id) if entry else None
-        text = token_text(tokenizer, token_id, sampled)
-        result.tokens.append(text)
+        result.tokens.append(token_label(tokenizer, token_id, sampled, as_token_ids))
         result.token_logprobs.append(clamp(sampled.logprob) if sampled is not None else None)
-        if entry and k > 0:
-            result.top_logprobs.append(
-                {token_text(tokenizer, tid, lp): clamp(lp.logprob) for tid, lp in top_logprobs_of(entry, k)}
-            )
-        else:
-            result.top_logprobs.append(None)
-        result.text_offset.append(offset)
-        offset += len(text)
+        result.top_logprobs.append(_legacy_top(tokenizer, token_id, entry, k, as_token_ids) if entry else None)
+        result.text_offset.append(offsets[i])
     return result
 
 

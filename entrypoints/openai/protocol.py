@@ -2,8 +2,10 @@
 
 Request fields follow the OpenAI API reference plus the sampling extras vLLM accepts (``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``allowed_token_ids``, ``bad_words``,
-``prompt_logprobs``, ...). Unknown request fields are ignored, as OpenAI-compatible servers commonly do, so
-newer clients keep working. Response models live in :mod:`tokenmill.entrypoints.openai.responses`.
+``prompt_logprobs``, ...). Fields a request model does not declare are checked by
+:mod:`tokenmill.entrypoints.openai.request_fields` before validation: each model's ``field_policy`` lists
+the fields that are accepted and ignored (ignoring them never changes the output) and those refused with a
+400; anything else is a 400 naming it. Response models live in :mod:`tokenmill.entrypoints.openai.responses`.
 
 Pydantic checks types; value ranges are checked once, by :class:`tokenmill.sampling_params.SamplingParams`,
 whose errors name the field. Checks that involve several fields live in ``check()`` and raise
@@ -15,9 +17,10 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from tokenmill.entrypoints.openai.request_fields import FieldPolicy, Refused, check_request_fields
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
@@ -29,6 +32,10 @@ DEFAULT_MIN_P = 0.0
 DEFAULT_REPETITION_PENALTY = 1.0
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 MAX_TOP_LOGPROBS = 20
+# The OpenAI API's range of ``temperature`` (SamplingParams itself allows more, for offline use).
+MAX_API_TEMPERATURE = 2.0
+# Bad ids or keys listed in one error message at most (the rest are counted).
+_MAX_LISTED = 10
 # Most sequences (prompts x n) one request may ask for; more is refused rather than queued.
 MAX_SEQUENCES_PER_REQUEST = 1024
 # SamplingParams' own limit on n (it names ``n`` in its error; larger values are left to it).
@@ -47,6 +54,57 @@ def now_s() -> int:
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+def listed(items: list[Any]) -> str:
+    """``items`` for an error message: at most ``_MAX_LISTED`` of them, then how many more."""
+    shown = ", ".join(repr(i) if isinstance(i, str) else str(i) for i in items[:_MAX_LISTED])
+    return shown + (f" and {len(items) - _MAX_LISTED} more" if len(items) > _MAX_LISTED else "")
+
+
+class RequestModel(OpenAIBaseModel):
+    """A request body: fields it does not declare are ignored or refused per ``field_policy``."""
+
+    field_policy: ClassVar[FieldPolicy] = FieldPolicy()
+
+    @classmethod
+    def check_request_fields(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """``data`` without the ignored fields.
+
+        Raises:
+            InvalidRequestError: refused or unrecognized fields (all named).
+        """
+        return check_request_fields(cls, data, cls.field_policy)
+
+
+# Fields of OpenAI's (and vLLM's) request bodies that ask nothing of the model's output.
+_IGNORED_HINTS = {
+    "metadata": "tags for OpenAI's stored completions; this server stores nothing",
+    "store": "this server stores no responses (nothing can be retrieved later)",
+    "service_tier": "OpenAI's processing tier",
+    "prompt_cache_key": "prefix caching is automatic (--enable-prefix-caching)",
+    "prompt_cache_retention": "prefix caching is automatic (--enable-prefix-caching)",
+    "prompt_cache_options": "prefix caching is automatic (--enable-prefix-caching)",
+    "safety_identifier": "an end-user id for OpenAI's abuse monitoring",
+}
+_NOT_IMPLEMENTED = "not supported by this server"
+_STRUCTURED = "constrained decoding (structured outputs) is not supported by this server yet"
+_GUIDED = "vLLM's removed guided-decoding fields are not supported; use structured_outputs"
+# vLLM's extras that tokenmill does not implement (shared by chat and completions).
+_VLLM_REFUSED = {
+    "use_beam_search": Refused("beam search is " + _NOT_IMPLEMENTED, (False,)),
+    "length_penalty": Refused("only used by beam search, which is " + _NOT_IMPLEMENTED, (1.0, 1)),
+    "logits_processors": Refused("custom logits processors are " + _NOT_IMPLEMENTED, ([],)),
+    "cache_salt": Refused("prefix-cache salting is " + _NOT_IMPLEMENTED),
+    "kv_transfer_params": Refused("KV transfer (disaggregated prefill) is " + _NOT_IMPLEMENTED),
+    "vllm_xargs": Refused(_NOT_IMPLEMENTED),
+    "request_id": Refused("send the X-Request-Id header instead (echoed in the response headers and logged)"),
+    "return_token_ids": Refused(_NOT_IMPLEMENTED + "; use logprobs with return_tokens_as_token_ids", (False,)),
+    "mm_processor_kwargs": Refused("multimodal inputs are " + _NOT_IMPLEMENTED, ({},)),
+    "structured_outputs": Refused(_STRUCTURED),
+    **{name: Refused(_GUIDED) for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                                          "guided_decoding_backend", "guided_whitespace_pattern")},
+}
 
 
 # --------------------------------------------------------------------------------------------- errors
@@ -101,7 +159,7 @@ class StreamOptions(OpenAIBaseModel):
 # ------------------------------------------------------------------------------------------- requests
 
 
-class _SamplingRequest(OpenAIBaseModel):
+class _SamplingRequest(RequestModel):
     """Fields shared by chat and text completion requests."""
 
     model: str | None = None
@@ -130,9 +188,12 @@ class _SamplingRequest(OpenAIBaseModel):
     prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    return_tokens_as_token_ids: bool | None = None
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
 
     def check(self) -> None:
-        """Checks across fields.
+        """Checks across fields, and the OpenAI ranges that are narrower than ``SamplingParams``' own.
 
         Raises:
             InvalidRequestError: ``param`` names the offending field.
@@ -142,12 +203,21 @@ class _SamplingRequest(OpenAIBaseModel):
         if self.prompt_logprobs is not None and self.stream:
             raise InvalidRequestError("prompt_logprobs: not available when stream is true",
                                       param="prompt_logprobs")
-        for key, value in (self.logit_bias or {}).items():
-            if not key.strip().lstrip("-").isdigit():
-                raise InvalidRequestError(f"logit_bias: keys must be token ids, got {key!r}", param="logit_bias")
-            if not -100.0 <= value <= 100.0:
-                raise InvalidRequestError(f"logit_bias: values must be in [-100, 100], got {value}",
-                                          param="logit_bias")
+        check_api_temperature(self.temperature)
+        if self.logit_bias:
+            check_logit_bias(self.logit_bias)
+        k = self.truncate_prompt_tokens
+        if k is not None and k < 1 and k != -1:
+            raise InvalidRequestError(f"truncate_prompt_tokens: must be -1 or at least 1, got {k}",
+                                      param="truncate_prompt_tokens")
+
+    def truncated(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt after ``truncate_prompt_tokens`` (vLLM's extra): only its last k tokens (-1: the
+        context length) are kept."""
+        k = self.truncate_prompt_tokens
+        if k == -1:
+            k = max_model_len
+        return prompt_ids[-k:] if k is not None and len(prompt_ids) > k else prompt_ids
 
     @property
     def include_usage(self) -> bool:
@@ -202,15 +272,46 @@ class _SamplingRequest(OpenAIBaseModel):
         )
 
 
-class ChatMessage(OpenAIBaseModel):
-    """One input message; ``content`` is a string or a list of ``{"type": "text", "text": ...}`` parts.
+def check_api_temperature(temperature: float | None) -> None:
+    """Raises InvalidRequestError when ``temperature`` is above the OpenAI API's maximum of 2.
 
+    (Negative and non-finite values are left to ``SamplingParams``, whose error names the field too.)
+    """
+    if temperature is not None and temperature > MAX_API_TEMPERATURE:
+        raise InvalidRequestError(
+            f"temperature: must be between 0 and {MAX_API_TEMPERATURE:g}, got {temperature}", param="temperature"
+        )
+
+
+def check_logit_bias(logit_bias: dict[str, float]) -> None:
+    """Raises InvalidRequestError naming every key that is not a token id and every value outside
+    [-100, 100] (the OpenAI API's range)."""
+    bad_keys = [key for key in logit_bias if not key.strip().lstrip("-").isdigit()]
+    bad_values = [f"{key!r}: {value}" for key, value in logit_bias.items() if not -100.0 <= value <= 100.0]
+    problems = []
+    if bad_keys:
+        problems.append(f"keys must be token ids, got {listed(bad_keys)}")
+    if bad_values:
+        shown = ", ".join(bad_values[:_MAX_LISTED]) + (
+            f" and {len(bad_values) - _MAX_LISTED} more" if len(bad_values) > _MAX_LISTED else "")
+        problems.append(f"values must be in [-100, 100], got {shown}")
+    if problems:
+        raise InvalidRequestError("logit_bias: " + "; ".join(problems), param="logit_bias")
+
+
+class ChatMessage(OpenAIBaseModel):
+    """One input message; ``content`` is a string or a list of ``{"type": "text", "text": ...}`` parts (the
+    same text as a string: parts are joined with newlines).
+
+    ``role`` is one of OpenAI's (``system``, ``developer``, ``user``, ``assistant``, ``tool``) or any other
+    non-empty name, passed to the chat template as it is (vLLM's custom roles). ``content`` may be left out
+    or ``null`` only in an assistant message (e.g. one that only made tool calls), as in the OpenAI API.
     ``tool_calls`` of earlier assistant turns and ``tool_call_id`` of tool results are passed to the chat
-    template as they are.
+    template as they are. Other keys (``refusal``, ``annotations``, ... of a reply sent back) are ignored.
     """
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    role: str = Field(min_length=1)
+    content: str | list[dict[str, Any]] | None = Field(default=None, validate_default=True)
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
@@ -218,8 +319,13 @@ class ChatMessage(OpenAIBaseModel):
     # pydantic reports only ValueError (not TypeError) from validators as a validation error.
     @field_validator("content", mode="before")
     @classmethod
-    def _check_content(cls, value: Any) -> Any:
-        if value is None or isinstance(value, str):
+    def _check_content(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None:
+            role = info.data.get("role")
+            if role is not None and role != "assistant":
+                raise ValueError(f"a message with role {role!r} must have content (a string or text parts)")
+            return value
+        if isinstance(value, str):
             return value
         if not isinstance(value, list):
             raise ValueError("must be a string or a list of content parts")  # noqa: TRY004
@@ -281,6 +387,32 @@ class ChatCompletionRequest(_ChatTemplateFields, _SamplingRequest):
     ``max_completion_tokens`` (or the older ``max_tokens``) left out means "up to the context length".
     """
 
+    field_policy: ClassVar[FieldPolicy] = FieldPolicy(
+        ignored={
+            **_IGNORED_HINTS,
+            "prediction": "predicted outputs only make OpenAI faster; the output is the same without them",
+            "parallel_tool_calls": "only has a meaning together with tools",
+        },
+        refused={
+            **_VLLM_REFUSED,
+            "audio": Refused("audio output is " + _NOT_IMPLEMENTED),
+            "modalities": Refused("only text output is supported", (["text"],)),
+            "functions": Refused("the deprecated functions API is " + _NOT_IMPLEMENTED + "; use tools", ([],)),
+            "function_call": Refused("the deprecated functions API is " + _NOT_IMPLEMENTED + "; use tool_choice",
+                                     ("none", "auto")),
+            "moderation": Refused("moderation is " + _NOT_IMPLEMENTED),
+            "reasoning_effort": Refused("reasoning effort is " + _NOT_IMPLEMENTED
+                                        + " (a model whose chat template takes one: use chat_template_kwargs)"),
+            "verbosity": Refused(_NOT_IMPLEMENTED),
+            "web_search_options": Refused("web search is " + _NOT_IMPLEMENTED),
+            "include_reasoning": Refused("no reasoning parser runs: reasoning stays in the content", (True,)),
+            "documents": Refused("documents for the chat template are " + _NOT_IMPLEMENTED),
+            "chat_template": Refused("a request cannot bring its own chat template; start the server with "
+                                     "--chat-template"),
+            "media_io_kwargs": Refused("multimodal inputs are " + _NOT_IMPLEMENTED, ({},)),
+        },
+    )
+
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -325,6 +457,15 @@ class ChatCompletionRequest(_ChatTemplateFields, _SamplingRequest):
 
 class CompletionRequest(_SamplingRequest):
     """``POST /v1/completions``: ``prompt`` is a string, a list of strings, token ids, or a list of those."""
+
+    field_policy: ClassVar[FieldPolicy] = FieldPolicy(
+        ignored=dict(_IGNORED_HINTS),
+        refused={
+            **_VLLM_REFUSED,
+            "prompt_embeds": Refused("prompt embeddings are " + _NOT_IMPLEMENTED),
+            "response_format": Refused(_STRUCTURED, ({"type": "text"},)),
+        },
+    )
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS
@@ -384,7 +525,7 @@ class CompletionRequest(_SamplingRequest):
 # ------------------------------------------------------------------------------------- tokenization
 
 
-class TokenizeCompletionRequest(OpenAIBaseModel):
+class TokenizeCompletionRequest(RequestModel):
     """``POST /tokenize`` with a text prompt (vLLM's shape)."""
 
     model: str | None = None
@@ -393,14 +534,14 @@ class TokenizeCompletionRequest(OpenAIBaseModel):
     return_token_strs: bool | None = False
 
 
-class TokenizeChatRequest(_ChatTemplateFields):
+class TokenizeChatRequest(_ChatTemplateFields, RequestModel):
     """``POST /tokenize`` with chat messages, rendered by the chat template first (vLLM's shape)."""
 
     model: str | None = None
     return_token_strs: bool | None = False
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(RequestModel):
     """``POST /detokenize`` (vLLM's shape)."""
 
     model: str | None = None

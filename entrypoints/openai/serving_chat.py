@@ -56,8 +56,9 @@ class OpenAIServingChat(OpenAIServing):
     """
 
     def __init__(self, engine: EngineClient, models: OpenAIServingModels, tokenization: Tokenization,
-                 on_engine_dead: Any, renderer: ChatRenderer, stats: RequestStatsTracker | None = None) -> None:
-        super().__init__(engine, models, tokenization, on_engine_dead, stats)
+                 on_engine_dead: Any, renderer: ChatRenderer, stats: RequestStatsTracker | None = None,
+                 **options: Any) -> None:
+        super().__init__(engine, models, tokenization, on_engine_dead, stats, **options)
         self.renderer = renderer
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
@@ -71,9 +72,11 @@ class OpenAIServingChat(OpenAIServing):
         arrival = time.time()
         model_name = self.models.resolve(request.model)
         request.check()
+        self.check_priority(request.priority)
         for param, ids in request.token_id_fields().items():
             self.check_token_ids(ids, param)
-        prompt_ids = await self.tokenization.run(self._render_and_encode, request)
+        prompt_ids = request.truncated(await self.tokenization.run(self._render_and_encode, request),
+                                       self.max_model_len)
         max_tokens = self.resolve_max_tokens(
             len(prompt_ids), request.requested_max_tokens, "messages", request.max_tokens_param
         )
@@ -85,7 +88,7 @@ class OpenAIServingChat(OpenAIServing):
         echo = request.messages[-1].text() if request.echo and request.messages[-1].role == "assistant" else ""
         logger.info("request %s (X-Request-Id %s): %d prompt tokens, max_tokens %s", request_id,
                     getattr(raw_request.state, "request_id", "-"), len(prompt_ids), max_tokens)
-        gen = self.generate(prompt_ids, params, request_id, arrival)
+        gen = self.generate(prompt_ids, params, request_id, arrival, request.priority)
         if request.stream:
             return await self._stream(request, raw_request, gen, request_id, model_name, len(prompt_ids), echo)
         return await self._full(request, raw_request, gen, request_id, model_name, len(prompt_ids), echo)
@@ -123,10 +126,11 @@ class OpenAIServingChat(OpenAIServing):
             raise EngineGenerateError(f"request {request_id}: the engine returned no output")
         tokenizer = self.tokenization.tokenizer
         k = request.top_logprobs or 0
+        as_ids = self.tokens_as_ids(request.return_tokens_as_token_ids)
         choices = []
         for index in sorted(by_index):
             o = by_index[index]
-            logprobs = chat_logprobs(tokenizer, o.token_ids, o.logprobs, k) if request.logprobs else None
+            logprobs = chat_logprobs(tokenizer, o.token_ids, o.logprobs, k, as_ids) if request.logprobs else None
             choices.append(ChatCompletionChoice(
                 index=index,
                 message=ChatResponseMessage(role="assistant", content=echo + o.text),
@@ -174,6 +178,7 @@ class OpenAIServingChat(OpenAIServing):
         exclude = None if include_usage else {"usage"}
         tokenizer = self.tokenization.tokenizer
         k = request.top_logprobs or 0
+        as_ids = self.tokens_as_ids(request.return_tokens_as_token_ids)
         prompt_tokens, completion_tokens, cached_tokens = prompt_len, 0, 0
 
         def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
@@ -201,7 +206,7 @@ class OpenAIServingChat(OpenAIServing):
                         completion_tokens += len(o.token_ids)
                         logprobs = None
                         if request.logprobs and o.logprobs:
-                            logprobs = chat_logprobs(tokenizer, o.token_ids, o.logprobs, k)
+                            logprobs = chat_logprobs(tokenizer, o.token_ids, o.logprobs, k, as_ids)
                         if o.text or logprobs is not None:
                             yield chunk([ChatCompletionStreamChoice(
                                 index=o.index, delta=DeltaMessage(content=o.text), logprobs=logprobs

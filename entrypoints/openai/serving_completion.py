@@ -3,6 +3,8 @@ SSE stream. Choice ``i * n + j`` is output ``j`` of prompt ``i``.
 
 With ``echo`` and ``logprobs`` the prompt's tokens lead the choice's logprobs (the first with ``null``), as
 OpenAI's legacy API does; ``prompt_logprobs`` (vLLM's extra) adds the engine's per-prompt-token entries.
+``text_offset`` comes from one :class:`~tokenmill.entrypoints.openai.logprobs.TextOffsets` per choice, fed
+the same tokens whether the answer is streamed or not.
 """
 
 from __future__ import annotations
@@ -16,7 +18,12 @@ from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response
-from tokenmill.entrypoints.openai.logprobs import completion_logprobs, echo_logprobs, prompt_logprobs_json
+from tokenmill.entrypoints.openai.logprobs import (
+    TextOffsets,
+    completion_logprobs,
+    echo_logprobs,
+    prompt_logprobs_json,
+)
 from tokenmill.entrypoints.openai.protocol import CompletionRequest, UsageInfo, random_id
 from tokenmill.entrypoints.openai.responses import (
     CompletionChoice,
@@ -90,10 +97,14 @@ class OpenAIServingCompletion(OpenAIServing):
         arrival = time.time()
         model_name = self.models.resolve(request.model)
         request.check()
+        self.check_priority(request.priority)
         for param, ids in request.token_id_fields().items():
             self.check_token_ids(ids, param)
         prompts = request.prompts()
-        prompt_ids = await self.tokenization.run(self._encode_all, prompts, request.add_special_tokens)
+        encoded = await self.tokenization.run(self._encode_all, prompts, request.add_special_tokens)
+        prompt_ids = [request.truncated(ids, self.max_model_len) for ids in encoded]
+        # A truncated prompt is echoed as what the model saw.
+        prompts = [p if len(ids) == len(full) else ids for p, ids, full in zip(prompts, prompt_ids, encoded)]
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         params = []
         for ids in prompt_ids:
@@ -109,7 +120,8 @@ class OpenAIServingCompletion(OpenAIServing):
         logger.info("request %s (X-Request-Id %s): %d prompt(s), %d prompt tokens", request_id,
                     getattr(raw_request.state, "request_id", "-"), len(prompts), sum(map(len, prompt_ids)))
         gens = [
-            self.generate(ids, p, request_id if len(prompt_ids) == 1 else f"{request_id}-{i}", arrival)
+            self.generate(ids, p, request_id if len(prompt_ids) == 1 else f"{request_id}-{i}", arrival,
+                          request.priority)
             for i, (ids, p) in enumerate(zip(prompt_ids, params))
         ]
         if request.stream:
@@ -123,17 +135,22 @@ class OpenAIServingCompletion(OpenAIServing):
     def _prompt_texts(self, prompts: list[str | list[int]]) -> list[str]:
         return [p if isinstance(p, str) else self.tokenization.decode(p) for p in prompts]
 
-    def _logprobs(self, request: CompletionRequest, output: RequestOutput | None, o: CompletionOutput,
-                  prompt_ids: list[int], with_echo: bool, start: int) -> CompletionLogprobs | None:
-        """The choice's logprobs (``None`` unless asked); ``with_echo``: lead with the prompt's tokens."""
-        if request.logprobs is None:
-            return None
-        tokenizer = self.tokenization.tokenizer
-        result = None
-        if with_echo:
-            result = echo_logprobs(tokenizer, prompt_ids, output.prompt_logprobs if output else None,
-                                   request.logprobs)
-        return completion_logprobs(tokenizer, o.token_ids, o.logprobs, request.logprobs, start, result)
+    def _offsets(self, request: CompletionRequest, prompt_ids: list[int], start: int) -> TextOffsets:
+        """Text offsets of one choice's generated tokens (after ``start`` characters of echo)."""
+        return TextOffsets(self.tokenization.view, prompt_ids, start, skip_special_tokens=request.skip_special_tokens,
+                           spaces_between_special_tokens=request.spaces_between_special_tokens)
+
+    def _echo_logprobs(self, request: CompletionRequest, output: RequestOutput | None, prompt_ids: list[int],
+                       echo: str) -> CompletionLogprobs:
+        return echo_logprobs(self.tokenization.tokenizer, self.tokenization.view, prompt_ids, echo,
+                             output.prompt_logprobs if output else None, request.logprobs or 0,
+                             self.tokens_as_ids(request.return_tokens_as_token_ids))
+
+    def _logprobs(self, request: CompletionRequest, o: CompletionOutput, offsets: TextOffsets,
+                  into: CompletionLogprobs | None = None) -> CompletionLogprobs:
+        """The legacy logprobs of ``o``'s tokens (appended to ``into``, e.g. an echo's)."""
+        return completion_logprobs(self.tokenization.tokenizer, o.token_ids, o.logprobs, request.logprobs or 0,
+                                   offsets, into, self.tokens_as_ids(request.return_tokens_as_token_ids))
 
     # ------------------------------------------------------------------------------------ non-streaming
 
@@ -154,9 +171,13 @@ class OpenAIServingCompletion(OpenAIServing):
             for j in sorted(by_index):
                 o = by_index[j]
                 completion_tokens += len(o.token_ids)
+                logprobs = None
+                if request.logprobs is not None:
+                    echo_lps = self._echo_logprobs(request, last, prompt_ids[i], echoes[i]) if request.echo else None
+                    logprobs = self._logprobs(request, o, self._offsets(request, prompt_ids[i], len(echoes[i])),
+                                              echo_lps)
                 choices.append(CompletionChoice(
-                    index=i * request.n + j, text=echoes[i] + o.text,
-                    logprobs=self._logprobs(request, last, o, prompt_ids[i], request.echo, len(echoes[i])),
+                    index=i * request.n + j, text=echoes[i] + o.text, logprobs=logprobs,
                     finish_reason=o.finish_reason, stop_reason=o.stop_reason, prompt_logprobs=prompt_lps,
                 ))
         response = CompletionResponse(
@@ -208,7 +229,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 id=request_id, created=created, model=model_name, choices=choices, usage=usage
             ), exclude)
 
-        text_offsets = [0] * (len(gens) * n)
+        offsets: dict[int, TextOffsets] = {}
         finished: set[int] = set()
         merged = merge_async_iterators(*(_first_then_rest(first, g) for first, g in zip(firsts, gens)))
         try:
@@ -218,11 +239,8 @@ class OpenAIServingCompletion(OpenAIServing):
                         continue
                     lps = None
                     if request.logprobs is not None:
-                        first = firsts[i]
-                        lps = echo_logprobs(self.tokenization.tokenizer, prompt_ids[i],
-                                            first.prompt_logprobs if first else None, request.logprobs)
+                        lps = self._echo_logprobs(request, firsts[i], prompt_ids[i], echo)
                     for j in range(n):
-                        text_offsets[i * n + j] = len(echo)
                         yield chunk([CompletionChoice(index=i * n + j, text=echo, logprobs=lps)])
                 async for i, output in merged:
                     prompt_tokens[i] = len(output.prompt_token_ids) or prompt_tokens[i]
@@ -233,10 +251,12 @@ class OpenAIServingCompletion(OpenAIServing):
                             continue
                         completion_tokens += len(o.token_ids)
                         logprobs = None
-                        if request.logprobs is not None and o.logprobs:
-                            logprobs = self._logprobs(request, output, o, prompt_ids[i], False,
-                                                      text_offsets[index])
-                        text_offsets[index] += len(o.text)
+                        if request.logprobs is not None:
+                            if index not in offsets:
+                                offsets[index] = self._offsets(request, prompt_ids[i], len(echoes[i]))
+                            logprobs = self._logprobs(request, o, offsets[index])
+                            if not logprobs.tokens:
+                                logprobs = None
                         if o.text or logprobs is not None:
                             yield chunk([CompletionChoice(index=index, text=o.text, logprobs=logprobs)])
                         if o.finish_reason is not None:

@@ -12,8 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from typing import Any, Protocol, TypeVar
 
+from tokenmill.engine.detokenizer import TokenizerView
 from tokenmill.engine.input_processor import child_request_id
 from tokenmill.entrypoints.openai.errors import ContextLengthExceededError, error_from_exception
+from tokenmill.entrypoints.openai.protocol import listed
 from tokenmill.entrypoints.openai.serving_models import OpenAIServingModels
 from tokenmill.entrypoints.openai.streaming import sse_json
 from tokenmill.errors import EngineDeadError, InvalidRequestError, ServerShuttingDownError
@@ -35,8 +37,8 @@ class EngineClient(Protocol):
     model_config: Any
     tokenizer: Any
 
-    def generate(self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str
-                 ) -> AsyncGenerator[RequestOutput, None]: ...
+    def generate(self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str, *,
+                 priority: int = 0) -> AsyncGenerator[RequestOutput, None]: ...
 
     async def abort(self, request_id: str) -> None: ...
 
@@ -58,6 +60,15 @@ class Tokenization:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._executor: ThreadPoolExecutor | None = None
+        self._view: TokenizerView | None = None
+
+    @property
+    def view(self) -> TokenizerView:
+        """The detokenizer's view of the tokenizer (a private decoding copy; safe beside the tokenizer
+        thread), made on first use."""
+        if self._view is None:
+            self._view = TokenizerView(self.tokenizer)
+        return self._view
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn(*args, **kwargs)`` in the tokenizer thread."""
@@ -100,17 +111,37 @@ class OpenAIServing:
         tokenization: the shared tokenizer worker.
         on_engine_dead: called when a request finds the engine dead (the server then shuts down).
         stats: per-request metrics (``None``: none recorded).
+        return_tokens_as_token_ids: the default of the requests' ``return_tokens_as_token_ids``
+            (``--return-tokens-as-token-ids``).
     """
 
     def __init__(self, engine: EngineClient, models: OpenAIServingModels, tokenization: Tokenization,
-                 on_engine_dead: Callable[[], None], stats: RequestStatsTracker | None = None) -> None:
+                 on_engine_dead: Callable[[], None], stats: RequestStatsTracker | None = None, *,
+                 return_tokens_as_token_ids: bool = False) -> None:
         self.engine = engine
         self.models = models
         self.tokenization = tokenization
         self.on_engine_dead = on_engine_dead
         self.stats = stats
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids
         self.max_model_len = int(engine.model_config.max_model_len)
         self.vocab_size = int(engine.model_config.vocab_size)
+        scheduler_config = getattr(getattr(engine, "engine_config", None), "scheduler_config", None)
+        self.scheduling_policy = str(getattr(scheduler_config, "policy", "fcfs"))
+
+    def tokens_as_ids(self, requested: bool | None) -> bool:
+        """Whether logprobs name tokens ``"token_id:<id>"``: the request's choice, else the server's."""
+        return self.return_tokens_as_token_ids if requested is None else requested
+
+    def check_priority(self, priority: int) -> None:
+        """Raises InvalidRequestError for a non-zero ``priority`` unless the server schedules by priority
+        (``--scheduling-policy priority``), as vLLM does."""
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise InvalidRequestError(
+                "priority: the server schedules first come, first served; start it with "
+                "--scheduling-policy priority to use request priorities",
+                param="priority",
+            )
 
     def resolve_max_tokens(self, prompt_len: int, requested: int | None, prompt_param: str,
                            max_tokens_param: str = "max_tokens") -> int | None:
@@ -141,13 +172,15 @@ class OpenAIServing:
         return requested
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
-        """Raises InvalidRequestError when a token id is outside the vocabulary."""
-        for t in token_ids:
-            if not 0 <= t < self.vocab_size:
-                raise InvalidRequestError(
-                    f"{param}: token id {t} is out of vocabulary (valid ids are 0..{self.vocab_size - 1})",
-                    param=param,
-                )
+        """Raises InvalidRequestError naming the token ids outside the vocabulary (the first few of them)."""
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            noun = "token id" if len(bad) == 1 else "token ids"
+            verb = "is" if len(bad) == 1 else "are"
+            raise InvalidRequestError(
+                f"{param}: {noun} {listed(bad)} {verb} out of vocabulary (valid ids are 0..{self.vocab_size - 1})",
+                param=param,
+            )
 
     def make_sampling_params(self, build: Callable[[], SamplingParams], max_tokens_param: str) -> SamplingParams:
         """Run ``build`` (a request's ``to_sampling_params``), naming ``max_tokens_param`` in its errors
@@ -163,10 +196,10 @@ class OpenAIServing:
                 raise SamplingParamsError(max_tokens_param, str(exc).split(": ", 1)[-1]) from exc
             raise
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str, arrival_time: float
-                 ) -> AsyncGenerator[RequestOutput, None]:
+    def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str, arrival_time: float,
+                 priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
         """``engine.generate``, with the request's metrics recorded from its start to its end."""
-        gen = self.engine.generate(prompt_ids, params, request_id)
+        gen = self.engine.generate(prompt_ids, params, request_id, **({"priority": priority} if priority else {}))
         if self.stats is None:
             return gen
         return self._tracked(gen, engine_request_ids(request_id, params.n), arrival_time, len(prompt_ids))

@@ -22,10 +22,10 @@ def parse_tokenize_request(data: dict[str, Any]) -> TokenizeCompletionRequest | 
 
     Raises:
         pydantic.ValidationError: a field is invalid or missing.
+        InvalidRequestError: a field the request model does not accept.
     """
-    if "messages" in data:
-        return TokenizeChatRequest.model_validate(data)
-    return TokenizeCompletionRequest.model_validate(data)
+    model = TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest
+    return model.model_validate(model.check_request_fields(data))
 
 
 class OpenAIServingTokenization(OpenAIServing):

@@ -53,15 +53,34 @@ class AttentionImpl(ABC):
         head_size: D.
         scale: softmax scale (usually ``D ** -0.5``).
         num_kv_heads: key/value heads on this rank (grouped-query attention when fewer than ``num_heads``).
+        sliding_window: ``W`` tokens or ``None``: query at position ``i`` sees keys ``j`` with
+            ``i - W < j <= i`` (transformers' sliding-window mask, Mistral / Gemma / Qwen2 ``sliding_window``).
+            A backend that sets ``supports_sliding_window`` never reads cache blocks wholly outside the window.
+        logits_soft_cap: ``c`` or ``None``: scores become ``c * tanh(score / c)`` after scaling, before the
+            mask (Gemma 2's ``attn_logit_softcapping``).
     """
 
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window}")
+        if logits_soft_cap is not None and not logits_soft_cap > 0:
+            raise ValueError(f"logits_soft_cap must be positive, got {logits_soft_cap}")
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = scale
         self.num_kv_heads = num_kv_heads
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
 
     @abstractmethod
     def forward(
@@ -98,11 +117,15 @@ class AttentionBackend(ABC):
         supports_compile: for a decode-only step (``max_query_len == 1``) the impl reads only device tensors
             of :class:`AttentionMetadata` plus ``max_query_len`` and ``block_size``, so ``torch.compile`` can
             trace it once with dynamic batch size and block-table width (see ``tokenmill.worker.compiled_runner``).
+        supports_sliding_window: the impl takes ``sliding_window`` (see :class:`AttentionImpl`).
+        supports_logits_soft_cap: the impl takes ``logits_soft_cap``.
     """
 
     name: str = ""
     supports_graph_capture: bool = False
     supports_compile: bool = False
+    supports_sliding_window: bool = False
+    supports_logits_soft_cap: bool = False
 
     @staticmethod
     @abstractmethod

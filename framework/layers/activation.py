@@ -1,4 +1,4 @@
-"""Activations used by gated MLPs."""
+"""Activations used by gated MLPs: ``act(x[..., :d]) * x[..., d:]`` for input ``[..., 2d]``."""
 
 from __future__ import annotations
 
@@ -13,3 +13,46 @@ class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
+
+
+class GeluAndMul(nn.Module):
+    """``gelu(x[..., :d]) * x[..., d:]`` (GeGLU, Shazeer 2020).
+
+    Args:
+        approximate: ``"tanh"`` (Gemma's ``gelu_pytorch_tanh``) or ``"none"`` (exact erf GELU).
+    """
+
+    def __init__(self, approximate: str = "tanh") -> None:
+        super().__init__()
+        if approximate not in ("tanh", "none"):
+            raise ValueError(f"GeluAndMul: approximate must be 'tanh' or 'none', got {approximate!r}")
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.gelu(x[..., :d], approximate=self.approximate) * x[..., d:]
+
+
+# transformers' activation names (``hidden_act`` / ``hidden_activation``) -> gated activation
+_GATED = {
+    "silu": lambda: SiluAndMul(),
+    "swish": lambda: SiluAndMul(),
+    "gelu_pytorch_tanh": lambda: GeluAndMul("tanh"),
+    "gelu_new": lambda: GeluAndMul("tanh"),
+    "gelu_fast": lambda: GeluAndMul("tanh"),
+    "gelu_tanh": lambda: GeluAndMul("tanh"),
+    "gelu": lambda: GeluAndMul("none"),
+}
+
+
+def get_act_and_mul(name: str) -> nn.Module:
+    """The gated activation for a transformers ``hidden_act`` name.
+
+    Raises:
+        ValueError: the name is not a supported activation (the message lists the supported ones).
+    """
+    factory = _GATED.get(name)
+    if factory is None:
+        raise ValueError(f"hidden_act: activation {name!r} is not supported for gated MLPs "
+                         f"(supported: {', '.join(sorted(_GATED))})")
+    return factory()

@@ -23,15 +23,42 @@ class Attention(nn.Module):
         scale: softmax scale.
         num_kv_heads: key/value heads on this rank.
         prefix: the layer's unique name (e.g. ``model.layers.3.self_attn.attn``).
+        sliding_window: attend to the last ``sliding_window`` positions only (``None``: all).
+        logits_soft_cap: ``c * tanh(score / c)`` on the scaled scores (``None``: off).
+
+    Raises:
+        ValueError: the platform's attention backend does not support a requested option.
     """
 
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, prefix: str = "") -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        prefix: str = "",
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
         super().__init__()
         self.layer_name = prefix
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
-        self.impl = get_attn_backend().get_impl_cls()(num_heads, head_size, scale, num_kv_heads)
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
+        backend = get_attn_backend()
+        options: dict[str, object] = {}
+        for name, value, flag in (("sliding_window", sliding_window, "supports_sliding_window"),
+                                  ("logits_soft_cap", logits_soft_cap, "supports_logits_soft_cap")):
+            if value is None:
+                continue
+            if not getattr(backend, flag, False):
+                raise ValueError(f"attention backend {backend.name or backend.__qualname__} does not support "
+                                 f"{name} (layer {prefix!r}); choose a backend with {flag} = True")
+            options[name] = value
+        self.impl = backend.get_impl_cls()(num_heads, head_size, scale, num_kv_heads, **options)
         self.kv_cache = torch.empty(0)
         # Unique in the process (two engines may share layer names) and the same from one run to the next, so
         # that compiled graphs, which hold it as a constant, hit Inductor's on-disk cache at the next start.

@@ -91,7 +91,8 @@ class ColumnParallelLinear(LinearBase):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel matrices stored as one (e.g. gate and up projections).
 
-    The loader takes ``shard_id`` = index into ``output_sizes``.
+    The loader takes ``shard_id`` = index into ``output_sizes``, or no shard id for a checkpoint tensor that is
+    already fused (Phi-3's ``gate_up_proj``): it is split into ``output_sizes`` and each part sharded.
     """
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
@@ -100,7 +101,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
         if shard_id is None:
-            return super().weight_loader(param, loaded)
+            if len(self.output_sizes) == 1:
+                return super().weight_loader(param, loaded)
+            if loaded.shape[0] != sum(self.output_sizes):
+                raise ValueError(f"shape mismatch: fused checkpoint tensor {tuple(loaded.shape)} vs output sizes "
+                                 f"{self.output_sizes}")
+            for i, part in enumerate(loaded.split(self.output_sizes, dim=0)):
+                self.weight_loader(param, part, i)
+            return None
         sizes = [s // self.tp_size for s in self.output_sizes]
         offset, size = sum(sizes[:shard_id]), sizes[shard_id]
         default_weight_loader(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp_rank * size, size))
@@ -110,7 +118,8 @@ class QKVParallelLinear(ColumnParallelLinear):
     """Query, key and value projections as one matrix; heads split across ranks.
 
     Key/value heads are replicated when there are fewer of them than ranks. The loader takes
-    ``shard_id`` in ``{"q", "k", "v"}``.
+    ``shard_id`` in ``{"q", "k", "v"}``, or no shard id for an already fused ``qkv_proj`` checkpoint tensor
+    (Phi-3), which is split into its query, key and value rows first.
     """
 
     def __init__(
@@ -118,6 +127,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     ) -> None:
         tp = get_tp_size()
         self.head_size = head_size
+        self.total_num_heads, self.total_num_kv_heads = total_num_heads, total_num_kv_heads
         self.num_heads = _divide(total_num_heads, tp, "number of attention heads")
         self.num_kv_heads = max(1, total_num_kv_heads // tp)
         self.kv_replicas = max(1, tp // total_num_kv_heads)
@@ -126,7 +136,13 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
         if shard_id is None:
-            return super().weight_loader(param, loaded)
+            sizes = [self.total_num_heads * self.head_size] + [self.total_num_kv_heads * self.head_size] * 2
+            if loaded.shape[0] != sum(sizes):
+                raise ValueError(f"shape mismatch: fused qkv checkpoint tensor {tuple(loaded.shape)} vs q/k/v rows "
+                                 f"{sizes}")
+            for sid, part in zip("qkv", loaded.split(sizes, dim=0)):
+                self.weight_loader(param, part, sid)
+            return None
         q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
         head_rank = self.tp_rank if shard_id == "q" else self.tp_rank // self.kv_replicas

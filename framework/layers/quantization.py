@@ -110,7 +110,8 @@ def get_quantized_weight_cls(method: str) -> type[QuantizedWeight]:
 
 
 def quantize_model(model: nn.Module, method: str, max_tokens: int = DEFAULT_MAX_TOKENS) -> int:
-    """Attach quantized copies to every module with ``attach_quantized`` (linear layers, LM head).
+    """Attach quantized copies to every module with ``attach_quantized`` (linear layers, LM head) unless it sets
+    ``quantizable = False`` (mixture-of-experts routers). Expert weights (``FusedMoE``) stay full precision.
 
     Returns:
         the number of modules quantized (a module whose shape the method cannot pack is skipped).
@@ -123,7 +124,7 @@ def quantize_model(model: nn.Module, method: str, max_tokens: int = DEFAULT_MAX_
     count = skipped = nbytes = 0
     for module in model.modules():
         attach = getattr(module, "attach_quantized", None)
-        if attach is None:
+        if attach is None or not getattr(module, "quantizable", True):  # e.g. MoE routers: choices stay exact
             continue
         try:
             attach(head_cls if getattr(module, "is_lm_head", False) else cls, max_tokens)

@@ -1,8 +1,16 @@
 """Weights of a GGUF file, dequantized with the ``gguf`` package and renamed to Hugging Face names.
 
-llama.cpp's converter stores Llama's query/key projections with the rows of each head interleaved
-(its rotary layout); :func:`_unpermute` restores the Hugging Face order, so the same model code and rotary
-embedding serve both formats.
+Name mapping follows llama.cpp's tensor names (``blk.N.attn_q``, ...), per architecture where they differ:
+Gemma's ``ffn_norm`` is the pre-feedforward norm, Phi-3 stores gate and up fused in ``ffn_up`` and q/k/v in
+``attn_qkv``, MoE files hold each layer's experts as 3-D ``ffn_{gate,up,down}_exps`` tensors.
+
+Fix-ups llama.cpp's converter applied and this module undoes:
+
+* Query/key rows interleaved per head (its rotary layout) for the architectures whose converter permutes
+  them (:data:`PERMUTED_ARCHS`: Llama, Mistral and Mixtral files use ``llama``, plus Granite): restored to the
+  Hugging Face order, so the same model code serves both formats. Qwen2/3, Gemma, Phi-3 and OLMo 2 files are
+  not permuted.
+* Gemma norm weights stored as ``1 + w``: one is subtracted (the model adds it back).
 """
 
 from __future__ import annotations
@@ -14,16 +22,33 @@ from typing import Any
 import numpy as np
 import torch
 
+PERMUTED_ARCHS = frozenset({"llama", "granite", "granitemoe", "deci"})
+GEMMA_ARCHS = frozenset({"gemma", "gemma2", "gemma3"})
+
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
+_ARCH_LAYER_NAMES = {
+    "gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
+    "gemma3": {"ffn_norm": "pre_feedforward_layernorm"},
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -31,16 +56,25 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_EXPERTS_3D = (".experts.gate_proj", ".experts.up_proj", ".experts.down_proj")
 
 
-def gguf_to_hf_name(name: str) -> str | None:
-    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; ``None`` for unknown names."""
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; ``None`` for unknown names.
+
+    3-D expert tensors map to ``model.layers.N.mlp.experts.{gate,up,down}_proj`` (no ``.weight``), which the
+    generic weight loader takes as all experts at once.
+    """
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     m = _BLOCK_RE.match(name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
-    return None
+    if m is None:
+        return None
+    part = _ARCH_LAYER_NAMES.get(arch, {}).get(m.group(2)) or _LAYER_NAMES.get(m.group(2))
+    if part is None:
+        return None
+    hf = f"model.layers.{m.group(1)}.{part}"
+    return hf if hf.endswith(_EXPERTS_3D) else f"{hf}.{m.group(3)}"
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -48,8 +82,14 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def gguf_architecture(reader: Any) -> str:
+    """``general.architecture`` of an open ``gguf.GGUFReader``."""
+    field = reader.fields["general.architecture"]
+    return bytes(field.parts[field.data[0]]).decode()
+
+
 def iterate_gguf_weights(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, float32 tensor)`` for every tensor of a Llama-family GGUF file.
+    """Yield ``(hf_name, float32 tensor)`` for every tensor of a GGUF file.
 
     Raises:
         ValueError: a tensor name has no Hugging Face equivalent (an unsupported architecture).
@@ -57,17 +97,21 @@ def iterate_gguf_weights(path: str, hf_config: Any) -> Iterator[tuple[str, torch
     import gguf
 
     reader = gguf.GGUFReader(path)
+    arch = gguf_architecture(reader)
     n_heads = hf_config.num_attention_heads
     n_kv = getattr(hf_config, "num_key_value_heads", None) or n_heads
     for tensor in reader.tensors:
-        hf_name = gguf_to_hf_name(tensor.name)
+        hf_name = gguf_to_hf_name(tensor.name, arch)
         if hf_name is None:
-            if tensor.name.startswith("rope_"):
+            if tensor.name.startswith("rope_"):  # precomputed rope tables / factors: the config has them
                 continue
-            raise ValueError(f"GGUF tensor {tensor.name!r} has no known Hugging Face name")
+            raise ValueError(f"GGUF tensor {tensor.name!r} of architecture {arch!r} has no known Hugging Face name")
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        if hf_name.endswith("q_proj.weight"):
-            array = _unpermute(array, n_heads)
-        elif hf_name.endswith("k_proj.weight"):
-            array = _unpermute(array, n_kv)
+        if arch in PERMUTED_ARCHS:
+            if hf_name.endswith("q_proj.weight"):
+                array = _unpermute(array, n_heads)
+            elif hf_name.endswith("k_proj.weight"):
+                array = _unpermute(array, n_kv)
+        if arch in GEMMA_ARCHS and hf_name.endswith("norm.weight"):
+            array = array - 1.0
         yield hf_name, torch.from_numpy(np.array(array, dtype=np.float32, order="C"))

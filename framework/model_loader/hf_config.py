@@ -62,16 +62,95 @@ def resolve_model_location(model: str | None) -> ModelLocation:
     raise FileNotFoundError(f"model: {model!r} does not exist (expected a directory, a .gguf file or a hub id)")
 
 
+# transformers' model_type of a GGUF-derived config -> tokenmill architecture
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}
+
+
 def load_hf_config(directory: str, gguf_file: str | None, *, trust_remote_code: bool = False) -> Any:
-    """Read the ``transformers`` config from ``config.json`` or from a GGUF file's metadata."""
+    """Read the ``transformers`` config from ``config.json`` or from a GGUF file's metadata.
+
+    For GGUF files the architecture comes from the model type (:data:`GGUF_ARCHITECTURES`; llama.cpp writes
+    Mistral and Mixtral files as ``llama``: transformers recognises Mistral by name, and a ``llama`` file with
+    experts becomes a Mixtral config here), and ``head_dim`` is taken from ``attention.key_length`` where
+    transformers' reader leaves the config class's default (Qwen3).
+    """
     from transformers import AutoConfig
 
-    if gguf_file is not None:
-        config = AutoConfig.from_pretrained(directory, gguf_file=gguf_file)
-        if not getattr(config, "architectures", None):
-            arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-            name = arch.get(config.model_type)
-            if name:
-                config.architectures = [name]
-        return config
-    return AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    if gguf_file is None:
+        return AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    config = AutoConfig.from_pretrained(directory, gguf_file=gguf_file)
+    config = _fix_gguf_config(config, os.path.join(directory, gguf_file))
+    if not getattr(config, "architectures", None):
+        name = GGUF_ARCHITECTURES.get(config.model_type)
+        if name:
+            config.architectures = [name]
+    return config
+
+
+def _fix_gguf_config(config: Any, path: str) -> Any:
+    import gguf
+
+    from tokenmill.model_loader.gguf_weights import gguf_architecture
+
+    reader = gguf.GGUFReader(path)
+    arch = gguf_architecture(reader)
+
+    def value(key: str) -> Any:
+        field = reader.fields.get(f"{arch}.{key}")
+        return None if field is None else field.parts[field.data[0]].tolist()[0]
+
+    key_length = value("attention.key_length")
+    if key_length and hasattr(config, "head_dim") and config.head_dim != key_length:
+        config.head_dim = int(key_length)
+    if hasattr(config, "attention_bias") and any(t.name.endswith(".attn_q.bias") for t in reader.tensors):
+        config.attention_bias = True  # not in the metadata: the tensors say it
+    if arch == "phi3":
+        config = _phi3_rope(config, reader, value)
+    if config.model_type == "mistral" and value("attention.sliding_window") is None:
+        config.sliding_window = None  # llama.cpp's llama files attend to the whole context
+    experts = value("expert_count")
+    if config.model_type in ("llama", "mistral") and experts:
+        from transformers import MixtralConfig
+
+        fields = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")}
+        config = MixtralConfig(**fields, num_local_experts=int(experts),
+                               num_experts_per_tok=int(value("expert_used_count") or 2))
+    return config
+
+
+def _phi3_rope(config: Any, reader: Any, value: Any) -> Any:
+    """Partial rotary (``rope.dimension_count``) and LongRoPE (the ``rope_factors_long`` / ``_short`` tensors,
+    ``rope.scaling.original_context_length``, ``rope.scaling.attn_factor``) of a Phi-3 file, which transformers'
+    GGUF reader does not carry over."""
+    import gguf
+
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    head_dim = config.hidden_size // config.num_attention_heads
+    rotary = value("rope.dimension_count")
+    if rotary and rotary != head_dim:
+        params["partial_rotary_factor"] = rotary / head_dim
+    factors = {t.name: t for t in reader.tensors if t.name.startswith("rope_factors_")}
+    if {"rope_factors_long.weight", "rope_factors_short.weight"} <= set(factors):
+        def read(name: str) -> list[float]:
+            t = factors[name]
+            return [float(x) for x in gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1)]
+
+        original = int(value("rope.scaling.original_context_length") or config.max_position_embeddings)
+        params.update(rope_type="longrope", long_factor=read("rope_factors_long.weight"),
+                      short_factor=read("rope_factors_short.weight"), original_max_position_embeddings=original)
+        attention = value("rope.scaling.attn_factor")
+        if attention:
+            params["attention_factor"] = float(attention)
+        config.original_max_position_embeddings = original
+    config.rope_parameters = params
+    return config

@@ -73,6 +73,14 @@ class Platform:
         return {"int8": "tokenmill.layers.quantization:Int8WeightOnly"}.get(method)
 
     @classmethod
+    def get_fused_moe_cls(cls) -> str:
+        """``"module:Class"`` of the :class:`tokenmill.layers.fused_moe.FusedMoEMethod` that computes the
+        experts of mixture-of-experts layers here. The default is the portable torch implementation (tokens
+        grouped by expert, grouped matrix multiplies); a platform with its own kernel returns its class.
+        Read by every ``FusedMoE`` layer when the model is built."""
+        return "tokenmill.layers.fused_moe:TorchFusedMoEMethod"
+
+    @classmethod
     def graph_capture_cls(cls) -> str | None:
         """``"module:Class"`` of the platform's device-graph capture (a
         :class:`tokenmill.worker.graph_runner.GraphCapture` subclass), or ``None`` (default): no graphs.

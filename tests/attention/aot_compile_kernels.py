@@ -37,13 +37,19 @@ def main() -> int:
             if target_name == "gfx942" and dt != "bf16":
                 continue
             ptrs = {p: f"*{dt}" for p in ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr")}
-            ptrs.update(block_table_ptr="*i32", query_start_loc_ptr="*i32", seq_lens_ptr="*i32", scale_log2="fp32")
+            ptrs.update(block_table_ptr="*i32", query_start_loc_ptr="*i32", seq_lens_ptr="*i32", scale_log2="fp32",
+                        soft_cap="fp32")
             for label, cfg in {
                 "prefill-gqa4-D128": dict(HEAD_SIZE=128, BLOCK_D=128, GROUP=4, GROUP_P2=4, BLOCK_Q=16, BLOCK_M=64,
                                           BLOCK_N=32, KV_BLOCK_SIZE=16),
                 "decode-gqa3-D64-bs1": dict(HEAD_SIZE=64, BLOCK_D=64, GROUP=3, GROUP_P2=4, BLOCK_Q=4, BLOCK_M=16,
                                             BLOCK_N=64, KV_BLOCK_SIZE=1),
+                "prefill-window-softcap-D256": dict(HEAD_SIZE=256, BLOCK_D=256, GROUP=2, GROUP_P2=2, BLOCK_Q=32,
+                                                    BLOCK_M=64, BLOCK_N=32, KV_BLOCK_SIZE=16, SLIDING_WINDOW=4096,
+                                                    SOFT_CAP=True),
             }.items():
+                cfg.setdefault("SLIDING_WINDOW", 0)
+                cfg.setdefault("SOFT_CAP", False)
                 cfg["DOT_FP32"] = dt == "fp32"
                 asm = compile_kernel(ops._paged_attention_kernel, ptrs, cfg, target)
                 print(f"OK {target_name} paged_attention {dt} {label} -> {asm[-1]}", flush=True)

@@ -100,10 +100,14 @@ def new_kv(batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(ks), torch.cat(vs)
 
 
-def reference_attention(batch: PagedBatch, scale: float) -> torch.Tensor:
+def reference_attention(
+    batch: PagedBatch, scale: float, sliding_window: int | None = None, soft_cap: float | None = None
+) -> torch.Tensor:
     """Plain softmax attention in float64 from the full per-request keys/values: ``[T, Hq, D]`` float64.
 
-    Query ``i`` of a request with ``q_len`` new and ``seq_len`` total tokens sees keys ``0 .. seq_len - q_len + i``.
+    Query ``i`` of a request with ``q_len`` new and ``seq_len`` total tokens sits at ``p = seq_len - q_len + i``
+    and sees keys ``0 .. p`` (with ``sliding_window`` W: keys ``j`` with ``p - W < j <= p``). With ``soft_cap``
+    c the scaled scores become ``c * tanh(s / c)`` before the mask (Gemma 2).
     """
     qsl, sl = batch.md.query_start_loc_cpu, batch.md.seq_lens_cpu
     num_heads = batch.q.shape[1]
@@ -115,8 +119,12 @@ def reference_attention(batch: PagedBatch, scale: float) -> torch.Tensor:
         k = batch.k_full[r].double().repeat_interleave(group, dim=1)
         v = batch.v_full[r].double().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if soft_cap is not None:
+            scores = torch.tanh(scores / soft_cap) * soft_cap
         pos = torch.arange(e - s) + seq_len - (e - s)
         hidden = torch.arange(seq_len)[None, None, :] > pos[None, :, None]
+        if sliding_window is not None:
+            hidden |= torch.arange(seq_len)[None, None, :] <= pos[None, :, None] - sliding_window
         probs = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
         out[s:e] = torch.einsum("hqk,khd->qhd", probs, v)
     return out
@@ -130,3 +138,19 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 # A mixed batch: pure prefill, decodes, a chunk on a cached prefix, a one-token sequence, a short prefill.
 MIXED_Q_LENS = [7, 1, 5, 1, 3, 1]
 MIXED_SEQ_LENS = [7, 19, 40, 1, 3, 33]
+
+
+def poison_outside_window(batch: PagedBatch, sliding_window: int, value: float = float("nan")) -> int:
+    """Fill every cache block that lies wholly before the sliding window of all of its request's queries with
+    ``value`` (NaN: a kernel that reads one shows it in its output). Returns how many blocks were poisoned.
+
+    The cache here is make_batch's ``[2, num_blocks, block_size, Hkv, D]``.
+    """
+    md, poisoned = batch.md, 0
+    for r, seq_len in enumerate(md.seq_lens_cpu):
+        q_len = md.query_start_loc_cpu[r + 1] - md.query_start_loc_cpu[r]
+        oldest = max(0, seq_len - q_len - sliding_window + 1)  # oldest key the first query sees
+        for j in range(oldest // md.block_size):
+            batch.kv_cache[:, int(md.block_table[r, j])] = value
+            poisoned += 1
+    return poisoned

@@ -100,3 +100,34 @@ def test_cpu_backend_mixed_batch_matches_fp64_reference(use_kernel):
 
 def test_cpu_platform_picks_the_kernel_backend():
     assert CpuPlatform.get_attn_backend_cls(None) == "tokenmill_cpu.attention:CpuPagedAttentionBackend"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("window,soft_cap", [(5, None), (20, 30.0), (None, 3.0)], ids=["w5", "w20-softcap", "softcap"])
+def test_kernel_sliding_window_and_soft_cap_match_fp64_reference(dtype, block_size, window, soft_cap):
+    from tests.attention.paged_reference import poison_outside_window
+
+    seq_lens = [1, 5, 6, 17, 33, 100]
+    batch = make_batch([1] * len(seq_lens), seq_lens, num_heads=8, num_kv_heads=2, head_size=64,
+                       block_size=block_size, dtype=dtype)  # unused slots are NaN
+    if window is not None:
+        assert poison_outside_window(batch, window) > 0  # blocks wholly before the window: NaN too
+    scale = 64**-0.5
+    out = kernels.paged_decode(batch.q, head_major(batch.kv_cache), batch.md.block_table, batch.md.seq_lens, scale,
+                               window, soft_cap)
+    assert rel_err(out.view_as(batch.q), reference_attention(batch, scale, window, soft_cap)) < TOL[dtype]
+
+
+def test_cpu_backend_passes_window_and_soft_cap_to_the_kernel():
+    from tests.attention.paged_reference import poison_outside_window
+
+    batch = make_batch(MIXED_Q_LENS, MIXED_SEQ_LENS, num_heads=8, num_kv_heads=2, head_size=16, block_size=4,
+                       fill_cache=False, poison=1.0e4)
+    poison_outside_window(batch, 6)
+    impl = CpuPagedAttentionBackend.get_impl_cls()(8, 16, 0.25, 2, sliding_window=6, logits_soft_cap=8.0)
+    assert impl.use_kernel
+    k, v = new_kv(batch)
+    out = impl.forward(batch.q.reshape(len(batch.q), -1), k.reshape(len(k), -1), v.reshape(len(v), -1),
+                       head_major(batch.kv_cache), batch.md)
+    assert rel_err(out.view_as(batch.q), reference_attention(batch, 0.25, 6, 8.0)) < 1e-5

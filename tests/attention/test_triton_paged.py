@@ -78,6 +78,20 @@ def test_tile_boundaries(q_lens, seq_lens):
     assert rel_err(out, reference_attention(batch, scale)) < 1e-5
 
 
+@pytest.mark.parametrize("window,soft_cap", [(5, None), (20, 15.0), (None, 2.0)], ids=["w5", "w20-softcap", "softcap"])
+def test_sliding_window_and_soft_cap_never_read_blocks_outside_the_window(window, soft_cap):
+    from tests.attention.paged_reference import poison_outside_window
+
+    # Decodes far past the window, a chunk on a long cached prefix, a prefill longer than the window.
+    q_lens, seq_lens = [1, 20, 1, 30, 3], [60, 100, 3, 30, 17]
+    batch = make_batch(q_lens, seq_lens, num_heads=4, num_kv_heads=2, head_size=16, block_size=4, seed=11)
+    if window is not None:
+        assert poison_outside_window(batch, window) > 0  # NaN: any read of them shows in the output
+    out = _run_kernel(batch, 0.25, block_n=16, sliding_window=window, soft_cap=soft_cap)
+    assert not out.isnan().any()
+    assert rel_err(out, reference_attention(batch, 0.25, window, soft_cap)) < 1e-5
+
+
 def test_head_size_not_power_of_two_and_odd_group():
     # D = 24 is padded to 32 inside the kernel; 3 query heads per KV head are padded to 4 rows.
     batch = make_batch([4, 1], [9, 13], num_heads=6, num_kv_heads=2, head_size=24, block_size=8, seed=5)
@@ -163,13 +177,14 @@ def test_backend_forward_writes_cache_then_attends(num_heads, num_kv_heads):
     torch.testing.assert_close(caches[TritonPagedAttentionBackend], caches[TorchPagedAttentionBackend], rtol=0, atol=0)
 
 
-def test_backend_dummy_run_without_metadata():
+@pytest.mark.parametrize("window", [None, 3])
+def test_backend_dummy_run_without_metadata(window):
     num_heads, num_kv_heads, head_size, t = 4, 2, 16, 7
     batch = make_batch([t], [t], num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size, block_size=4)
     k, v = new_kv(batch)
-    impl = TritonPagedAttentionBackend.get_impl_cls()(num_heads, head_size, 0.25, num_kv_heads)
+    impl = TritonPagedAttentionBackend.get_impl_cls()(num_heads, head_size, 0.25, num_kv_heads, sliding_window=window)
     out = impl.forward(batch.q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1), torch.empty(0), None)
-    assert rel_err(out.view_as(batch.q), reference_attention(batch, 0.25)) < 1e-5
+    assert rel_err(out.view_as(batch.q), reference_attention(batch, 0.25, window)) < 1e-5
 
 
 def test_backend_module_imports_without_triton():

@@ -87,6 +87,7 @@ class Call:
     request_id: str
     prompt: str | list[int]
     params: SamplingParams
+    priority: int = 0
 
 
 @dataclass
@@ -157,9 +158,9 @@ class FakeAsyncLLM:
     def fail_all_requests(self, error: BaseException) -> None:
         self.stop_error = error
 
-    async def generate(self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str
-                       ) -> AsyncGenerator[RequestOutput, None]:
-        self.calls.append(Call(request_id, prompt, sampling_params))
+    async def generate(self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str, *,
+                       priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
+        self.calls.append(Call(request_id, prompt, sampling_params, priority))
         msgspec.msgpack.encode(sampling_params)  # what the real engine sends over ZMQ must encode
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:

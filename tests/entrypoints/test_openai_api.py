@@ -249,7 +249,8 @@ def test_completion_echo_with_logprobs(client: TestClient, fake_engine: FakeAsyn
     lp = choice["logprobs"]
     assert lp["tokens"] == ["a", "b", "c", *REPLY[:2]]
     assert lp["token_logprobs"] == [None, -1.0, -1.0, -0.25, -0.25]
-    assert lp["top_logprobs"][0] is None and lp["top_logprobs"][1] == {"a": -0.5}
+    # The k best and the actual token (up to k + 1 entries, as in the OpenAI legacy API).
+    assert lp["top_logprobs"][0] is None and lp["top_logprobs"][1] == {"a": -0.5, "b": -1.0}
     assert lp["text_offset"] == [0, 1, 2, 3, 4]
     assert fake_engine.calls[0].params.prompt_logprobs == 1
     assert "prompt_logprobs" not in choice  # only when asked for by name
@@ -385,11 +386,15 @@ async def _call_asgi(app: Any, path: str, body: dict[str, Any], disconnect_after
     return sent
 
 
+def _input_for(path: str) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": "x"}]} if path == CHAT else {"prompt": "x"}
+
+
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
 def test_stream_disconnect_aborts(fake_engine: FakeAsyncLLM, path: str) -> None:
     fake_engine.delay_s = 0.01
     app = build_app(fake_engine, server_args())
-    body = {"stream": True, "max_tokens": 30, "prompt": "x", "messages": [{"role": "user", "content": "x"}]}
+    body = {"stream": True, "max_tokens": 30, **_input_for(path)}
     sent = asyncio.run(_call_asgi(app, path, body, disconnect_after_chunks=2))
     assert sent[0]["status"] == 200
     assert len(fake_engine.calls) == 1
@@ -401,7 +406,7 @@ def test_stream_disconnect_aborts(fake_engine: FakeAsyncLLM, path: str) -> None:
 def test_non_stream_disconnect_aborts(fake_engine: FakeAsyncLLM, path: str) -> None:
     fake_engine.delay_s = 0.05
     app = build_app(fake_engine, server_args())
-    body = {"max_tokens": 30, "prompt": "x", "messages": [{"role": "user", "content": "x"}]}
+    body = {"max_tokens": 30, **_input_for(path)}
     asyncio.run(_call_asgi(app, path, body, disconnect_after_chunks=None, disconnect_after_s=0.2))
     assert len(fake_engine.calls) == 1
     assert fake_engine.aborted == [fake_engine.calls[0].request_id]

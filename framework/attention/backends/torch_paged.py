@@ -4,7 +4,8 @@ KV cache layout per layer: ``[2, num_kv_heads, num_blocks, block_size, head_size
 Head-major blocks make a request's gathered context ``[Hkv, S, D]`` contiguous, so the batched decode path
 multiplies it directly (no transposing copy). Decodes (one query token each) are batched into two products over
 the gathered, padded context; prefill chunks run one SDPA call per request with the causal mask shifted by the
-request's cached prefix. A pure decode step reads only device tensors of the metadata (and ``max_query_len``),
+request's cached prefix (sliding windows and logit soft caps as masks / a float32 path, see
+:class:`TorchPagedAttentionImpl`). A pure decode step reads only device tensors of the metadata (and ``max_query_len``),
 so torch.compile can trace it (``supports_compile``).
 """
 
@@ -19,6 +20,8 @@ from tokenmill.attention.backend import AttentionBackend, AttentionImpl, Attenti
 class TorchPagedAttentionBackend(AttentionBackend):
     name = "TORCH_PAGED"
     supports_compile = True
+    supports_sliding_window = True
+    supports_logits_soft_cap = True
 
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:
@@ -30,6 +33,11 @@ class TorchPagedAttentionBackend(AttentionBackend):
 
 
 class TorchPagedAttentionImpl(AttentionImpl):
+    """See the module docstring. With ``sliding_window`` the prefill path gathers the context from the block
+    holding the oldest key any query of the chunk sees, and the decode path gathers only the
+    ``ceil((W - 1) / block_size) + 1`` blocks that can hold the last ``W`` positions: blocks wholly outside the
+    window are never read."""
+
     def forward(
         self,
         query: torch.Tensor,
@@ -51,6 +59,7 @@ class TorchPagedAttentionImpl(AttentionImpl):
         out = torch.empty_like(q)
         qsl = attn_metadata.query_start_loc_cpu
         seq_lens = attn_metadata.seq_lens_cpu
+        bs = attn_metadata.block_size
         decode_idx = [i for i in range(len(seq_lens)) if qsl[i + 1] - qsl[i] == 1]
         if decode_idx:
             self._batched_decode(q, out, kv_cache, attn_metadata, decode_idx)
@@ -61,30 +70,57 @@ class TorchPagedAttentionImpl(AttentionImpl):
             if i in done:
                 continue
             start, end, seq_len = qsl[i], qsl[i + 1], seq_lens[i]
-            if seq_len == end - start:  # nothing cached before this chunk: its own keys/values are the context
-                k_ctx, v_ctx = k[start:end], v[start:end]
+            offset = seq_len - (end - start)  # position of the chunk's first query
+            if offset == 0:  # nothing cached before this chunk: its own keys/values are the context
+                k_ctx, v_ctx, ctx_start = k[start:end], v[start:end], 0
             else:
-                k_ctx, v_ctx = gather_kv(kv_cache, attn_metadata.block_table[i], seq_len, attn_metadata.block_size)
-            out[start:end] = self._sdpa(q[start:end], k_ctx, v_ctx, causal_offset=seq_len - (end - start))
+                first = 0 if self.sliding_window is None else max(0, offset - self.sliding_window + 1) // bs
+                k_ctx, v_ctx = gather_kv(kv_cache, attn_metadata.block_table[i], seq_len, bs, first_block=first)
+                ctx_start = first * bs
+            out[start:end] = self._sdpa(q[start:end], k_ctx, v_ctx, causal_offset=offset - ctx_start)
         return out.reshape(num_tokens, -1)
+
+    def _mask(self, lq: int, lk: int, causal_offset: int, device: torch.device) -> torch.Tensor:
+        """``[Lq, Lk]`` bool: query ``i`` (at ``causal_offset + i``) sees key ``j``."""
+        rows = torch.arange(lq, device=device).unsqueeze(1) + causal_offset
+        cols = torch.arange(lk, device=device).unsqueeze(0)
+        mask = cols <= rows
+        if self.sliding_window is not None:
+            mask &= cols > rows - self.sliding_window
+        return mask
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int) -> torch.Tensor:
         """Causal attention of ``q`` ``[Lq, Hq, D]`` over ``k``/``v`` ``[Lk, Hkv, D]``; query i sits at position
         ``causal_offset + i`` of the context."""
         lq, lk = q.shape[0], k.shape[0]
+        if self.logits_soft_cap is not None:
+            return self._softcap_attention(q, k, v, self._mask(lq, lk, causal_offset, q.device))
         # 4-D inputs: torch's fused CPU kernel (flash attention) accepts only [N, H, L, D]; 3-D inputs take the
         # unfused math path, 1.6x slower on 128-token prefills.
         qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         gqa = self.num_heads != self.num_kv_heads
-        if causal_offset == 0 and lq == lk:
+        windowed = self.sliding_window is not None and causal_offset + lq > self.sliding_window
+        if causal_offset == 0 and lq == lk and not windowed:
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale, enable_gqa=gqa)
-        elif lq == 1:
+        elif lq == 1 and not windowed:
             o = F.scaled_dot_product_attention(qh, kh, vh, scale=self.scale, enable_gqa=gqa)
         else:
-            rows = torch.arange(lq, device=q.device).unsqueeze(1) + causal_offset
-            mask = torch.arange(lk, device=q.device).unsqueeze(0) <= rows
+            mask = self._mask(lq, lk, causal_offset, q.device)
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
         return o[0].transpose(0, 1)
+
+    def _softcap_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Attention with ``c * tanh(s / c)`` scores (SDPA has no soft cap), in float32: ``[Lq, Hq, D]``."""
+        lq, lk = q.shape[0], k.shape[0]
+        hkv, group = self.num_kv_heads, self.num_heads // self.num_kv_heads
+        qg = q.float().transpose(0, 1).reshape(hkv, group, lq, self.head_size)
+        kh = k.float().transpose(0, 1).unsqueeze(1)  # [Hkv, 1, Lk, D]
+        scores = torch.matmul(qg, kh.transpose(-1, -2)) * self.scale  # [Hkv, G, Lq, Lk]
+        cap = self.logits_soft_cap
+        scores = torch.tanh(scores / cap) * cap
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        o = torch.matmul(probs, v.float().transpose(0, 1).unsqueeze(1))  # [Hkv, G, Lq, D]
+        return o.reshape(self.num_heads, lq, self.head_size).transpose(0, 1).to(q.dtype)
 
     def _decode(
         self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int
@@ -95,29 +131,47 @@ class TorchPagedAttentionImpl(AttentionImpl):
         Args:
             q: ``[B, Hq, D]``.
             kv_cache: this layer's cache.
-            block_table: ``[B, nb]`` int32; every column is read, positions ``>= seq_lens`` are masked.
+            block_table: ``[B, nb]`` int32; every column is read (only the window's columns with
+                ``sliding_window``), positions ``>= seq_lens`` are masked.
             seq_lens: ``[B]`` int32.
 
         Returns:
             ``[B, Hq * D]`` in ``q``'s dtype.
         """
         num, nb = block_table.shape
-        span = nb * block_size
         hkv, group, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_size
-        blocks = block_table.long()
+        lens = seq_lens.unsqueeze(1)
+        if self.sliding_window is None:
+            blocks = block_table.long()
+            span = nb * block_size
+            pos = torch.arange(span, device=q.device).unsqueeze(0)
+            valid = pos < lens  # [B, S]
+        else:
+            window = self.sliding_window
+            width = torch.sym_min(nb, (window + block_size - 2) // block_size + 1)
+            first = torch.clamp(seq_lens.long() - window, min=0) // block_size
+            cols = first.unsqueeze(1) + torch.arange(width, device=q.device)  # [B, width]
+            blocks = block_table.gather(1, cols.clamp(max=nb - 1)).long()
+            span = width * block_size
+            pos = (cols.unsqueeze(-1) * block_size + torch.arange(block_size, device=q.device)).reshape(num, span)
+            valid = (pos < lens) & (pos >= lens - window)
         k_ctx = kv_cache[0][:, blocks].view(hkv, num, span, d)  # [Hkv, B, S, D]
         v_ctx = kv_cache[1][:, blocks].view(hkv, num, span, d)
         qh = q.reshape(num, hkv, group, d).transpose(0, 1).to(k_ctx.dtype)  # [Hkv, B, G, D]
-        valid = torch.arange(span, device=q.device).unsqueeze(0) < seq_lens.unsqueeze(1)  # [B, S]
+        cap = self.logits_soft_cap
         if torch.compiler.is_compiling():
             # Traced: as broadcast products and sums the compiler fuses with the gather into loops over the
             # cache, where small batched matmuls would each pay a library call.
             scores = (qh.float().unsqueeze(-2) * k_ctx.float().unsqueeze(2)).sum(-1) * self.scale
+            if cap is not None:
+                scores = torch.tanh(scores / cap) * cap
             scores = scores.masked_fill(~valid[None, :, None, :], float("-inf"))
             probs = torch.softmax(scores, dim=-1)
             o = (probs.unsqueeze(-1) * v_ctx.float().unsqueeze(2)).sum(-2).transpose(0, 1)
             return o.reshape(num, self.num_heads * d).to(q.dtype)
         scores = torch.matmul(qh, k_ctx.transpose(-1, -2)).float() * self.scale  # [Hkv, B, G, S]
+        if cap is not None:
+            scores = torch.tanh(scores / cap) * cap
         scores = scores.masked_fill(~valid[None, :, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(v_ctx.dtype)
         o = torch.matmul(probs, v_ctx).transpose(0, 1)  # [B, Hkv, G, D]
@@ -149,12 +203,14 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slo
 
 
 def gather_kv(
-    kv_cache: torch.Tensor, block_row: torch.Tensor, seq_len: int, block_size: int
+    kv_cache: torch.Tensor, block_row: torch.Tensor, seq_len: int, block_size: int, first_block: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``seq_len`` cached keys and values of one request, each ``[seq_len, Hkv, D]``."""
+    """Cached keys and values of one request from block ``first_block`` up to position ``seq_len``, each
+    ``[seq_len - first_block * block_size, Hkv, D]``; earlier blocks are not read."""
     nb = -(-seq_len // block_size)
-    blocks = block_row[:nb].long()
+    blocks = block_row[first_block:nb].long()
     num_kv_heads, head_size = kv_cache.shape[1], kv_cache.shape[-1]
-    k = kv_cache[0][:, blocks].view(num_kv_heads, nb * block_size, head_size)[:, :seq_len]
-    v = kv_cache[1][:, blocks].view(num_kv_heads, nb * block_size, head_size)[:, :seq_len]
+    n = seq_len - first_block * block_size
+    k = kv_cache[0][:, blocks].view(num_kv_heads, -1, head_size)[:, :n]
+    v = kv_cache[1][:, blocks].view(num_kv_heads, -1, head_size)[:, :n]
     return k.transpose(0, 1), v.transpose(0, 1)

@@ -1,10 +1,9 @@
 """Paged attention with Triton kernels (portable: NVIDIA and AMD GPUs; CPU under ``TRITON_INTERPRET=1``).
 
-KV cache layout per layer: ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (keys, then values), the
-same as :mod:`tokenmill.attention.backends.torch_paged`, so the two backends can read each other's caches.
-One kernel writes the step's new keys/values into their slots (``slot_mapping``); a second attends over the
+KV cache layout per layer: ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (keys, then values);
+the torch backend keeps heads outermost instead. One kernel writes the step's new keys/values into their slots (``slot_mapping``); a second attends over the
 paged cache for the whole flattened batch in one launch: prefill chunks (with or without a cached prefix)
-and decodes mixed, grouped-query attention, causal, no padding. The kernels live in
+and decodes mixed, grouped-query attention, causal (optionally sliding-window and soft-capped), no padding. The kernels live in
 :mod:`tokenmill.attention.ops.triton_paged_attention` (FlashAttention-2 online softmax over KV blocks,
 Dao 2023; paging after Kwon et al. 2023).
 
@@ -29,6 +28,8 @@ def triton_available() -> bool:
 class TritonPagedAttentionBackend(AttentionBackend):
     name = "TRITON_PAGED"
     supports_graph_capture = True  # device metadata only; grid fixed by the batch shape
+    supports_sliding_window = True
+    supports_logits_soft_cap = True
 
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:
@@ -46,8 +47,16 @@ class TritonPagedAttentionImpl(AttentionImpl):
         ImportError: triton is not installed (the message says which backend to use instead).
     """
 
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int) -> None:
-        super().__init__(num_heads, head_size, scale, num_kv_heads)
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
+        super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window, logits_soft_cap)
         try:
             from tokenmill.attention.ops import triton_paged_attention as ops
         except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -85,11 +94,19 @@ class TritonPagedAttentionImpl(AttentionImpl):
             self.scale,
             attn_metadata.max_query_len,
             out=out[:n],
+            sliding_window=self.sliding_window,
+            soft_cap=self.logits_soft_cap,
         )
         return out.reshape(num_tokens, -1)
 
     def _causal_sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Dummy/profiling run: causal attention over the batch as one sequence, ``[T, H, D]`` layouts."""
+        if self.sliding_window is not None or self.logits_soft_cap is not None:
+            from tokenmill.attention.backends.torch_paged import TorchPagedAttentionImpl
+
+            ref = TorchPagedAttentionImpl(self.num_heads, self.head_size, self.scale, self.num_kv_heads,
+                                          self.sliding_window, self.logits_soft_cap)
+            return ref._sdpa(q, k, v, causal_offset=0)
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1),
             k.transpose(0, 1),

@@ -21,7 +21,8 @@ base 2 (``exp2`` with the scale pre-multiplied by ``log2(e)``).
 
 Prefill chunks, chunks on top of a cached prefix and decodes mix freely: query ``i`` of a request with
 ``q_len`` new tokens and ``seq_len`` tokens in total sits at position ``seq_len - q_len + i`` and sees keys
-``0 .. seq_len - q_len + i`` (causal). Tiles never straddle requests. The program → (request, tile) map is
+``0 .. seq_len - q_len + i`` (causal; with a sliding window ``W`` only the last ``W`` of those, and the
+key loop starts at the window of the tile's first query). Tiles never straddle requests. The program → (request, tile) map is
 found on the device by a binary search over ``query_start_loc`` (no host sync, no extra metadata):
 request ``r`` owns the program ids ``[qsl[r] // BLOCK_Q + r, qsl[r + 1] // BLOCK_Q + r + 1)``, which is at
 least ``ceil(q_len_r / BLOCK_Q)`` ids; the spare ones exit at once. The grid is therefore
@@ -134,6 +135,7 @@ def _paged_attention_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     scale_log2,
+    soft_cap,
     num_reqs,
     stride_q_tok,
     stride_q_head,
@@ -155,6 +157,8 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     KV_BLOCK_SIZE: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
 ):
     """Causal attention of one (query tile, KV head); see the module docstring for the mapping."""
     pid = tl.program_id(0)
@@ -197,6 +201,13 @@ def _paged_attention_kernel(
     # Keys needed by this tile: 0 .. position of its last valid query.
     last_q = tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len) - 1
     kv_end = ctx_len + last_q + 1
+    # With a sliding window the tile's first query sees keys from ctx_len + tile * BLOCK_Q - W + 1 on:
+    # the loop starts at that key's BLOCK_N tile and loads are masked below it (never read).
+    if SLIDING_WINDOW > 0:
+        kv_start = tl.maximum(ctx_len + tile * BLOCK_Q - SLIDING_WINDOW + 1, 0)
+    else:
+        kv_start = ctx_len * 0
+    loop_start = (kv_start // BLOCK_N) * BLOCK_N
 
     # Finite "minus infinity" for the running max so fully masked rows never compute (-inf) - (-inf).
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
@@ -206,9 +217,9 @@ def _paged_attention_kernel(
     kc_head = k_cache_ptr + kvh * stride_kc_head
     vc_head = v_cache_ptr + kvh * stride_vc_head
 
-    for start_n in range(0, kv_end, BLOCK_N):
+    for start_n in range(loop_start, kv_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < kv_end
+        n_valid = (offs_n < kv_end) & (offs_n >= kv_start)
         blk = tl.load(bt_row + offs_n // KV_BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
         in_blk = offs_n % KV_BLOCK_SIZE
         k_off = blk * stride_kc_blk + in_blk * stride_kc_tok  # [BLOCK_N]
@@ -222,8 +233,14 @@ def _paged_attention_kernel(
             s = tl.dot(q, k, input_precision="ieee")
         else:
             s = tl.dot(q, k)
-        s = s * scale_log2
+        if SOFT_CAP:  # c * tanh(s / c) on the natural-log scores, then back to base 2
+            x = s * (scale_log2 / 1.4426950408889634) / soft_cap
+            s = soft_cap * (2.0 * tl.sigmoid(2.0 * x) - 1.0) * 1.4426950408889634
+        else:
+            s = s * scale_log2
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+        if SLIDING_WINDOW > 0:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - SLIDING_WINDOW)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
@@ -252,6 +269,8 @@ def paged_attention(
     max_query_len: int,
     out: torch.Tensor | None = None,
     block_n: int | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of a flattened batch over the paged KV cache (the new tokens must be cached already).
 
@@ -265,6 +284,9 @@ def paged_attention(
         max_query_len: longest query of the batch (picks the tile shape; decode-only batches get small tiles).
         out: optional ``[T, Hq, D]`` output buffer (last dim contiguous).
         block_n: keys per inner-loop step (power of two, >= 16); default chosen from ``D``.
+        sliding_window: query at ``p`` sees keys ``p - W < j <= p`` only; cache blocks wholly before the
+            window of every query of a tile are not read.
+        soft_cap: scaled scores become ``c * tanh(s / c)`` (Gemma 2).
 
     Returns:
         ``[T, Hq, D]`` in ``query``'s dtype (``out`` when given).
@@ -298,6 +320,7 @@ def paged_attention(
         query_start_loc,
         seq_lens,
         float(scale) * _LOG2E,
+        float(soft_cap or 0.0),
         num_reqs,
         query.stride(0),
         query.stride(1),
@@ -319,6 +342,8 @@ def paged_attention(
         BLOCK_N=block_n,
         KV_BLOCK_SIZE=k_cache.shape[1],
         DOT_FP32=query.dtype == torch.float32 or (query.dtype == torch.bfloat16 and _interpreting()),
+        SLIDING_WINDOW=int(sliding_window or 0),
+        SOFT_CAP=bool(soft_cap),
         num_warps=4,
     )
     return out

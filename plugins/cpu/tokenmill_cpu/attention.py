@@ -2,7 +2,7 @@
 
 Same cache layout and prefill path as ``tokenmill.attention.backends.torch_paged``; one-token queries (pure
 decode steps, and the decodes of mixed steps) go to :func:`tokenmill_cpu.kernels.paged_decode`, which reads
-the cache blocks in place. When the kernel cannot be built the backend behaves exactly like the torch one.
+the cache blocks in place (sliding windows and logit soft caps included). When the kernel cannot be built the backend behaves exactly like the torch one.
 """
 
 from __future__ import annotations
@@ -23,8 +23,16 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
 
 
 class CpuPagedAttentionImpl(TorchPagedAttentionImpl):
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int) -> None:
-        super().__init__(num_heads, head_size, scale, num_kv_heads)
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
+        super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window, logits_soft_cap)
         self.use_kernel = kernels.load()
 
     def _decode(
@@ -33,6 +41,7 @@ class CpuPagedAttentionImpl(TorchPagedAttentionImpl):
         if not self.use_kernel or kv_cache.device.type != "cpu":
             return super()._decode(q, kv_cache, block_table, seq_lens, block_size)
         out = kernels.paged_decode(
-            q.to(kv_cache.dtype), kv_cache, block_table.to(torch.int32).contiguous(), seq_lens.to(torch.int32), self.scale
+            q.to(kv_cache.dtype), kv_cache, block_table.to(torch.int32).contiguous(), seq_lens.to(torch.int32),
+            self.scale, self.sliding_window, self.logits_soft_cap,
         )
         return out.to(q.dtype)

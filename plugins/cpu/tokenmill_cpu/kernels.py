@@ -92,7 +92,7 @@ def _register_fake() -> None:
 
     @torch.library.register_fake("tokenmill_cpu::paged_decode")
     def _(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-          scale: float) -> torch.Tensor:
+          scale: float, sliding_window: int = 0, soft_cap: float = 0.0) -> torch.Tensor:
         return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
     @torch.library.register_fake("tokenmill_cpu::q8_linear")
@@ -105,7 +105,13 @@ def _register_fake() -> None:
 
 
 def paged_decode(
-    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per request over its cached context, read from the paged cache in place.
 
@@ -115,6 +121,9 @@ def paged_decode(
         block_table: ``[B, nb]`` int32; request ``i`` reads blocks ``block_table[i, :ceil(seq_lens[i] / block_size)]``.
         seq_lens: ``[B]`` int32, tokens of context per request (the new token's key/value already written).
         scale: softmax scale (usually ``D ** -0.5``).
+        sliding_window: attend to the last ``sliding_window`` positions only (blocks before them are not read);
+            ``None``: the whole context.
+        soft_cap: scaled scores become ``soft_cap * tanh(s / soft_cap)`` (Gemma 2); ``None``: off.
 
     Returns:
         ``[B, Hq * D]`` in ``q``'s dtype; a request with ``seq_lens <= 0`` gets zeros.
@@ -123,4 +132,5 @@ def paged_decode(
         RuntimeError: shapes, dtypes or layouts are not as above, a block id is out of range, or a request's
             ``seq_lens`` needs more blocks than its block-table row has.
     """
-    return torch.ops.tokenmill_cpu.paged_decode(q, kv_cache, block_table, seq_lens, scale)
+    return torch.ops.tokenmill_cpu.paged_decode(q, kv_cache, block_table, seq_lens, scale, sliding_window or 0,
+                                                soft_cap or 0.0)

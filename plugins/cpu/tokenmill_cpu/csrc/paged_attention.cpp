@@ -4,7 +4,8 @@
 // One work item is one (request, KV head) pair: its G = Hq / Hkv query heads share every key and value row,
 // so each row is loaded from memory once and used G times. Scores are kept in a per-thread buffer, the
 // softmax is exact (max, exp, sum over the whole context), and the weighted sum of values accumulates in
-// float32 for every input dtype.
+// float32 for every input dtype. With a sliding window W only the last W positions are attended to and the
+// blocks before them are never touched; with a soft cap c the scaled scores become c * tanh(s / c).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -190,7 +191,8 @@ inline void prefetch_block(const T* p, int64_t n) {
 
 template <typename T>
 void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                   const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+                   const at::Tensor& seq_lens, double scale, int64_t sliding_window, double soft_cap,
+                   at::Tensor& out) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_size = q.size(2);
   const int64_t num_kv_heads = kv_cache.size(1), num_blocks = kv_cache.size(2), block_size = kv_cache.size(3);
   const int64_t group = num_heads / num_kv_heads, table_width = block_table.size(1);
@@ -205,12 +207,18 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
   const int64_t head_cache = num_blocks * block_size * head_size;  // elements per KV head
   const int64_t block_elems = block_size * head_size;
   const float fscale = static_cast<float>(scale);
+  const float cap = static_cast<float>(soft_cap);
+  // First position request s attends to (positions before it, and their blocks, are never read).
+  auto first_pos = [&](int64_t len) -> int64_t {
+    return sliding_window > 0 ? std::max<int64_t>(len - sliding_window, 0) : 0;
+  };
   // Fail before the parallel region: an out-of-range block id would read outside the cache.
   for (int64_t s = 0; s < num_seqs; ++s) {
     TORCH_CHECK(lens[s] <= table_width * block_size, "seq_lens[", s, "] = ", lens[s], " needs more blocks than the ",
                 table_width, " of its block table row");
-    const int64_t used = (std::max<int32_t>(lens[s], 0) + block_size - 1) / block_size;
-    for (int64_t j = 0; j < used; ++j) {
+    const int64_t len = std::max<int32_t>(lens[s], 0);
+    const int64_t used = (len + block_size - 1) / block_size;
+    for (int64_t j = first_pos(len) / block_size; j < used; ++j) {
       const int32_t blk = bt[s * table_width + j];
       TORCH_CHECK(blk >= 0 && blk < num_blocks, "block table entry ", blk, " of request ", s, " is out of range");
     }
@@ -226,8 +234,10 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
       const int64_t len = std::max<int32_t>(lens[s], 0);
+      const int64_t begin = first_pos(len);
+      const int64_t n = len - begin;  // positions attended to: begin .. len - 1
       std::fill(acc.begin(), acc.end(), 0.f);
-      if (len > 0) {
+      if (n > 0) {
         for (int64_t g = 0; g < group; ++g) {
           const T* src = q_ptr + s * q_stride + (h * group + g) * head_stride;
           for (int64_t i = 0; i < head_size; ++i) qf[g * head_size + i] = static_cast<float>(src[i]) * fscale;
@@ -237,17 +247,21 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
           }
 #endif
         }
-        scores.resize(group * len);
+        scores.resize(group * n);
         const int32_t* blocks = bt + s * table_width;
+        // Block j holds positions [j * block_size, (j + 1) * block_size); the first one read may start inside.
+        const int64_t j0 = begin / block_size;
         // Scores: one pass over the keys, each row used by the G query heads of this KV head.
-        for (int64_t t0 = 0, j = 0; t0 < len; t0 += block_size, ++j) {
-          const T* k_blk = k_base + h * head_cache + blocks[j] * block_elems;
-          const int64_t rows = std::min(block_size, len - t0);
+        for (int64_t j = j0, t0 = j0 * block_size; t0 < len; t0 += block_size, ++j) {
+          const int64_t skip = std::max<int64_t>(begin - t0, 0);  // rows of this block before the window
+          const T* k_blk = k_base + h * head_cache + blocks[j] * block_elems + skip * head_size;
+          const int64_t rows = std::min(block_size, len - t0) - skip;
+          float* out_scores = scores.data() + (t0 + skip - begin);
           if (t0 + block_size < len) prefetch_block(k_base + h * head_cache + blocks[j + 1] * block_elems, block_elems);
 #ifdef TOKENMILL_BF16_DOT
           if constexpr (kBf16) {
             if (bf16_dot) {
-              qk_rows_bf16(qb.data(), group, k_blk, rows, head_size, fscale, scores.data() + t0, len);
+              qk_rows_bf16(qb.data(), group, k_blk, rows, head_size, fscale, out_scores, n);
               continue;
             }
           }
@@ -255,20 +269,24 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
           for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
             with_group(std::min(kMaxGroup, group - g0), [&](auto ng) {
               qk_rows<decltype(ng)::value>(qf.data() + g0 * head_size, k_blk, rows, head_size, vec_end,
-                                            scores.data() + g0 * len + t0, len);
+                                            out_scores + g0 * n, n);
             });
           }
         }
-        for (int64_t g = 0; g < group; ++g) softmax_inplace(scores.data() + g * len, len);
+        if (cap > 0.f) {
+          for (int64_t i = 0; i < group * n; ++i) scores[i] = cap * std::tanh(scores[i] / cap);
+        }
+        for (int64_t g = 0; g < group; ++g) softmax_inplace(scores.data() + g * n, n);
         // Weighted sum of the values, again one pass over the rows.
-        for (int64_t t0 = 0, j = 0; t0 < len; t0 += block_size, ++j) {
-          const T* v_blk = v_base + h * head_cache + blocks[j] * block_elems;
-          const int64_t rows = std::min(block_size, len - t0);
+        for (int64_t j = j0, t0 = j0 * block_size; t0 < len; t0 += block_size, ++j) {
+          const int64_t skip = std::max<int64_t>(begin - t0, 0);
+          const T* v_blk = v_base + h * head_cache + blocks[j] * block_elems + skip * head_size;
+          const int64_t rows = std::min(block_size, len - t0) - skip;
           if (t0 + block_size < len) prefetch_block(v_base + h * head_cache + blocks[j + 1] * block_elems, block_elems);
           for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
             with_group(std::min(kMaxGroup, group - g0), [&](auto ng) {
-              pv_rows<decltype(ng)::value>(scores.data() + g0 * len + t0, len, v_blk, rows, head_size, vec_end,
-                                            acc.data() + g0 * head_size);
+              pv_rows<decltype(ng)::value>(scores.data() + g0 * n + (t0 + skip - begin), n, v_blk, rows, head_size,
+                                            vec_end, acc.data() + g0 * head_size);
             });
           }
         }
@@ -280,7 +298,9 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
 }
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                        const at::Tensor& seq_lens, double scale) {
+                        const at::Tensor& seq_lens, double scale, int64_t sliding_window, double soft_cap) {
+  TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: no window)");
+  TORCH_CHECK(soft_cap >= 0, "soft_cap must be >= 0 (0: no soft cap)");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, Hq, D] with contiguous rows");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be a contiguous [2, Hkv, num_blocks, block_size, D] tensor");
@@ -295,7 +315,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const a
               "seq_lens must be a contiguous [B] int32 tensor");
   at::Tensor out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    decode_kernel<scalar_t>(q, kv_cache, block_table, seq_lens, scale, out);
+    decode_kernel<scalar_t>(q, kv_cache, block_table, seq_lens, scale, sliding_window, soft_cap, out);
   });
   return out;
 }
@@ -303,7 +323,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const a
 }  // namespace
 
 TORCH_LIBRARY(tokenmill_cpu, m) {
-  m.def("paged_decode(Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, float scale) -> Tensor");
+  m.def("paged_decode(Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, float scale, "
+        "int sliding_window=0, float soft_cap=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }
