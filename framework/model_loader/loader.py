@@ -26,9 +26,17 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
 
     Raises:
         tokenmill.model_loader.registry.UnknownArchitectureError: no registered class for the architecture.
-        ValueError: a parameter was left without weights.
+        ValueError: a parameter was left without weights, or pipeline parallelism with a model that does not
+            support it.
     """
     model_cls = ModelRegistry.resolve_model_cls(model_config.architectures)
+    from tokenmill.distributed import get_pp_size
+
+    if get_pp_size() > 1 and not getattr(model_cls, "supports_pp", False):
+        raise ValueError(
+            f"pipeline_parallel_size: {model_cls.__name__} does not support pipeline parallelism (it does not "
+            "set supports_pp; see docs/distributed.md for the model contract)"
+        )
     dtype = str_to_dtype(model_config.dtype)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

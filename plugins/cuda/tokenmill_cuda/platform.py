@@ -109,16 +109,21 @@ class CudaPlatform(Platform):
 
     @classmethod
     def check_and_update_config(cls, config: EngineConfig) -> None:
-        """Also checks there are enough visible GPUs for ``--tensor-parallel-size`` (no CUDA context).
+        """Also checks there are enough visible GPUs for the ranks of local engine cores (no CUDA context);
+        Ray places ranks on the cluster's GPUs instead.
 
         Raises:
-            ValueError: unsupported dtype, or more tensor-parallel ranks than visible GPUs.
+            ValueError: unsupported dtype, or more local ranks than visible GPUs.
         """
         super().check_and_update_config(config)
-        tp = config.parallel_config.tensor_parallel_size
+        pc = config.parallel_config
+        tp, pp = pc.tensor_parallel_size, getattr(pc, "pipeline_parallel_size", 1)
+        dp = getattr(pc, "data_parallel_size", 1) if getattr(pc, "data_parallel_backend", "mp") == "mp" else 1
+        ranks = tp * pp * dp
         count = cls.device_count()
-        if tp > count:
+        if pc.distributed_executor_backend != "ray" and ranks > count:
             raise ValueError(
-                f"--tensor-parallel-size {tp} needs {tp} GPUs but only {count} are visible "
+                f"--tensor-parallel-size {tp} x --pipeline-parallel-size {pp} x --data-parallel-size {dp}: "
+                f"{ranks} local ranks need {ranks} GPUs but only {count} are visible "
                 "(check CUDA_VISIBLE_DEVICES)"
             )
