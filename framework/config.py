@@ -184,3 +184,5 @@ class EngineConfig:
     enforce_eager: bool = False
     # "blocking": compile before serving; "background": serve eagerly and swap compiled graphs in when ready.
     compile_mode: str = "blocking"
+    # speculative decoding (tokenmill.spec_decode.config.SpeculativeConfig), or None
+    speculative_config: Any = None

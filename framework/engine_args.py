@@ -81,6 +81,7 @@ class EngineArgs:
     platform: str | None = None
     trust_remote_code: bool = False
     quantization: str | None = None
+    speculative_config: dict[str, Any] | str | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -138,6 +139,10 @@ class EngineArgs:
                        help="Quantized weights used for small batches (faster decode): int8 or int4 (CPU: GGUF Q8_0 / "
                             "Q4_1 blocks of 32 with 14-bit integer activations); outputs may differ slightly from full "
                             "precision.")
+        g.add_argument("--speculative-config", default=d.speculative_config,
+                       help='Speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                            '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": PATH, '
+                            '"num_speculative_tokens": 4}\' (see docs/speculative_decoding.md).')
         return parser
 
     @classmethod
@@ -230,6 +235,10 @@ class EngineArgs:
                 f"{num_layers} layers (each stage needs at least one)"
             )
         platform.check_and_update_config(config)
+        if self.speculative_config is not None:
+            from tokenmill.spec_decode.setup import create_speculative_config
+
+            config.speculative_config = create_speculative_config(self.speculative_config, config)
         return config
 
     def _create_parallel_config(self) -> ParallelConfig:

@@ -52,6 +52,7 @@ class Request:
         num_computed_tokens: tokens whose KV is in the cache (or scheduled to be, within the current step).
         num_cached_tokens: prompt tokens served by the prefix cache on first admission (-1 before).
         block_hashes: hashes of this request's full blocks, in order (filled by the KV cache manager).
+        spec_token_ids: draft tokens to verify in the next step (speculative decoding; not yet outputs).
     """
 
     def __init__(
@@ -82,6 +83,8 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
+        # speculative decoding: draft tokens proposed for the next step (never part of all_token_ids)
+        self.spec_token_ids: list[int] = []
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
         self.events: list[EngineCoreEvent] = []
 

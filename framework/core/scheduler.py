@@ -25,6 +25,7 @@ from tokenmill.core.sched_output import (
 )
 from tokenmill.engine.messages import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from tokenmill.errors import InvalidRequestError
+from tokenmill.spec_decode.metrics import SpecDecodingStats
 
 
 class Scheduler:
@@ -59,6 +60,10 @@ class Scheduler:
         self._sent_to_workers: set[str] = set()
         # PP: stages before the last never see sampled tokens, so cached requests carry their input tokens
         self._send_token_ids = config.parallel_config.pipeline_parallel_size > 1
+        spec = getattr(config, "speculative_config", None)
+        self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
+        self.num_lookahead_tokens = spec.num_lookahead_tokens if spec is not None else 0
+        self.spec_decoding_stats = SpecDecodingStats.new(self.num_spec_tokens)
 
     # ------------------------------------------------------------------ admission
 
@@ -140,6 +145,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
         preempted_any = False
+        spec_tokens: dict[str, list[int]] = {}
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -148,8 +154,11 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
+            num_drafts = num_new - (request.num_tokens - request.num_computed_tokens)
             while True:
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+                new_blocks = self.kv_cache_manager.allocate_slots(
+                    request, num_new, num_lookahead_tokens=self._lookahead(request, num_new)
+                )
                 if new_blocks is not None:
                     break
                 victim = self._pick_victim(i)
@@ -161,6 +170,8 @@ class Scheduler:
                 break  # the request preempted itself; nothing after it in `running` can fit either
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+            if num_drafts > 0:
+                spec_tokens[request.request_id] = request.spec_token_ids[:num_drafts]
             if request.request_id in self._sent_to_workers:
                 cached.req_ids.append(request.request_id)
                 cached.new_block_ids.append([b.block_id for b in new_blocks])
@@ -188,7 +199,10 @@ class Scheduler:
             num_new = min(remaining, budget)
             if self.long_prefill_token_threshold > 0:
                 num_new = min(num_new, self.long_prefill_token_threshold)
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, hits, num_hit_tokens)
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, num_new, hits, num_hit_tokens,
+                num_lookahead_tokens=self._lookahead(request, num_hit_tokens + num_new),
+            )
             if new_blocks is None:
                 break
             self.waiting.popleft()
@@ -217,7 +231,16 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=finished,
+            scheduled_spec_decode_tokens=spec_tokens,
         )
+
+    def _lookahead(self, request: Request, num_new: int) -> int:
+        """KV slots a draft model writes past this step's tokens, capped where the request must end anyway
+        (its longest possible sequence was checked to fit the cache at admission)."""
+        if not self.num_lookahead_tokens:
+            return 0
+        longest = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+        return max(0, min(self.num_lookahead_tokens, longest - request.num_computed_tokens - num_new))
 
     def _add_running(self, request: Request) -> None:
         """Append to ``running``; under the ``priority`` policy keep it ordered by (priority, arrival).
@@ -231,7 +254,8 @@ class Scheduler:
             self.running.append(request)
 
     def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
-        num_new = request.num_tokens - request.num_computed_tokens
+        # known tokens not yet computed, plus the draft tokens to verify (speculative decoding)
+        num_new = request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens
         if self.long_prefill_token_threshold > 0:
             num_new = min(num_new, self.long_prefill_token_threshold)
         return max(0, min(num_new, budget))
@@ -261,6 +285,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.record_event(EngineCoreEventType.PREEMPTED)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self._num_preemptions += 1
         if request.request_id in self._sent_to_workers:
@@ -282,8 +307,16 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
             sampled = runner_output.sampled_token_ids[idx]
+            request.spec_token_ids = []
             if not sampled:
                 continue  # partial prefill: nothing to emit yet
+            num_drafts = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
+            if num_drafts:
+                # rejected drafts: their KV slots are rolled back (overwritten by later tokens); prefix-cache
+                # hashes only ever cover request.all_token_ids, which holds verified tokens only
+                num_accepted = len(sampled) - 1
+                request.num_computed_tokens -= num_drafts - num_accepted
+                self.spec_decoding_stats.observe_draft(num_drafts, num_accepted)
             # Only the first output carries prompt logprobs (a request resumed after preemption has outputs).
             req_prompt_lps = None
             if prompt_logprobs is not None and not request.output_token_ids:
@@ -309,6 +342,9 @@ class Scheduler:
             if request.is_finished:
                 self.running.remove(request)
                 self._free_request(request)
+            elif runner_output.spec_token_ids is not None:
+                room = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens)
+                request.spec_token_ids = runner_output.spec_token_ids[idx][: max(0, room - 1)]
         return EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic(), scheduler_stats=self.make_stats())
 
     def make_stats(self) -> SchedulerStats:
@@ -321,6 +357,7 @@ class Scheduler:
             prefix_cache_queries=queries,
             prefix_cache_hits=hits,
             num_preemptions=preemptions,
+            spec_decoding_stats=self.spec_decoding_stats.take() if self.num_spec_tokens else None,
         )
 
     def has_unfinished_requests(self) -> bool:

@@ -47,12 +47,21 @@ class ModelRunner:
         self.vocab_size = config.model_config.vocab_size
         self.graph_runner: GraphRunner | None = None  # device graphs for decode steps (platform-provided)
         self.compiled_runner: CompiledRunner | None = None  # torch.compile'd forward passes
+        self.spec_decoder = None  # tokenmill.spec_decode.spec_decoder.SpecDecoder with speculative decoding
+        spec_config = getattr(config, "speculative_config", None)
+        if spec_config is not None:
+            from tokenmill.spec_decode.spec_decoder import SpecDecoder
+
+            self.spec_decoder = SpecDecoder(spec_config, self.block_size, device, self.attn_backend,
+                                            config.model_config.max_model_len)
 
     def load_model(self) -> None:
         self.model = get_model(self.config.model_config, self.device)
         if self.config.model_config.quantization:
             quantize_model(self.model, self.config.model_config.quantization)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        if self.spec_decoder is not None:
+            self.spec_decoder.load_model()
 
     def model_memory_bytes(self) -> int:
         assert self.model is not None
@@ -61,6 +70,8 @@ class ModelRunner:
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
                 total += t.numel() * t.element_size()
+        if self.spec_decoder is not None:
+            total += self.spec_decoder.model_memory_bytes()
         return total
 
     def kv_cache_bytes_per_block(self) -> int:
@@ -72,7 +83,8 @@ class ModelRunner:
             for d in shape:
                 n *= d
             per_layer += n
-        return per_layer * torch.tensor([], dtype=self.dtype).element_size()
+        draft = self.spec_decoder.kv_cache_bytes_per_block() if self.spec_decoder is not None else 0
+        return per_layer * torch.tensor([], dtype=self.dtype).element_size() + draft
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate every layer's cache (zeros) and bind it to the layer."""
@@ -83,6 +95,8 @@ class ModelRunner:
             cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.kv_cache = cache
             self.kv_caches.append(cache)
+        if self.spec_decoder is not None:
+            self.spec_decoder.initialize_kv_cache(num_blocks)
         if get_pp_size() > 1:
             return  # PP: the captured / compiled forwards take no intermediate tensors; stages run eagerly
         self.graph_runner = GraphRunner.create_if_enabled(self)  # captures against the new cache
@@ -97,6 +111,9 @@ class ModelRunner:
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
             self.prompt_logprobs.pop(req_id, None)
+        if self.spec_decoder is not None:
+            self.spec_decoder.remove_requests(so.finished_req_ids)
+            self.spec_decoder.remove_requests(new.req_id for new in so.scheduled_new_reqs)
         for new in so.scheduled_new_reqs:
             self.prompt_logprobs.pop(new.req_id, None)
             self.requests[new.req_id] = CachedRequestState(
@@ -138,7 +155,9 @@ class ModelRunner:
         req_ids = list(so.num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
         counts = [so.num_scheduled_tokens[r] for r in req_ids]
-        batch = build_batch_inputs(states, counts, self.block_size, self.device)
+        spec = so.scheduled_spec_decode_tokens
+        drafts = [spec.get(r, []) for r in req_ids] if spec else None
+        batch = build_batch_inputs(states, counts, self.block_size, self.device, spec_token_ids=drafts)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             hidden = self.graph_runner.run(batch)  # decode-only step: replay the captured graph (padded)
         elif self.compiled_runner is not None and self.compiled_runner.can_run(batch):
@@ -164,7 +183,22 @@ class ModelRunner:
                 prompt_logprobs[i] = done
         sampled_ids: list[list[int]] = [[] for _ in req_ids]
         logprobs: list | None = None
-        if sample_rows:
+        num_rejected = [0] * len(req_ids)
+        if sample_rows and drafts is not None:
+            assert self.spec_decoder is not None
+            verified = self.spec_decoder.verify(
+                self.model, hidden, batch.attn_metadata.query_start_loc_cpu, states, sample_rows,
+                [drafts[i] for i in sample_rows], self.vocab_size,
+            )
+            if verified.logprobs is not None:
+                logprobs = [None] * len(req_ids)
+            for j, i in enumerate(sample_rows):
+                sampled_ids[i] = verified.token_ids[j]
+                num_rejected[i] = len(drafts[i]) - verified.num_accepted[j]
+                states[i].token_ids.extend(verified.token_ids[j])
+                if verified.logprobs is not None:
+                    logprobs[i] = verified.logprobs[j]
+        elif sample_rows:
             rows = torch.tensor(sample_rows, device=self.device)
             logits = self.model.compute_logits(hidden[batch.logits_indices[rows]])
             sample_states = [states[i] for i in sample_rows]
@@ -181,10 +215,17 @@ class ModelRunner:
             for j, i in enumerate(sample_rows):
                 sampled_ids[i] = [tokens[j]]
                 states[i].token_ids.append(tokens[j])
-        for state, n in zip(states, counts):
-            state.num_computed_tokens += n
+        for state, n, rejected in zip(states, counts, num_rejected):
+            state.num_computed_tokens += n - rejected  # rejected drafts' KV is overwritten later
+        spec_token_ids = None
+        if self.spec_decoder is not None and sample_rows:
+            proposals = self.spec_decoder.propose([states[i] for i in sample_rows])
+            spec_token_ids = [[] for _ in req_ids]
+            for j, i in enumerate(sample_rows):
+                spec_token_ids[i] = proposals[j]
         return ModelRunnerOutput(
-            req_ids=req_ids, sampled_token_ids=sampled_ids, logprobs=logprobs, prompt_logprobs=prompt_logprobs
+            req_ids=req_ids, sampled_token_ids=sampled_ids, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            spec_token_ids=spec_token_ids,
         )
 
     def _accumulate_prompt_logprobs(
