@@ -317,4 +317,7 @@ def _share_cores_between_engines(config: EngineConfig) -> None:
 def _has_counters(stats: SchedulerStats | None) -> bool:
     """Whether a step's stats carry counts the front end would otherwise lose (prefix-cache lookups,
     preemptions); gauges alone are not worth a message."""
-    return stats is not None and bool(stats.prefix_cache_queries or stats.num_preemptions)
+    if stats is None:
+        return False
+    spec = stats.spec_decoding_stats
+    return bool(stats.prefix_cache_queries or stats.num_preemptions or (spec is not None and spec.num_drafts))
