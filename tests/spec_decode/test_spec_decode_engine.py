@@ -139,3 +139,18 @@ def test_n_greater_than_one_through_llm(tiny_llama_dir, tmp_path) -> None:
     spec = texts(speculative_config=NGRAM)
     assert spec == plain
     assert len(plain[0]) == 3 and len(plain[1]) == 2
+
+
+def test_token_budget_shorter_than_the_drafts(tiny_llama_dir) -> None:
+    """With a budget of 6 tokens for 3 speculating requests, drafts are cut (never the budget exceeded)."""
+    from tests.engine.tiny_model import ScheduleRecorder
+
+    requests = [(f"r{i}", REPEAT[i:], greedy(max_tokens=24)) for i in range(3)]
+    expected = run(make_core(tiny_llama_dir), requests)
+    core = make_core(tiny_llama_dir, NGRAM, max_num_batched_tokens=6)
+    rec = ScheduleRecorder(core.scheduler)
+    res = run(core, requests)
+    assert res.tokens == expected.tokens
+    assert all(s.total_num_scheduled_tokens <= 6 for s in rec.steps)
+    cut = [len(d) for s in rec.steps for d in s.scheduled_spec_decode_tokens.values()]
+    assert cut and min(cut) < 4 and max(cut) == 4
