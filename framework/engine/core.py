@@ -12,8 +12,13 @@ from tokenmill.engine.input_processor import check_token_ids_in_vocab
 from tokenmill.engine.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from tokenmill.errors import InvalidRequestError
 from tokenmill.executor.base import Executor
+from tokenmill.structured_output.manager import StructuredOutputManager
+from tokenmill.structured_output.validation import resolve_structured_outputs
 
 logger = logging.getLogger(__name__)
+
+# Longest wait (seconds) for a compiling grammar when a step has nothing else to run.
+_GRAMMAR_WAIT_S = 0.01
 
 
 class EngineCore:
@@ -31,7 +36,8 @@ class EngineCore:
         num_blocks = self.executor.determine_num_available_blocks()
         self.executor.initialize_cache(num_blocks)
         config.cache_config.num_gpu_blocks = num_blocks
-        self.scheduler = Scheduler(config)
+        self.structured_output_manager = StructuredOutputManager(config)
+        self.scheduler = Scheduler(config, self.structured_output_manager)
         logger.info(
             "engine core ready in %.1f s: %d KV blocks of %d tokens (%d tokens)",
             time.perf_counter() - start,
@@ -46,7 +52,8 @@ class EngineCore:
         Raises:
             InvalidRequestError: ``n != 1``, a token id outside the vocabulary (prompt, ``logit_bias``,
                 ``allowed_token_ids``, ``stop_token_ids``, ``bad_words_token_ids``; the front end checks these
-                first, this is the backstop for requests that bypass it), or the request can never run (see
+                first, this is the backstop for requests that bypass it), an invalid structured-output
+                constraint (``param="structured_outputs"``), or the request can never run (see
                 ``Scheduler.add_request``).
         """
         if request.sampling_params.n != 1:
@@ -55,6 +62,12 @@ class EngineCore:
         if any(t < 0 or t >= vocab for t in request.prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
         check_token_ids_in_vocab(request.sampling_params, vocab)
+        so_params = request.sampling_params.structured_outputs
+        if so_params is not None:
+            # The front end resolved and checked it already; this is a cached look-up then.
+            resolved = resolve_structured_outputs(so_params, self.config.structured_outputs_config.backend)
+            if resolved is not so_params:
+                request.sampling_params.structured_outputs = resolved
         req = Request.from_engine_core_request(request, self.config.model_config.max_model_len)
         self.scheduler.add_request(req)
 
@@ -67,7 +80,13 @@ class EngineCore:
             return EngineCoreOutputs(timestamp=time.monotonic(), scheduler_stats=self.scheduler.make_stats())
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if scheduler_output.is_empty and not outputs.outputs:
+            # Only requests whose grammars still compile: wait for one instead of spinning.
+            self.structured_output_manager.wait_for_grammars(
+                self.scheduler.requests_waiting_for_grammar(), _GRAMMAR_WAIT_S
+            )
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -79,4 +98,5 @@ class EngineCore:
         return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        self.structured_output_manager.shutdown()
         self.executor.shutdown()
