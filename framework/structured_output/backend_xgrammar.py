@@ -28,6 +28,34 @@ from tokenmill.structured_output.backend_types import (
 _UNSUPPORTED_MARKERS = ("not supported", "unsupported", "not implemented")
 
 
+# JSON Schema keywords xgrammar 0.2 accepts but does not enforce (its output could then violate the schema);
+# "allOf" counts only with several subschemas. Found by compiling schemas and feeding violating documents.
+_UNENFORCED_KEYWORDS = ("contains", "minContains", "maxContains")
+
+
+def unenforced_keywords(schema: Any) -> list[str]:
+    """The JSON Schema keywords in ``schema`` (recursively) that xgrammar would silently not enforce."""
+    found: list[str] = []
+
+    def walk(node: Any, in_properties: bool = False) -> None:
+        if isinstance(node, list):
+            for item in node:
+                walk(item)
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                if not in_properties:
+                    if key in _UNENFORCED_KEYWORDS and key not in found:
+                        found.append(key)
+                    if key == "allOf" and isinstance(value, list) and len(value) > 1 and key not in found:
+                        found.append(key)
+                # Keys under "properties" / "$defs" are names, not keywords.
+                walk(value, in_properties=not in_properties and key in ("properties", "$defs", "definitions",
+                                                                        "patternProperties"))
+
+    walk(schema)
+    return found
+
+
 def _xgr() -> Any:
     import xgrammar
 
@@ -126,6 +154,19 @@ class XgrammarBackend(StructuredOutputBackend):
     def validate(cls, params: StructuredOutputsParams, param: str = "structured_outputs") -> None:
         xgr = _xgr()
         kind = params.kind
+        if kind == "json":
+            try:
+                schema = json.loads(params.json) if isinstance(params.json, str) else params.json
+            except json.JSONDecodeError as exc:
+                raise GrammarSpecError(f"{param}: the JSON schema is not valid JSON: {exc}", param) from exc
+            unenforced = unenforced_keywords(schema)
+            if unenforced:
+                raise GrammarSpecError(
+                    f"{param}: the xgrammar backend cannot enforce the JSON Schema keyword(s) "
+                    f"{', '.join(unenforced)}; use --structured-outputs-backend guidance or auto (which picks "
+                    "guidance for such schemas when it can)",
+                    param, unsupported=True,
+                )
         try:
             if kind in ("json", "json_object"):
                 xgr.Grammar.from_json_schema(_schema_text(params), any_whitespace=not params.disable_any_whitespace,
