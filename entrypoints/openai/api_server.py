@@ -57,6 +57,7 @@ from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenmill.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tokenmill.entrypoints.openai.serving_engine import EngineClient, Tokenization
 from tokenmill.entrypoints.openai.serving_models import OpenAIServingModels
+from tokenmill.entrypoints.openai.tool_choice import resolve_tool_parser
 from tokenmill.entrypoints.openai.serving_tokenization import OpenAIServingTokenization, parse_tokenize_request
 from tokenmill.errors import EngineDeadError
 from tokenmill.metrics.prometheus import CONTENT_TYPE, PrometheusStatLogger
@@ -140,10 +141,11 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
         args: parsed CLI arguments; read (missing ones take their defaults): ``api_key`` (else
             ``$TOKENMILL_API_KEY``), ``chat_template`` (file or inline template), ``allowed_origins``,
             ``allowed_methods``, ``allowed_headers``, ``allow_credentials`` (CORS; off without origins),
-            ``max_request_body_bytes``.
+            ``max_request_body_bytes``, ``enable_auto_tool_choice`` and ``tool_call_parser``.
 
     Raises:
         FileNotFoundError: ``chat_template`` is neither a file nor a template.
+        ValueError: ``enable_auto_tool_choice`` without a known ``tool_call_parser``.
     """
     model_config = engine.model_config
     served_name = getattr(model_config, "served_model_name", None) or str(getattr(model_config, "model", "model"))
@@ -158,7 +160,8 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
     if add_listener is not None:
         add_listener(stats.on_engine_outputs)
     common = (engine, models, tokenization, state.mark_engine_dead)
-    serving_chat = OpenAIServingChat(*common, renderer=renderer, stats=stats)
+    serving_chat = OpenAIServingChat(*common, renderer=renderer, stats=stats,
+                                     tool_parser_cls=resolve_tool_parser(args))
     serving_completion = OpenAIServingCompletion(*common, stats=stats)
     serving_tokenization = OpenAIServingTokenization(*common, renderer=renderer)
     api_key = getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None

@@ -18,8 +18,9 @@ import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from tokenmill.entrypoints.openai.protocol_tools import ChatCompletionToolParam, StructuredOutputsField, ToolChoice
 from tokenmill.errors import InvalidRequestError
-from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 # Defaults applied when a request leaves a sampling field out (vLLM's, which are OpenAI's where both exist).
 DEFAULT_TEMPERATURE = 1.0
@@ -130,6 +131,39 @@ class _SamplingRequest(OpenAIBaseModel):
     prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # structured outputs (see structured_outputs.py): OpenAI's response_format, vLLM's structured_outputs and
+    # its older guided_* fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The request's constraint and the field it came from (``(None, None)``: unconstrained).
+
+        Raises:
+            InvalidRequestError: several sources at once, or an ill-formed one (``param`` names the field).
+        """
+        from tokenmill.entrypoints.openai import structured_outputs as so
+
+        found: list[tuple[StructuredOutputsParams, str]] = []
+        rf = so.response_format_to_structured_outputs(self.response_format)
+        if rf is not None:
+            found.append((rf, "response_format"))
+        if self.structured_outputs is not None:
+            found.append((so.structured_outputs_from_field(self.structured_outputs), "structured_outputs"))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                found.append((so._params(name, **{kind: value}), name))
+        if len(found) > 1:
+            names = [name for _, name in found]
+            raise InvalidRequestError(f"{names[1]}: cannot be combined with {names[0]} (give one constraint)",
+                                      param=names[1])
+        return found[0] if found else (None, None)
 
     def check(self) -> None:
         """Checks across fields.
@@ -285,9 +319,9 @@ class ChatCompletionRequest(_ChatTemplateFields, _SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ChatCompletionToolParam] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def check(self) -> None:
         super().check()
@@ -300,13 +334,6 @@ class ChatCompletionRequest(_ChatTemplateFields, _SamplingRequest):
                     param="top_logprobs",
                 )
         self.check_template_fields()
-        if self.tools:
-            raise InvalidRequestError("tools: tool calling is not supported by this server yet", param="tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise InvalidRequestError(
-                f"response_format: type {self.response_format.get('type')!r} is not supported (only 'text')",
-                param="response_format",
-            )
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -111,6 +111,9 @@ class OpenAIServing:
         self.stats = stats
         self.max_model_len = int(engine.model_config.max_model_len)
         self.vocab_size = int(engine.model_config.vocab_size)
+        # --structured-outputs-backend, used to check constraints before a request is queued.
+        so_config = getattr(getattr(engine, "engine_config", None), "structured_outputs_config", None)
+        self.structured_outputs_backend = str(getattr(so_config, "backend", "auto"))
 
     def resolve_max_tokens(self, prompt_len: int, requested: int | None, prompt_param: str,
                            max_tokens_param: str = "max_tokens") -> int | None:
