@@ -197,9 +197,8 @@ class Scheduler:
         while not preempted_any and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             if request.status == RequestStatus.WAITING_FOR_GRAMMAR and not self._grammar_ready(request):
-                self.waiting.popleft()
-                if not request.is_finished:
-                    skipped.append(request)
+                if not request.is_finished:  # a failed grammar has already left the queue
+                    skipped.append(self.waiting.popleft())
                 continue
             # Prompt logprobs need the hidden state of every prompt position, so such a request reads
             # nothing from the prefix cache (its blocks are still cached for others).
