@@ -90,19 +90,36 @@ def grammar_string(params: StructuredOutputsParams, param: str = "structured_out
 
 
 class GuidanceGrammar(StructuredOutputGrammar):
-    """An ``llguidance.LLMatcher``; it is terminated once it is stopped (only EOS could follow)."""
+    """An ``llguidance.LLMatcher``. It terminates when it accepts a stop token (as xgrammar's matcher does): once
+    the grammar is complete llguidance's mask allows only the stop tokens, so the request ends with EOS and the
+    EOS is never mistaken for text."""
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.terminated = False
 
     def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
-        return bool(self.matcher.consume_tokens(tokens)) and not self.matcher.is_error()
+        for token in tokens:
+            if self.terminated:
+                return False
+            if token in self.stop_token_ids and self.matcher.is_stopped():
+                # llguidance stops by itself once nothing can follow; the stop token then ends the request.
+                self.terminated = True
+                continue
+            if not self.matcher.consume_token(token) or self.matcher.is_error():
+                return False
+            if token in self.stop_token_ids:
+                self.terminated = True
+        return True
 
     def validate_tokens(self, tokens: list[int]) -> list[int]:
         return tokens[: self.matcher.validate_tokens(tokens)]
 
     def rollback(self, num_tokens: int) -> None:
+        if num_tokens > 0:
+            self.terminated = False
         self.matcher.rollback(num_tokens)
 
     def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
@@ -111,9 +128,10 @@ class GuidanceGrammar(StructuredOutputGrammar):
         self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
 
     def is_terminated(self) -> bool:
-        return bool(self.matcher.is_stopped())
+        return self.terminated
 
     def reset(self) -> None:
+        self.terminated = False
         self.matcher.reset()
 
 
@@ -152,7 +170,7 @@ class GuidanceBackend(StructuredOutputBackend):
         matcher = _llg().LLMatcher(self.ll_tokenizer, compiled, log_level=0)
         if matcher.is_error():
             raise GrammarSpecError(f"structured_outputs: {clean_library_error(Exception(matcher.get_error()))}")
-        return GuidanceGrammar(matcher, self.vocab_size)
+        return GuidanceGrammar(matcher, self.vocab_size, self.stop_token_ids)
 
 
 def _spec_error(kind: str, message: str, param: str) -> GrammarSpecError:
