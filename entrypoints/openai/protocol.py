@@ -141,29 +141,33 @@ class _SamplingRequest(OpenAIBaseModel):
     guided_grammar: str | None = None
 
     def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str | None]:
-        """The request's constraint and the field it came from (``(None, None)``: unconstrained).
+        """The request's constraint and the field its errors name (``(None, None)``: unconstrained):
+        ``response_format.json_schema.schema`` for a schema given in ``response_format``, else the field.
 
         Raises:
             InvalidRequestError: several sources at once, or an ill-formed one (``param`` names the field).
         """
         from tokenmill.entrypoints.openai import structured_outputs as so
 
-        found: list[tuple[StructuredOutputsParams, str]] = []
+        found: list[tuple[StructuredOutputsParams, str, str]] = []  # (constraint, field, param of its errors)
         rf = so.response_format_to_structured_outputs(self.response_format)
         if rf is not None:
-            found.append((rf, "response_format"))
+            schema_given = (self.response_format or {}).get("type") == "json_schema"
+            found.append((rf, "response_format", "response_format.json_schema.schema" if schema_given
+                          else "response_format"))
         if self.structured_outputs is not None:
-            found.append((so.structured_outputs_from_field(self.structured_outputs), "structured_outputs"))
+            found.append((so.structured_outputs_from_field(self.structured_outputs), "structured_outputs",
+                          "structured_outputs"))
         for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                            ("guided_grammar", "grammar")):
             value = getattr(self, name)
             if value is not None:
-                found.append((so._params(name, **{kind: value}), name))
+                found.append((so._params(name, **{kind: value}), name, name))
         if len(found) > 1:
-            names = [name for _, name in found]
-            raise InvalidRequestError(f"{names[1]}: cannot be combined with {names[0]} (give one constraint)",
-                                      param=names[1])
-        return found[0] if found else (None, None)
+            first, second = found[0][1], found[1][1]
+            raise InvalidRequestError(f"{second}: cannot be combined with {first} (give one constraint)",
+                                      param=second)
+        return (found[0][0], found[0][2]) if found else (None, None)
 
     def check(self) -> None:
         """Checks across fields.

@@ -137,8 +137,9 @@ class OpenAIServingChat(OpenAIServing):
         constraint, source = request.structured_outputs_params()
         if tool_calling is not None and tool_calling.structured_outputs is not None:
             if source is not None:
+                field = source.split(".", 1)[0]
                 raise InvalidRequestError(
-                    f"{source}: cannot be combined with tool_choice 'required' or a named function", param=source
+                    f"{field}: cannot be combined with tool_choice 'required' or a named function", param=field
                 )
             constraint, source = tool_calling.structured_outputs, "tool_choice"
         if constraint is None or source is None:

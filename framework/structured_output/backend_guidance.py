@@ -20,6 +20,7 @@ from tokenmill.structured_output.backend_types import (
     StructuredOutputBackend,
     StructuredOutputGrammar,
     choice_literals,
+    MAX_WHITESPACE_RUN,
     clean_library_error,
     is_lark,
 )
@@ -65,9 +66,10 @@ def grammar_string(params: StructuredOutputsParams, param: str = "structured_out
         if params.disable_additional_properties:
             schema = _close_objects(schema)
         try:
-            return matcher.grammar_from_json_schema(
-                schema, defaults={"whitespace_flexible": not params.disable_any_whitespace}
-            )
+            options: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
+            if not params.disable_any_whitespace:
+                options["whitespace_pattern"] = rf"[\x20\x0A\x0D\x09]{{0,{MAX_WHITESPACE_RUN}}}"
+            return matcher.grammar_from_json_schema(schema, defaults=options)
         except (ValueError, TypeError) as exc:
             raise GrammarSpecError(f"{param}: invalid JSON schema: {clean_library_error(exc)}", param) from exc
     if kind == "regex":

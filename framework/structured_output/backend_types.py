@@ -23,6 +23,11 @@ from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import StructuredOutputsParams
 
 
+# Longest run of whitespace a JSON grammar allows between tokens (when whitespace is not disabled): enough for
+# indented JSON, and a model cannot loop on newlines until max_tokens (small models do).
+MAX_WHITESPACE_RUN = 20
+
+
 class GrammarSpecError(InvalidRequestError):
     """A constraint the backend cannot compile: invalid schema, regex or grammar, or a feature the backend
     lacks. ``param`` names the request field; ``unsupported`` is True for a valid spec the backend cannot do

@@ -20,6 +20,7 @@ from tokenmill.structured_output.backend_types import (
     StructuredOutputBackend,
     StructuredOutputGrammar,
     choice_literals,
+    MAX_WHITESPACE_RUN,
     clean_library_error,
     is_lark,
 )
@@ -67,6 +68,12 @@ def _schema_text(params: StructuredOutputsParams) -> str:
         return '{"type": "object"}'
     assert params.json is not None
     return params.json if isinstance(params.json, str) else json.dumps(params.json, ensure_ascii=False)
+
+
+def _json_options(params: StructuredOutputsParams) -> dict[str, Any]:
+    any_whitespace = not params.disable_any_whitespace
+    return {"any_whitespace": any_whitespace, "strict_mode": True,
+            "max_whitespace_cnt": MAX_WHITESPACE_RUN if any_whitespace else None}
 
 
 def _choice_ebnf(choices: list[str]) -> str:
@@ -169,8 +176,7 @@ class XgrammarBackend(StructuredOutputBackend):
                 )
         try:
             if kind in ("json", "json_object"):
-                xgr.Grammar.from_json_schema(_schema_text(params), any_whitespace=not params.disable_any_whitespace,
-                                             strict_mode=True)
+                xgr.Grammar.from_json_schema(_schema_text(params), **_json_options(params))
             elif kind == "regex":
                 xgr.Grammar.from_regex(params.regex)
             elif kind == "choice":
@@ -194,8 +200,7 @@ class XgrammarBackend(StructuredOutputBackend):
         c = self.compiler
         try:
             if kind in ("json", "json_object"):
-                return c.compile_json_schema(_schema_text(params), any_whitespace=not params.disable_any_whitespace,
-                                             strict_mode=True)
+                return c.compile_json_schema(_schema_text(params), **_json_options(params))
             if kind == "regex":
                 return c.compile_regex(params.regex)
             if kind == "choice":

@@ -97,6 +97,13 @@ def _stop(process: subprocess.Popen[bytes]) -> tuple[int, list[int]]:
 @pytest.fixture(scope="session")
 def real_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealServer]:
     """``tokenmill serve`` with the embedded default model on a free port of 127.0.0.1."""
+    yield from serve_default_model(tmp_path_factory)
+
+
+def serve_default_model(tmp_path_factory: pytest.TempPathFactory, extra_args: tuple[str, ...] = ()
+                        ) -> Iterator[RealServer]:
+    """Run ``tokenmill serve`` (default model, plus ``extra_args``) until the generator is closed; its SIGTERM
+    shutdown must be clean."""
     from tokenmill.model_loader.default_model import (
         DefaultModelMissingError,
         default_model_path,
@@ -111,7 +118,7 @@ def real_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealServer
     port = free_port()
     log_path = str(tmp_path_factory.mktemp("server") / "server.log")
     cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--port", str(port),
-           "--max-model-len", "2048", "--kv-cache-memory", "512MiB"]
+           "--max-model-len", "2048", "--kv-cache-memory", "512MiB", *extra_args]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     env.pop("TOKENMILL_API_KEY", None)
     with open(log_path, "wb") as log:
