@@ -57,8 +57,8 @@ from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenmill.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tokenmill.entrypoints.openai.serving_engine import EngineClient, Tokenization
 from tokenmill.entrypoints.openai.serving_models import OpenAIServingModels
-from tokenmill.entrypoints.openai.tool_choice import resolve_tool_parser
 from tokenmill.entrypoints.openai.serving_tokenization import OpenAIServingTokenization, parse_tokenize_request
+from tokenmill.entrypoints.openai.tool_choice import resolve_tool_parser
 from tokenmill.errors import EngineDeadError
 from tokenmill.metrics.prometheus import CONTENT_TYPE, PrometheusStatLogger
 from tokenmill.metrics.stats import RequestStatsTracker

@@ -25,6 +25,7 @@ from fastapi.responses import Response
 from tokenmill.entrypoints.openai.chat_template import ChatRenderer
 from tokenmill.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_json
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, UsageInfo, random_id
+from tokenmill.entrypoints.openai.protocol_tools import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 from tokenmill.entrypoints.openai.responses import (
     ChatCompletionChoice,
     ChatCompletionResponse,
@@ -34,7 +35,6 @@ from tokenmill.entrypoints.openai.responses import (
     DeltaMessage,
 )
 from tokenmill.entrypoints.openai.serving_engine import EngineClient, OpenAIServing, Tokenization
-from tokenmill.entrypoints.openai.protocol_tools import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 from tokenmill.entrypoints.openai.serving_models import OpenAIServingModels
 from tokenmill.entrypoints.openai.streaming import (
     CLIENT_CLOSED_REQUEST,
@@ -86,7 +86,7 @@ class OpenAIServingChat(OpenAIServing):
         request.check()
         for param, ids in request.token_id_fields().items():
             self.check_token_ids(ids, param)
-        tool_calling, constraint = self.resolve_constraints(request)
+        tool_calling, constraint = await self.resolve_constraints(request)
         prompt_ids = await self.tokenization.run(self._render_and_encode, request)
         max_tokens = self.resolve_max_tokens(
             len(prompt_ids), request.requested_max_tokens, "messages", request.max_tokens_param
@@ -120,9 +120,10 @@ class OpenAIServingChat(OpenAIServing):
 
     # ----------------------------------------------------------------------- tools and structured outputs
 
-    def resolve_constraints(self, request: ChatCompletionRequest
-                            ) -> tuple[ToolCalling | None, StructuredOutputsParams | None]:
-        """The request's tool handling and its (checked) structured-output constraint.
+    async def resolve_constraints(self, request: ChatCompletionRequest
+                                  ) -> tuple[ToolCalling | None, StructuredOutputsParams | None]:
+        """The request's tool handling and its structured-output constraint, compile-checked off the event loop
+        (in the tokenizer thread: the first check imports the grammar library).
 
         Raises:
             InvalidRequestError: a bad ``tools`` / ``tool_choice`` (``auto`` without the server flags), two
@@ -144,7 +145,9 @@ class OpenAIServingChat(OpenAIServing):
             constraint, source = tool_calling.structured_outputs, "tool_choice"
         if constraint is None or source is None:
             return tool_calling, None
-        return tool_calling, check_structured_outputs(constraint, self.structured_outputs_backend, source)
+        checked = await self.tokenization.run(check_structured_outputs, constraint, self.structured_outputs_backend,
+                                              source)
+        return tool_calling, checked
 
     # ------------------------------------------------------------------------------------ non-streaming
 

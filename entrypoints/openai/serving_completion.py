@@ -94,7 +94,7 @@ class OpenAIServingCompletion(OpenAIServing):
         request.check()
         for param, ids in request.token_id_fields().items():
             self.check_token_ids(ids, param)
-        constraint = self.resolve_constraint(request)
+        constraint = await self.resolve_constraint(request)
         prompts = request.prompts()
         prompt_ids = await self.tokenization.run(self._encode_all, prompts, request.add_special_tokens)
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
@@ -121,9 +121,9 @@ class OpenAIServingCompletion(OpenAIServing):
             return await self._stream(request, raw_request, gens, request_id, model_name, prompt_ids, echoes)
         return await self._full(request, raw_request, gens, request_id, model_name, prompt_ids, echoes)
 
-    def resolve_constraint(self, request: CompletionRequest) -> StructuredOutputsParams | None:
+    async def resolve_constraint(self, request: CompletionRequest) -> StructuredOutputsParams | None:
         """The request's structured-output constraint (``structured_outputs``, ``response_format`` or
-        ``guided_*``), checked with the server's backend.
+        ``guided_*``), checked with the server's backend in the tokenizer thread.
 
         Raises:
             InvalidRequestError: two constraints, or one that does not compile (``param`` names the field).
@@ -131,7 +131,8 @@ class OpenAIServingCompletion(OpenAIServing):
         constraint, source = request.structured_outputs_params()
         if constraint is None or source is None:
             return None
-        return check_structured_outputs(constraint, self.structured_outputs_backend, source)
+        return await self.tokenization.run(check_structured_outputs, constraint, self.structured_outputs_backend,
+                                           source)
 
     def _encode_all(self, prompts: list[str | list[int]], add_special_tokens: bool) -> list[list[int]]:
         return [self.tokenization.encode(p, add_special_tokens) if isinstance(p, str) else list(p)
