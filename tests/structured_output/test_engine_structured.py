@@ -70,7 +70,8 @@ def hf_constrained_greedy(model_dir: str, prompt_ids: list[int], so: SO, max_new
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     vocab = model.config.vocab_size
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab, stop_token_ids=[2]))
-    compiled = compiler.compile_json_schema(json.dumps(so.json)) if so.json else compiler.compile_regex(so.regex)
+    compiled = (compiler.compile_json_schema(json.dumps(so.json), any_whitespace=not so.disable_any_whitespace)
+                if so.json else compiler.compile_regex(so.regex))
     matcher = xgr.GrammarMatcher(compiled)
     bitmask = xgr.allocate_token_bitmask(1, vocab)
 
@@ -90,7 +91,9 @@ def hf_constrained_greedy(model_dir: str, prompt_ids: list[int], so: SO, max_new
     return out[0, len(prompt_ids):].tolist()
 
 
-@pytest.mark.parametrize("so", [SO(json=SCHEMA), SO(regex=REGEX)], ids=["json", "regex"])
+# Compact JSON: with free whitespace the random model sits near ties between "," and " " that float rounding
+# (tokenmill's kernels against transformers') can flip after a few dozen tokens.
+@pytest.mark.parametrize("so", [SO(json=SCHEMA, disable_any_whitespace=True), SO(regex=REGEX)], ids=["json", "regex"])
 def test_bitmask_path_matches_transformers_under_the_same_mask(llm: LLM, model_dir: str, so: SO) -> None:
     prompt = llm.get_tokenizer().encode(PROMPTS[0])
     [out] = llm.generate([prompt], greedy(so, 40), use_tqdm=False)
