@@ -23,6 +23,7 @@ from tokenmill.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
 )
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -79,6 +80,7 @@ class EngineArgs:
     platform: str | None = None
     trust_remote_code: bool = False
     quantization: str | None = None
+    structured_outputs_backend: str = "auto"
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -130,6 +132,11 @@ class EngineArgs:
                        help="Quantized weights used for small batches (faster decode): int8 or int4 (CPU: GGUF Q8_0 / "
                             "Q4_1 blocks of 32 with 14-bit integer activations); outputs may differ slightly from full "
                             "precision.")
+        g.add_argument("--structured-outputs-backend", default=d.structured_outputs_backend,
+                       choices=["auto", "xgrammar", "guidance"],
+                       help="Library that compiles JSON schemas, regexes and grammars for constrained decoding: "
+                            "xgrammar, guidance (llguidance), or auto (xgrammar, and guidance for what xgrammar "
+                            "cannot compile; chosen per request).")
         return parser
 
     @classmethod
@@ -182,6 +189,11 @@ class EngineArgs:
             from tokenmill.platforms import get_current_platform
 
             platform = get_current_platform()
+        if self.structured_outputs_backend not in ("auto", "xgrammar", "guidance"):
+            raise ValueError(
+                "structured_outputs_backend: must be auto, xgrammar or guidance, got "
+                f"{self.structured_outputs_backend!r}"
+            )
         for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "pipeline_parallel_size",
                      "data_parallel_size"):
             if getattr(self, name) < 1:
@@ -213,6 +225,7 @@ class EngineArgs:
             parallel_config=parallel_config,
             device_config=DeviceConfig(platform=platform.name, device_type=platform.device_type),
             enforce_eager=self.enforce_eager,
+            structured_outputs_config=StructuredOutputsConfig(backend=self.structured_outputs_backend),
         )
         num_layers = model_config.num_layers
         if self.pipeline_parallel_size > num_layers:

@@ -46,7 +46,9 @@ class LLMEngine:
             tokenizer = get_tokenizer(self.model_config)
         self.tokenizer = tokenizer
         self.engine_core = InprocClient(engine_config, engine_core_cls)
-        self.input_processor = InputProcessor(self.model_config, tokenizer, engine_config.cache_config)
+        self.input_processor = InputProcessor(
+            self.model_config, tokenizer, engine_config.cache_config, engine_config.structured_outputs_config
+        )
         self.output_processor = OutputProcessor(tokenizer)
 
     @classmethod
