@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 QUANTIZATION_METHODS = ("int8", "int4")  # see tokenmill.layers.quantization
+COMPILE_MODES = ("background", "blocking")  # see tokenmill.worker.compiled_runner
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -194,3 +195,5 @@ class EngineConfig:
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     enforce_eager: bool = False
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    # "blocking": compile before serving; "background": serve eagerly and swap compiled graphs in when ready.
+    compile_mode: str = "blocking"

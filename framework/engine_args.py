@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.config import (
+    COMPILE_MODES,
     DATA_PARALLEL_BACKENDS,
     DATA_PARALLEL_ROUTING,
     DISTRIBUTED_EXECUTOR_BACKENDS,
@@ -77,6 +78,7 @@ class EngineArgs:
     ray_address: str | None = None
     seed: int = 0
     enforce_eager: bool = False
+    compile_mode: str | None = None
     platform: str | None = None
     trust_remote_code: bool = False
     quantization: str | None = None
@@ -125,6 +127,12 @@ class EngineArgs:
                             "cluster is started).")
         g.add_argument("--seed", type=int, default=d.seed)
         g.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager)
+        g.add_argument("--compile-mode", default=d.compile_mode, choices=list(COMPILE_MODES),
+                       help="When torch.compile'd forward passes are made (platforms that compile, e.g. the CPU): "
+                            "background = serve eagerly at once and switch each step kind to its compiled graph "
+                            "when ready (default of `tokenmill serve`); blocking = compile before the engine "
+                            "accepts requests (default elsewhere). Compiled graphs are cached on disk "
+                            "(TOKENMILL_CACHE_DIR), so later starts load them.")
         g.add_argument("--platform", default=d.platform,
                        help="Platform plugin to use (skips detection); also TOKENMILL_PLATFORM.")
         g.add_argument("--trust-remote-code", action="store_true", default=d.trust_remote_code)
@@ -226,6 +234,7 @@ class EngineArgs:
             device_config=DeviceConfig(platform=platform.name, device_type=platform.device_type),
             enforce_eager=self.enforce_eager,
             structured_outputs_config=StructuredOutputsConfig(backend=self.structured_outputs_backend),
+            compile_mode=self.compile_mode or "blocking",
         )
         num_layers = model_config.num_layers
         if self.pipeline_parallel_size > num_layers:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -10,6 +11,9 @@ import torch
 # Engines built by tests (and the servers they start, which inherit the environment) stay eager: compiling
 # decode steps takes seconds per engine. tests/worker/test_compiled_runner.py turns it back on.
 os.environ["TOKENMILL_COMPILE"] = "0"
+# tokenmill's on-disk caches (compiled graphs, converted GGUF tokenizers) go to a directory of this test run,
+# never the user's ~/.cache; servers the tests start inherit it, so a GGUF tokenizer is converted once per run.
+os.environ.setdefault("TOKENMILL_CACHE_DIR", tempfile.mkdtemp(prefix="tokenmill-test-cache-"))
 
 
 def build_tiny_llama(path: str, *, seed: int = 0, tie: bool = False, **overrides) -> str:

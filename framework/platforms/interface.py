@@ -132,6 +132,12 @@ class Platform:
         raise cls._not_implemented("synchronize")
 
     @classmethod
+    def kernel_info(cls) -> dict[str, str]:
+        """Which kernels and instruction sets this platform's steps use now (benchmarks print and record it),
+        e.g. ``{"attention": ..., "quantized_matmul": ...}``; default: nothing to report."""
+        return {}
+
+    @classmethod
     def manual_seed_all(cls, seed: int) -> None:
         """Seed the random generators of torch on the host and on every device of this platform."""
         import torch

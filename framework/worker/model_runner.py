@@ -90,6 +90,10 @@ class ModelRunner:
         if self.graph_runner is None:
             self.compiled_runner = CompiledRunner.create_if_enabled(self)
 
+    def shutdown(self) -> None:
+        if self.compiled_runner is not None:
+            self.compiled_runner.shutdown()
+
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)

@@ -108,3 +108,8 @@ class Worker:
             pp.send_tensor_dict(output.tensors)
             return None
         return output if pp.is_last_rank else None
+
+    def shutdown(self) -> None:
+        """Stop background work of the model runner (compilation); the model stays usable."""
+        if self.model_runner is not None:
+            self.model_runner.shutdown()
