@@ -25,6 +25,8 @@ from tokenmill.entrypoints.bench.common import (
     base_record,
     check_lengths,
     engine_args_from,
+    isa_rows,
+    kernel_info,
     print_table,
     random_prompts,
     write_json,
@@ -201,8 +203,9 @@ def run(args: argparse.Namespace) -> int:
     for label in ("bitmask_fill", "matcher_advance", "logits_masking", "execute_model"):
         if label in shares:
             rows.append((f"Mixed: {label} (% of wall)", 100.0 * shares[label]))
-    print_table("tokenmill bench structured", rows)
     record = base_record("structured", args)
+    rows += isa_rows(record, kernel_info())
+    print_table("tokenmill bench structured", rows)
     record.update({
         "model": model_config.served_model_name,
         "schema": schema,

@@ -283,3 +283,53 @@ def test_mixed_batch_leaves_unconstrained_requests_unchanged(server: RealServer)
     assert list(mixed[:3]) == solo
     for content in mixed[3:]:
         jsonschema.validate(json.loads(content), SCHEMAS["enums-and-required"])
+
+
+# ------------------------------------------------------------------------------------- /v1/responses
+
+
+def responses_tools() -> list[dict[str, Any]]:
+    """``TOOLS`` in the Responses API's flat function-tool shape."""
+    return [{"type": "function", **t["function"]} for t in TOOLS]
+
+
+def test_responses_text_format_json_schema_validates(oai: openai.OpenAI) -> None:
+    for name, schema in SCHEMAS.items():
+        r = oai.responses.create(model=MODEL, input=USER[0]["content"], temperature=0, max_output_tokens=200,
+                                 text={"format": {"type": "json_schema", "name": "out", "schema": schema,
+                                                  "strict": True}})
+        assert r.status == "completed", (name, r.output_text)
+        jsonschema.validate(json.loads(r.output_text), schema)
+    r = oai.responses.create(model=MODEL, input=USER[0]["content"], temperature=0, max_output_tokens=200,
+                             text={"format": {"type": "json_object"}})
+    assert r.status == "completed" and isinstance(json.loads(r.output_text), dict)
+
+
+def test_responses_forced_tool_calls_whole_and_streamed(oai: openai.OpenAI) -> None:
+    tools = responses_tools()
+    for choice in ("required", {"type": "function", "name": "get_time"}):
+        kw: dict[str, Any] = {"model": MODEL, "input": TOOL_USER[0]["content"], "tools": tools,
+                              "tool_choice": choice, "temperature": 0, "max_output_tokens": TOOL_MAX_TOKENS}
+        whole = oai.responses.create(**kw)
+        calls = [item for item in whole.output if item.type == "function_call"]
+        assert calls and whole.status == "completed"
+        for call in calls:
+            tool = next(t for t in tools if t["name"] == call.name)
+            jsonschema.validate(json.loads(call.arguments), tool["parameters"])
+            assert call.call_id.startswith("call_")
+        if isinstance(choice, dict):
+            assert [c.name for c in calls] == ["get_time"]
+        with oai.responses.stream(**kw) as stream:
+            final = stream.get_final_response()
+        assert [(c.name, c.arguments) for c in final.output if c.type == "function_call"] == [
+            (c.name, c.arguments) for c in calls]
+
+
+def test_responses_bad_schema_is_a_400_and_the_server_serves_after(server: RealServer, oai: openai.OpenAI) -> None:
+    payload = {"model": MODEL, "input": "x", "max_output_tokens": 5,
+               "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "strin"}}}}
+    error = assert_error(httpx.post(server.url + "/v1/responses", json=payload, timeout=60), 400,
+                         "text.format.schema")
+    assert "strin" in error["message"]
+    r = oai.responses.create(model=MODEL, input="Hi", temperature=0, max_output_tokens=3)
+    assert r.status in ("completed", "incomplete") and r.usage.output_tokens > 0
