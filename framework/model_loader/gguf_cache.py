@@ -141,7 +141,9 @@ _PLAIN_TYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": n
 def _map_tensors(path: str, entries: list[dict[str, Any]]) -> list[GGUFTensor]:
     import gguf
 
-    memory = np.memmap(path, mode="r")
+    # A plain ndarray view of the map: slices of a numpy.memmap run its __array_finalize__ in every numpy
+    # call that dequantization makes (about a second per load of the embedded model).
+    memory = np.memmap(path, mode="r").view(np.ndarray)
     tensors = []
     for e in entries:
         ggml_type = gguf.GGMLQuantizationType(e["type"])
