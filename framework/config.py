@@ -173,6 +173,18 @@ class DeviceConfig:
 
 
 @dataclass
+class StructuredOutputsConfig:
+    """Constrained decoding (JSON schemas, regexes, grammars; see docs/structured_outputs.md).
+
+    Attributes:
+        backend: ``"auto"`` (xgrammar, or llguidance for what xgrammar cannot compile, chosen per request),
+            ``"xgrammar"`` or ``"guidance"``.
+    """
+
+    backend: str = "auto"
+
+
+@dataclass
 class EngineConfig:
     """Everything the engine core, executor and workers need; picklable (sent to engine-core processes)."""
 
@@ -182,6 +194,7 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     enforce_eager: bool = False
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     # "blocking": compile before serving; "background": serve eagerly and swap compiled graphs in when ready.
     compile_mode: str = "blocking"
     # speculative decoding (tokenmill.spec_decode.config.SpeculativeConfig), or None

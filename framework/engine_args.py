@@ -24,6 +24,7 @@ from tokenmill.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
 )
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -82,6 +83,7 @@ class EngineArgs:
     trust_remote_code: bool = False
     quantization: str | None = None
     speculative_config: dict[str, Any] | str | None = None
+    structured_outputs_backend: str = "auto"
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -143,6 +145,11 @@ class EngineArgs:
                        help='Speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                             '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": PATH, '
                             '"num_speculative_tokens": 4}\' (see docs/speculative_decoding.md).')
+        g.add_argument("--structured-outputs-backend", default=d.structured_outputs_backend,
+                       choices=["auto", "xgrammar", "guidance"],
+                       help="Library that compiles JSON schemas, regexes and grammars for constrained decoding: "
+                            "xgrammar, guidance (llguidance), or auto (xgrammar, and guidance for what xgrammar "
+                            "cannot compile; chosen per request).")
         return parser
 
     @classmethod
@@ -195,6 +202,11 @@ class EngineArgs:
             from tokenmill.platforms import get_current_platform
 
             platform = get_current_platform()
+        if self.structured_outputs_backend not in ("auto", "xgrammar", "guidance"):
+            raise ValueError(
+                "structured_outputs_backend: must be auto, xgrammar or guidance, got "
+                f"{self.structured_outputs_backend!r}"
+            )
         for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "pipeline_parallel_size",
                      "data_parallel_size"):
             if getattr(self, name) < 1:
@@ -226,6 +238,7 @@ class EngineArgs:
             parallel_config=parallel_config,
             device_config=DeviceConfig(platform=platform.name, device_type=platform.device_type),
             enforce_eager=self.enforce_eager,
+            structured_outputs_config=StructuredOutputsConfig(backend=self.structured_outputs_backend),
             compile_mode=self.compile_mode or "blocking",
         )
         num_layers = model_config.num_layers

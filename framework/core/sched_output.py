@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -61,6 +63,11 @@ class SchedulerOutput:
         finished_req_ids: requests the workers should forget (finished, aborted or preempted since the last step).
         scheduled_spec_decode_tokens: speculative decoding: per request id, the draft tokens scheduled after its
             known tokens (counted in ``num_scheduled_tokens``); requests without drafts are absent.
+        structured_output_request_ids: the constrained requests that sample this step, in the order of the
+            rows of ``grammar_bitmask`` (requests in the middle of a prefill are not among them).
+        grammar_bitmask: ``[len(structured_output_request_ids), ceil(vocab_size / 32)]`` int32, row ``i`` the
+            tokens allowed next for ``structured_output_request_ids[i]`` (bit ``t % 32`` of word ``t // 32``);
+            ``None`` when no constrained request samples this step.
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -69,6 +76,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str] = field(default_factory=set)
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: np.ndarray | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -5,6 +5,13 @@ decode, the next chunk for a partial prefill), then waiting requests while the t
 and free KV blocks last. When a running request cannot get a block, the lowest-priority running request
 (the newest, under FCFS) is preempted: its blocks are freed and it goes back to the front of the waiting
 queue, to be recomputed from its prompt and outputs so far.
+
+Structured outputs (vLLM V1's flow): a constrained request waits in ``WAITING_FOR_GRAMMAR``, passed over while
+its grammar compiles on the manager's threads; each step the scheduler sends the token bitmask of every
+scheduled constrained request that samples (not those in the middle of a prefill), and
+:meth:`Scheduler.update_from_output` advances each matcher with the sampled token. The request stops when the
+grammar is terminated. Preemption by recompute keeps every output token, so a preempted request's matcher
+state stays valid as it is.
 """
 
 from __future__ import annotations
@@ -13,6 +20,8 @@ import bisect
 import time
 from collections import deque
 from collections.abc import Iterable
+
+import numpy as np
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
@@ -23,9 +32,16 @@ from tokenmill.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
-from tokenmill.engine.messages import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from tokenmill.engine.messages import (
+    EngineCoreEventType,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    FinishReason,
+    SchedulerStats,
+)
 from tokenmill.errors import InvalidRequestError
 from tokenmill.spec_decode.metrics import SpecDecodingStats
+from tokenmill.structured_output.manager import StructuredOutputManager
 
 
 class Scheduler:
@@ -33,9 +49,12 @@ class Scheduler:
 
     Args:
         config: the engine configuration (``cache_config.num_gpu_blocks`` must be set).
+        structured_output_manager: compiles constraints and builds bitmasks (default: a new one for
+            ``config``; it loads nothing until a constrained request arrives).
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig,
+                 structured_output_manager: StructuredOutputManager | None = None) -> None:
         sc = config.scheduler_config
         self.max_num_seqs = sc.max_num_seqs
         self.max_num_batched_tokens = sc.max_num_batched_tokens
@@ -64,6 +83,9 @@ class Scheduler:
         self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
         self.num_lookahead_tokens = spec.num_lookahead_tokens if spec is not None else 0
         self.spec_decoding_stats = SpecDecodingStats.new(self.num_spec_tokens)
+        self.structured_output_manager = structured_output_manager or StructuredOutputManager(config)
+        # Outputs of requests failed outside a model step (a grammar that did not compile), sent with the next.
+        self._pending_outputs: list[EngineCoreOutput] = []
 
     # ------------------------------------------------------------------ admission
 
@@ -102,6 +124,8 @@ class Scheduler:
         self.requests[request.request_id] = request
         request.record_event(EngineCoreEventType.QUEUED)
         self._enqueue(request)
+        if request.use_structured_output:
+            self.structured_output_manager.grammar_init(request)
 
     def _enqueue(self, request: Request, front: bool = False) -> None:
         if self.policy == "priority":
@@ -131,6 +155,8 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        if request.use_structured_output:
+            self.structured_output_manager.free(request)
         del self.requests[request.request_id]
         if request.request_id in self._sent_to_workers:
             self._sent_to_workers.discard(request.request_id)
@@ -183,8 +209,13 @@ class Scheduler:
                 new_reqs.append(self._new_request_data(request))
             i += 1
 
+        skipped: list[Request] = []  # waiting for their grammar: keep their place in the queue
         while not preempted_any and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if request.status == RequestStatus.WAITING_FOR_GRAMMAR and not self._grammar_ready(request):
+                if not request.is_finished:  # a failed grammar has already left the queue
+                    skipped.append(self.waiting.popleft())
+                continue
             # Prompt logprobs need the hidden state of every prompt position, so such a request reads
             # nothing from the prefix cache (its blocks are still cached for others).
             wants_prompt_logprobs = request.sampling_params.prompt_logprobs is not None
@@ -219,10 +250,14 @@ class Scheduler:
             budget -= num_new
             new_reqs.append(self._new_request_data(request))
 
+        if skipped:
+            self.waiting.extendleft(reversed(skipped))
+
         for request in self.running:
             n = num_scheduled.get(request.request_id)
             if n is not None:
                 request.num_computed_tokens += n
+        so_request_ids, bitmask = self._grammar_bitmask(num_scheduled)
         finished = self.finished_req_ids
         self.finished_req_ids = set()
         return SchedulerOutput(
@@ -231,6 +266,8 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=finished,
+            structured_output_request_ids=so_request_ids,
+            grammar_bitmask=bitmask,
             scheduled_spec_decode_tokens=spec_tokens,
         )
 
@@ -241,6 +278,52 @@ class Scheduler:
             return 0
         longest = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
         return max(0, min(self.num_lookahead_tokens, longest - request.num_computed_tokens - num_new))
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """For a ``WAITING_FOR_GRAMMAR`` request: True (status now WAITING) once its grammar compiled; False
+        while it compiles, or when compilation failed (the request is then finished with the error)."""
+        so_request = request.structured_output_request
+        assert so_request is not None
+        if so_request.check_ready():
+            request.status = RequestStatus.WAITING
+            return True
+        if so_request.error is not None:
+            self._fail_request(request, f"structured_outputs: the grammar did not compile: {so_request.error}")
+        return False
+
+    def _fail_request(self, request: Request, message: str) -> None:
+        """Finish a request that is not running with an error; its output goes out with the next step's."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED_ERROR
+        request.error = message
+        self._free_request(request)
+        self._pending_outputs.append(EngineCoreOutput(
+            request_id=request.request_id, new_token_ids=[], finish_reason=FinishReason.ERROR, error=message,
+            events=request.take_events(),
+        ))
+
+    def _grammar_bitmask(self, num_scheduled: dict[str, int]) -> tuple[list[str], np.ndarray | None]:
+        """The constrained requests that sample this step (their computed tokens reach their known tokens),
+        in batch order, and their bitmask rows."""
+        ids: list[str] = []
+        requests: list[Request] = []
+        for req_id in num_scheduled:
+            request = self.requests[req_id]
+            so_request = request.structured_output_request
+            if so_request is not None and so_request.grammar is not None \
+                    and request.num_computed_tokens >= request.num_tokens:
+                ids.append(req_id)
+                requests.append(request)
+        if not requests:
+            return ids, None
+        return ids, self.structured_output_manager.grammar_bitmask(requests)
+
+    def has_requests_waiting_for_grammar(self) -> bool:
+        return any(r.status == RequestStatus.WAITING_FOR_GRAMMAR for r in self.waiting)
+
+    def requests_waiting_for_grammar(self) -> list[Request]:
+        return [r for r in self.waiting if r.status == RequestStatus.WAITING_FOR_GRAMMAR]
 
     def _add_running(self, request: Request) -> None:
         """Append to ``running``; under the ``priority`` policy keep it ordered by (priority, arrival).
@@ -299,7 +382,7 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> EngineCoreOutputs:
         """Append sampled tokens, apply stop conditions, free finished requests and build the outputs."""
-        outputs: list[EngineCoreOutput] = []
+        outputs, self._pending_outputs = self._pending_outputs, []
         logprobs = runner_output.logprobs
         prompt_logprobs = runner_output.prompt_logprobs
         for idx, req_id in enumerate(runner_output.req_ids):
@@ -322,10 +405,16 @@ class Scheduler:
             if prompt_logprobs is not None and not request.output_token_ids:
                 req_prompt_lps = prompt_logprobs[idx]
             new_ids: list[int] = []
+            so_request = request.structured_output_request
             for token_id in sampled:
                 request.append_output_token_id(token_id)
                 new_ids.append(token_id)
+                if so_request is not None and not self._advance_grammar(request, token_id):
+                    break
                 if request.check_stop(self.max_model_len):
+                    break
+                if so_request is not None and so_request.grammar is not None and so_request.grammar.is_terminated():
+                    request.status = RequestStatus.FINISHED_STOPPED
                     break
             req_logprobs = logprobs[idx] if logprobs is not None else None
             out = EngineCoreOutput(
@@ -337,6 +426,7 @@ class Scheduler:
                 new_logprobs=req_logprobs[: len(new_ids)] if req_logprobs else None,
                 prompt_logprobs=req_prompt_lps,
                 events=request.take_events(),
+                error=request.error,
             )
             outputs.append(out)
             if request.is_finished:
@@ -346,6 +436,20 @@ class Scheduler:
                 room = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens)
                 request.spec_token_ids = runner_output.spec_token_ids[idx][: max(0, room - 1)]
         return EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic(), scheduler_stats=self.make_stats())
+
+    def _advance_grammar(self, request: Request, token_id: int) -> bool:
+        """Feed a sampled token to the request's matcher; a token the grammar refuses fails the request."""
+        so_request = request.structured_output_request
+        assert so_request is not None and so_request.grammar is not None
+        if so_request.grammar.accept_tokens(request.request_id, [token_id]):
+            return True
+        request.status = RequestStatus.FINISHED_ERROR
+        request.error = (
+            f"structured_outputs: token {token_id} sampled at output position {request.num_output_tokens - 1} "
+            "is not allowed by the grammar (other constraints of the request, e.g. min_tokens, "
+            "allowed_token_ids or bad_words, left no token the grammar allows)"
+        )
+        return False
 
     def make_stats(self) -> SchedulerStats:
         queries, hits = self.kv_cache_manager.take_prefix_cache_stats()
@@ -361,7 +465,7 @@ class Scheduler:
         )
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self._pending_outputs)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.running) + len(self.waiting)

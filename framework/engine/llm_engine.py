@@ -47,7 +47,9 @@ class LLMEngine:
             tokenizer = get_tokenizer(self.model_config)
         self.tokenizer = tokenizer
         self.engine_core = InprocClient(engine_config, engine_core_cls)
-        self.input_processor = InputProcessor(self.model_config, tokenizer, engine_config.cache_config)
+        self.input_processor = InputProcessor(
+            self.model_config, tokenizer, engine_config.cache_config, engine_config.structured_outputs_config
+        )
         self.output_processor = OutputProcessor(tokenizer)
         spec = engine_config.speculative_config
         # speculative decoding counters summed over every step so far (None without speculation)

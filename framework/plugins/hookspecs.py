@@ -56,3 +56,13 @@ def tokenmill_register_attention_backends(registry: Any) -> None:
 @hookspec
 def tokenmill_add_cli_args(parser: argparse.ArgumentParser) -> None:
     """Add command-line flags of the plugin to ``parser`` (the ``tokenmill`` CLI's sub-command parser)."""
+
+
+@hookspec
+def tokenmill_register_tool_parsers(registry: Any) -> None:
+    """Register tool-call parsers (for ``--enable-auto-tool-choice --tool-call-parser NAME``): call
+    ``registry.register_tool_parser(name, "module:Class")`` with a subclass of
+    :class:`tokenmill.entrypoints.openai.tool_parsers.ToolParser`.
+
+    ``registry`` is :class:`tokenmill.entrypoints.openai.tool_parsers.ToolParserManager`.
+    """

@@ -9,7 +9,7 @@ the rest of the batch), and :meth:`SpecDecoder.propose` drafts the next step's t
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -87,6 +87,7 @@ class SpecDecoder:
         rows: list[int],
         drafts: list[list[int]],
         vocab_size: int,
+        constrain: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = None,
     ) -> RejectionSamplerOutput:
         """Sample the requests ``rows`` of the batch, verifying their drafts.
 
@@ -98,6 +99,9 @@ class SpecDecoder:
             rows: indices of the requests that sample this step.
             drafts: per entry of ``rows``, the scheduled draft ids (at the end of that request's tokens).
             vocab_size: V.
+            constrain: ``constrain(logits, rows_of_logits)`` masks the rows of structured-output requests (the
+                grammar bitmask; ``rows_of_logits[r]`` is the batch index of logits row ``r``). Constrained
+                requests never have drafts, so each has exactly one row.
         """
         device = hidden.device
         hidden_rows: list[int] = []
@@ -114,6 +118,8 @@ class SpecDecoder:
             probs = self.draft.take_draft_probs(state.req_id) if self.draft is not None else None
             draft_probs.append(probs if probs is not None and k and probs.shape[0] >= k else None)
         logits = model.compute_logits(hidden[torch.tensor(hidden_rows, device=device)])
+        if constrain is not None:
+            logits = constrain(logits, [i for i, d in zip(rows, drafts) for _ in range(len(d) + 1)])
         md = build_sampling_metadata(expanded, vocab_size, device)
         return self.rejection_sampler(
             logits, md, drafts, draft_probs, [states[i].sampling_params.logprobs for i in rows]

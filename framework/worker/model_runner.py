@@ -14,6 +14,7 @@ from tokenmill.layers.pipeline import IntermediateTensors
 from tokenmill.layers.quantization import quantize_model
 from tokenmill.model_loader.loader import get_model, str_to_dtype
 from tokenmill.worker.compiled_runner import CompiledRunner
+from tokenmill.worker.grammar_bitmask import apply_grammar_bitmask
 from tokenmill.worker.graph_runner import GraphRunner
 from tokenmill.worker.input_batch import CachedRequestState, build_batch_inputs, build_sampling_metadata
 from tokenmill.worker.sampler import Sampler, gather_logprobs
@@ -186,9 +187,14 @@ class ModelRunner:
         num_rejected = [0] * len(req_ids)
         if sample_rows and drafts is not None:
             assert self.spec_decoder is not None
+            constrain = None
+            if so.grammar_bitmask is not None:
+                def constrain(logits: torch.Tensor, batch_rows: list[int]) -> torch.Tensor:
+                    return apply_grammar_bitmask(logits, [req_ids[i] for i in batch_rows], so.grammar_bitmask,
+                                                 so.structured_output_request_ids)
             verified = self.spec_decoder.verify(
                 self.model, hidden, batch.attn_metadata.query_start_loc_cpu, states, sample_rows,
-                [drafts[i] for i in sample_rows], self.vocab_size,
+                [drafts[i] for i in sample_rows], self.vocab_size, constrain,
             )
             if verified.logprobs is not None:
                 logprobs = [None] * len(req_ids)
@@ -201,6 +207,10 @@ class ModelRunner:
         elif sample_rows:
             rows = torch.tensor(sample_rows, device=self.device)
             logits = self.model.compute_logits(hidden[batch.logits_indices[rows]])
+            if so.grammar_bitmask is not None:
+                logits = apply_grammar_bitmask(
+                    logits, [req_ids[i] for i in sample_rows], so.grammar_bitmask, so.structured_output_request_ids
+                )
             sample_states = [states[i] for i in sample_rows]
             md = build_sampling_metadata(sample_states, self.vocab_size, self.device)
             out = self.sampler(logits, md)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tokenmill.attention.registry import AttentionBackendRegistry
+from tokenmill.entrypoints.openai.tool_parsers import ToolParserManager
 from tokenmill.model_loader import ModelRegistry
 from tokenmill.platforms import reset_current_platform
 from tokenmill.plugins import reset_for_tests
@@ -52,6 +53,7 @@ def _reset_all(search_path: list[Path] | None = None) -> None:
     reset_current_platform()
     ModelRegistry.reset_for_tests()
     AttentionBackendRegistry.reset_for_tests()
+    ToolParserManager.reset_for_tests()
 
 
 @dataclass
