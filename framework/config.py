@@ -142,7 +142,13 @@ class DeviceConfig:
 
 @dataclass
 class EngineConfig:
-    """Everything the engine core, executor and workers need; picklable (sent to engine-core processes)."""
+    """Everything the engine core, executor and workers need; picklable (sent to engine-core processes).
+
+    Attributes:
+        enforce_eager: no device graphs and no ``torch.compile`` (every step eager).
+        attention_backend: registered attention-backend name the user asked for (``--attention-backend``), or
+            ``None``: the platform chooses (see :mod:`tokenmill.attention.selector`).
+    """
 
     model_config: ModelConfig
     cache_config: CacheConfig = field(default_factory=CacheConfig)
@@ -150,3 +156,4 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     enforce_eager: bool = False
+    attention_backend: str | None = None

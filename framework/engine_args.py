@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import logging
+
 from tokenmill.config import (
     QUANTIZATION_METHODS,
     CacheConfig,
@@ -21,6 +23,8 @@ from tokenmill.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+
+logger = logging.getLogger(__name__)
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
@@ -69,6 +73,7 @@ class EngineArgs:
     seed: int = 0
     enforce_eager: bool = False
     platform: str | None = None
+    attention_backend: str | None = None
     trust_remote_code: bool = False
     quantization: str | None = None
 
@@ -100,6 +105,9 @@ class EngineArgs:
         g.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager)
         g.add_argument("--platform", default=d.platform,
                        help="Platform plugin to use (skips detection); also TOKENMILL_PLATFORM.")
+        g.add_argument("--attention-backend", default=d.attention_backend,
+                       help="Registered attention backend to use instead of the platform's choice (e.g. "
+                            "TORCH_PAGED); also TOKENMILL_ATTENTION_BACKEND. `tokenmill plugins` lists them.")
         g.add_argument("--trust-remote-code", action="store_true", default=d.trust_remote_code)
         g.add_argument("--quantization", "-q", default=d.quantization, choices=list(QUANTIZATION_METHODS),
                        help="Quantized weights used for small batches (faster decode): int8 or int4 (CPU: GGUF Q8_0 / "
@@ -149,7 +157,7 @@ class EngineArgs:
             ValueError: an argument is out of range (the message starts with the field name).
             tokenmill.platforms.PlatformError: no usable platform, or a conflict between platform plugins.
         """
-        from tokenmill.platforms import set_current_platform
+        from tokenmill.platforms import get_platform_selection, set_current_platform
 
         if self.platform or os.environ.get("TOKENMILL_PLATFORM"):
             platform = set_current_platform(self.platform or os.environ["TOKENMILL_PLATFORM"])
@@ -157,6 +165,15 @@ class EngineArgs:
             from tokenmill.platforms import get_current_platform
 
             platform = get_current_platform()
+        logger.info("platform: %s", get_platform_selection().describe())
+        attention_backend = self.attention_backend or os.environ.get("TOKENMILL_ATTENTION_BACKEND") or None
+        if attention_backend is not None and ":" not in attention_backend:
+            from tokenmill.attention.registry import AttentionBackendRegistry
+
+            if not AttentionBackendRegistry.is_registered(attention_backend):
+                known = ", ".join(AttentionBackendRegistry.get_backend_names())
+                raise ValueError(f"attention_backend: unknown attention backend {attention_backend!r}; "
+                                 f"registered: {known}")
         for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
@@ -189,6 +206,7 @@ class EngineArgs:
             ),
             device_config=DeviceConfig(platform=platform.name, device_type=platform.device_type),
             enforce_eager=self.enforce_eager,
+            attention_backend=attention_backend,
         )
         platform.check_and_update_config(config)
         return config

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.model_loader.registry import ModelRegistry
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -29,6 +33,14 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         ValueError: a parameter was left without weights.
     """
     model_cls = ModelRegistry.resolve_model_cls(model_config.architectures)
+    from tokenmill.distributed import get_tp_rank
+    from tokenmill.model_contract import check_model_class
+
+    check_model_class(model_cls)
+    if get_tp_rank() == 0:
+        arch = next((a for a in model_config.architectures if ModelRegistry.is_registered(a)), "?")
+        logger.info("model class: %s -> %s.%s (registered by %s)", arch, model_cls.__module__, model_cls.__qualname__,
+                    ModelRegistry.source_of(arch))
     dtype = str_to_dtype(model_config.dtype)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

@@ -7,7 +7,8 @@ Entries come from three places, looked up in this order:
    plugin set is reloaded (new process, or :func:`tokenmill.plugins.reset_for_tests`);
 3. built-in defaults of the subclass.
 
-Values are ``"module:Class"`` paths (imported on first use) or classes.
+Values are ``"module:Class"`` paths (imported on first use) or classes. Every entry remembers who registered it
+(:meth:`HookFedRegistry.source_of`), which ``tokenmill plugins`` shows.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import logging
 import threading
 from typing import ClassVar
 
-from tokenmill.plugins.manager import get_plugin_manager, load_generation
+from tokenmill.plugins.manager import PluginLoadError, get_plugin_manager, load_generation
 from tokenmill.plugins.qualname import resolve_qualname
 
 logger = logging.getLogger(__name__)
@@ -32,17 +33,24 @@ class HookFedRegistry:
     _builtin: ClassVar[dict[str, Target]] = {}
     _script: ClassVar[dict[str, Target]]
     _plugin: ClassVar[dict[str, Target]]
+    _sources: ClassVar[dict[str, str]]  # name -> "script" / "plugin <pluggy plugin name>" (plugin entries)
     _plugin_generation: ClassVar[int | None]
-    _loading: ClassVar[bool]
+    _loading: ClassVar[str | None]  # the plugin whose hook is running, while one is
     _lock: ClassVar[threading.RLock]
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         cls._script = {}
         cls._plugin = {}
+        cls._sources = {}
         cls._plugin_generation = None
-        cls._loading = False
+        cls._loading = None
         cls._lock = threading.RLock()
+
+    @classmethod
+    def _normalize(cls, name: str) -> str:
+        """How names compare (subclasses may fold case)."""
+        return name
 
     @classmethod
     def _register(cls, name: str, target: Target) -> None:
@@ -57,12 +65,16 @@ class HookFedRegistry:
                 raise ValueError(f"{cls.kind} {name!r}: expected a 'module:Class' path, got {target!r}")
         elif not isinstance(target, type):
             raise TypeError(f"{cls.kind} {name!r}: expected a class or 'module:Class' path, got {target!r}")
+        name = cls._normalize(name)
         with cls._lock:
-            table = cls._plugin if cls._loading else cls._script
+            table = cls._plugin if cls._loading is not None else cls._script
             previous = table.get(name)
             if previous is not None and previous != target:
-                logger.warning("%s %r re-registered: %r replaces %r", cls.kind, name, target, previous)
+                logger.warning("%s %r re-registered by %s: %r replaces %r (from %s)", cls.kind, name,
+                               cls._loading or "the script", target, previous, cls._sources.get(name, "?"))
             table[name] = target
+            if cls._loading is not None:
+                cls._sources[name] = f"plugin {cls._loading}"
 
     @classmethod
     def _ensure_plugins(cls) -> None:
@@ -73,24 +85,45 @@ class HookFedRegistry:
             if cls._plugin_generation == generation:
                 return
             cls._plugin.clear()
-            cls._loading = True
-            try:
-                getattr(get_plugin_manager().hook, cls.hook_name)(registry=cls)
-            except Exception:
-                cls._plugin.clear()  # retried (and raised again) on next use
-                raise
-            finally:
-                cls._loading = False
+            cls._sources.clear()
+            # Each plugin's hook separately (pluggy's order: last registered first), so that every entry knows
+            # its plugin and a hook that raises is named.
+            for impl in getattr(get_plugin_manager().hook, cls.hook_name).get_hookimpls()[::-1]:
+                cls._loading = impl.plugin_name
+                try:
+                    impl.function(registry=cls)
+                except Exception as exc:
+                    cls._plugin.clear()  # retried (and raised again) on next use
+                    cls._sources.clear()
+                    raise PluginLoadError(
+                        f"{cls.hook_name}() of plugin {impl.plugin_name} raised {type(exc).__name__}: {exc}"
+                    ) from exc
+                finally:
+                    cls._loading = None
             cls._plugin_generation = generation
 
     @classmethod
     def _lookup(cls, name: str) -> Target | None:
+        name = cls._normalize(name)
         cls._ensure_plugins()
         with cls._lock:
             for table in (cls._script, cls._plugin, cls._builtin):
                 if name in table:
                     return table[name]
         return None
+
+    @classmethod
+    def source_of(cls, name: str) -> str:
+        """Who provides the entry ``name`` now: ``"script"``, ``"plugin <plugin>"`` (the pluggy name
+        ``group:entry point``), ``"builtin"``, or ``""`` when it is not registered."""
+        name = cls._normalize(name)
+        cls._ensure_plugins()
+        with cls._lock:
+            if name in cls._script:
+                return "script"
+            if name in cls._plugin:
+                return cls._sources.get(name, "plugin")
+            return "builtin" if name in cls._builtin else ""
 
     @classmethod
     def _names(cls) -> list[str]:
@@ -120,4 +153,5 @@ class HookFedRegistry:
         with cls._lock:
             cls._script.clear()
             cls._plugin.clear()
+            cls._sources.clear()
             cls._plugin_generation = None

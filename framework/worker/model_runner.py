@@ -61,6 +61,36 @@ class ModelRunner:
                 total += t.numel() * t.element_size()
         return total
 
+    @torch.inference_mode()
+    def profile_run(self) -> int:
+        """Peak activation bytes of the largest step: one forward pass over ``max_num_batched_tokens`` tokens
+        (as one causal sequence, without the KV cache) plus the logits and sampling probabilities of
+        ``max_num_seqs`` rows, measured with the platform's peak-memory statistics beyond what was allocated
+        before (the weights). Only called where ``Platform.supports_memory_profiling()``.
+        """
+        from tokenmill.platforms import get_current_platform
+
+        assert self.model is not None
+        platform = get_current_platform()
+        sched = self.config.scheduler_config
+        num_tokens = sched.max_num_batched_tokens
+        num_rows = max(1, min(sched.max_num_seqs, num_tokens))
+        platform.synchronize()
+        platform.empty_cache()
+        before = platform.get_current_memory_bytes()
+        platform.reset_peak_memory_stats()
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device) % max(1, self.config.model_config.max_model_len)
+        with set_forward_context(None):
+            hidden = self.model(input_ids, positions)
+        logits = self.model.compute_logits(hidden[:num_rows]).float()
+        torch.softmax(logits, dim=-1)
+        platform.synchronize()
+        peak = platform.get_peak_memory_bytes()
+        del hidden, logits
+        platform.empty_cache()
+        return max(0, peak - before)
+
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes one block takes across all attention layers of this rank."""
         per_layer = 0

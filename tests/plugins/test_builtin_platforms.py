@@ -139,5 +139,5 @@ def test_cuda_config_checks_tensor_parallel_size(cuda_build: pytest.MonkeyPatch)
     assert config.model_config.dtype == "bfloat16"
     assert config.device_config.device_type == "cuda"
     config.parallel_config.tensor_parallel_size = 4
-    with pytest.raises(ValueError, match="--tensor-parallel-size 4"):
+    with pytest.raises(ValueError, match="--tensor-parallel-size 4.*CUDA_VISIBLE_DEVICES"):
         CudaPlatform.check_and_update_config(config)

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.attention.backend import AttentionImpl
-from tokenmill.attention.backends.torch_paged import TorchPagedAttentionBackend, TorchPagedAttentionImpl
+from tokenmill.plugin_api import AttentionImpl, TorchPagedAttentionBackend, TorchPagedAttentionImpl
 from tokenmill_cpu import kernels
 
 
@@ -35,11 +34,13 @@ class CpuPagedAttentionImpl(TorchPagedAttentionImpl):
         super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window, logits_soft_cap)
         self.use_kernel = kernels.load()
 
-    def _decode(
+    def forward_decode(
         self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int
     ) -> torch.Tensor:
+        """The C++ kernel (:func:`tokenmill_cpu.kernels.paged_decode`) under the torch backend's decode contract
+        (:meth:`TorchPagedAttentionImpl.forward_decode`)."""
         if not self.use_kernel or kv_cache.device.type != "cpu":
-            return super()._decode(q, kv_cache, block_table, seq_lens, block_size)
+            return super().forward_decode(q, kv_cache, block_table, seq_lens, block_size)
         out = kernels.paged_decode(
             q.to(kv_cache.dtype), kv_cache, block_table.to(torch.int32).contiguous(), seq_lens.to(torch.int32),
             self.scale, self.sliding_window, self.logits_soft_cap,
