@@ -47,7 +47,7 @@ def main() -> None:
     seq_lens = torch.full((b,), args.context, dtype=torch.int32)
     q = torch.randn(b, args.num_heads, d, generator=g).to(dtype)
     impl = TorchPagedAttentionImpl(args.num_heads, d, d**-0.5, args.num_kv_heads)
-    compiled = torch.compile(impl._decode, dynamic=True)
+    compiled = torch.compile(impl.forward_decode, dynamic=True)
 
     with torch.inference_mode():
         ref = impl.forward_decode(q.double(), cache.double(), table, seq_lens, bs)
