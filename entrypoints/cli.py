@@ -104,6 +104,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.print_help()
             return 2
         _configure_logging()
+        if args.command not in ("serve", "plugins"):  # serve initialises as "api_server"; plugins only reports
+            from tokenmill.plugins import load_general_plugins
+
+            load_general_plugins("cli")
         return int(args.func(args) or 0)
     except (PlatformError, PluginLoadError) as exc:
         logging.getLogger("tokenmill.cli").debug("platform or plugin error", exc_info=True)

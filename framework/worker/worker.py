@@ -31,6 +31,9 @@ class Worker:
     def __init__(
         self, config: EngineConfig, local_rank: int = 0, rank: int = 0, distributed_init_method: str | None = None
     ) -> None:
+        from tokenmill.plugins import load_general_plugins
+
+        load_general_plugins("worker")  # a worker process or Ray actor; a no-op where the process already ran it
         self.config = config
         self.local_rank = local_rank
         self.rank = rank

@@ -173,7 +173,9 @@ class TorchPagedAttentionImpl(AttentionImpl):
             pos = (cols.unsqueeze(-1) * block_size + torch.arange(block_size, device=q.device)).reshape(num, span)
             valid = (pos < lens) & (pos >= lens - window)
         k_ctx = kv_cache[0][:, blocks].view(hkv, num, span, d)  # [Hkv, B, S, D]
-        v_ctx = kv_cache[1][:, blocks].view(hkv, num, span, d)
+        # Masked positions get probability 0, but 0 * NaN is NaN: values outside the context (block-table padding,
+        # stale slots, possibly another request's blocks) must not reach the output even if they are not finite.
+        v_ctx = kv_cache[1][:, blocks].view(hkv, num, span, d).masked_fill(~valid.view(1, num, span, 1), 0)
         qh = q.reshape(num, hkv, group, d).transpose(0, 1).to(k_ctx.dtype)  # [Hkv, B, G, D]
         cap = self.logits_soft_cap
         if torch.compiler.is_compiling():
