@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -50,8 +51,10 @@ def check_detect(t: ConformanceTarget) -> None:
     import the Platform class's module, and is cheap (a repeated call under 0.5 s)."""
     if t.plugin is None:
         raise ItemSkipped("a Platform class was given, not an installed plugin: no detector to check")
+    env = dict(os.environ)  # the child sees the plugins installed where this process sees them
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
     proc = subprocess.run([sys.executable, "-c", _DETECT_SCRIPT, t.plugin.entry_point], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, env=env)
     if proc.returncode != 0:
         raise ContractFailure(f"detect() failed in a fresh process (exit {proc.returncode}):\n"
                               + "\n".join(proc.stderr.strip().splitlines()[-4:]))

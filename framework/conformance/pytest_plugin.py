@@ -6,6 +6,7 @@ asked::
     pytest --tokenmill-platform mychip                  # one test per contract item
     pytest --tokenmill-platform mychip --tokenmill-device emulate
     pytest --tokenmill-platform mychip --tokenmill-attention-backend MYCHIP_FLASH
+    pytest --tokenmill-platform mychip --tokenmill-items detect,kv_cache
 
 Each contract item becomes a test named ``tokenmill-conformance[mychip]::<item>``: it passes, fails with the
 item's message, or is skipped when the platform does not claim the feature. The items share one run's state
@@ -29,6 +30,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="Real device, emulated device, or auto (the plugin's detect() decides).")
     group.addoption("--tokenmill-attention-backend", default=None, metavar="NAME",
                     help="Check this registered attention backend instead of the platform's choice.")
+    group.addoption("--tokenmill-items", default=None, metavar="ITEM,ITEM",
+                    help="Only these contract items (comma-separated ids).")
 
 
 class ConformanceItem(pytest.Item):
@@ -78,8 +81,13 @@ class ConformanceCollector(pytest.Collector):
     def collect(self) -> list[pytest.Item]:
         from tokenmill.conformance.kit import CONTRACT_ITEMS
 
-        return [ConformanceItem.from_parent(self, name=item, platform=self.platform, item=item)
-                for item in CONTRACT_ITEMS]
+        only = self.config.getoption("tokenmill_items")
+        wanted = [i.strip() for i in only.split(",") if i.strip()] if only else list(CONTRACT_ITEMS)
+        unknown = [i for i in wanted if i not in CONTRACT_ITEMS]
+        if unknown:
+            raise pytest.UsageError(f"--tokenmill-items: unknown item(s) {', '.join(unknown)}; items: "
+                                    f"{', '.join(CONTRACT_ITEMS)}")
+        return [ConformanceItem.from_parent(self, name=item, platform=self.platform, item=item) for item in wanted]
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:

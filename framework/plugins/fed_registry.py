@@ -86,9 +86,11 @@ class HookFedRegistry:
                 return
             cls._plugin.clear()
             cls._sources.clear()
-            # Each plugin's hook separately (pluggy's order: last registered first), so that every entry knows
-            # its plugin and a hook that raises is named.
-            for impl in getattr(get_plugin_manager().hook, cls.hook_name).get_hookimpls()[::-1]:
+            # Each plugin's hook separately, so that every entry knows its plugin and a hook that raises is named;
+            # in load order (platform plugins, then general plugins, each by distribution name), so a plugin
+            # loaded later replaces an earlier one's entry of the same name (with a warning): a general plugin can
+            # override what a platform plugin registers.
+            for impl in getattr(get_plugin_manager().hook, cls.hook_name).get_hookimpls():
                 cls._loading = impl.plugin_name
                 try:
                     impl.function(registry=cls)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tokenmill.attention.registry import AttentionBackendRegistry
+from tokenmill.layers.custom_op import CustomOpRegistry
 from tokenmill.model_loader import ModelRegistry
 from tokenmill.platforms import reset_current_platform
 from tokenmill.plugins import reset_for_tests
@@ -52,6 +53,7 @@ def _reset_all(search_path: list[Path] | None = None) -> None:
     reset_current_platform()
     ModelRegistry.reset_for_tests()
     AttentionBackendRegistry.reset_for_tests()
+    CustomOpRegistry.reset_for_tests()
 
 
 @dataclass
@@ -80,6 +82,10 @@ class FakeSite:
             lines.append("")
         (info / "entry_points.txt").write_text("\n".join(lines))
         _reset_all([self.root])
+
+    def use_all_distributions(self) -> None:
+        """Discover entry points everywhere on ``sys.path`` (the installed plugins and this site's fakes)."""
+        _reset_all()
 
     def add_platform_plugin(self, dist_name: str, ep_name: str, detect_body: str, name: str | None = None) -> str:
         """A platform distribution whose detect() runs ``detect_body`` (indented code). Returns the module."""
