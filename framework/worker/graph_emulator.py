@@ -110,6 +110,10 @@ class _Recorder(TorchDispatchMode):
         packet = getattr(func, "_overloadpacket", None)
         op_name = getattr(packet, "__name__", str(func))
         reason = _REFUSED.get(op_name)
+        if op_name in ("index", "index_put", "index_put_", "_index_put_impl_") and len(args) > 1 and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ())
+        ):
+            reason = "indexes with a boolean mask, which sizes its work by the data (masked_fill / where do not)"
         if reason is not None and not (op_name == "repeat_interleave" and kwargs.get("output_size") is not None):
             raise GraphCaptureError(
                 f"graph capture: {func} {reason}; a device graph cannot contain it. Move it out of the captured "
@@ -159,6 +163,34 @@ def _record_triton_launches(recorder: _Recorder) -> Iterator[None]:
         interpreter.GridExecutor.__call__ = original  # type: ignore[method-assign]
 
 
+@contextlib.contextmanager
+def _refuse_host_copies(recorder: _Recorder) -> Iterator[None]:
+    """``Tensor.tolist()`` / ``.numpy()`` of a CPU tensor bypass the dispatcher; on a GPU they copy to the host
+    and synchronise, so while capturing they are refused like ``.item()`` (except inside a Triton launch)."""
+    originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
+
+    def refusing(name: str) -> Callable[..., Any]:
+        original = originals[name]
+
+        def method(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if not recorder.paused:
+                raise GraphCaptureError(
+                    f"graph capture: Tensor.{name}() reads device values on the host; a device graph cannot contain "
+                    "it. Move it out of the captured forward pass or compute it on the device without a host read."
+                )
+            return original(self, *args, **kwargs)
+
+        return method
+
+    for name in originals:
+        setattr(torch.Tensor, name, refusing(name))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
 class EmulatedGraphCapture(GraphCapture):
     """Records the aten operations (and interpreted Triton launches) of one forward pass; replays only those.
 
@@ -182,7 +214,7 @@ class EmulatedGraphCapture(GraphCapture):
             GraphCaptureError: ``fn`` did something a device graph cannot record.
         """
         recorder = _Recorder()
-        with _record_triton_launches(recorder), recorder:
+        with _record_triton_launches(recorder), _refuse_host_copies(recorder), recorder:
             output = fn()
         if not isinstance(output, torch.Tensor):
             raise GraphCaptureError(f"graph capture: the captured function returned {type(output).__name__}, "
