@@ -99,8 +99,9 @@ class FakeSite:
 @pytest.fixture
 def clean_plugin_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """No TOKENMILL_PLUGINS / TOKENMILL_PLATFORM, fresh plugin manager, platform and registries."""
-    monkeypatch.delenv("TOKENMILL_PLUGINS", raising=False)
-    monkeypatch.delenv("TOKENMILL_PLATFORM", raising=False)
+    for name in ("TOKENMILL_PLUGINS", "TOKENMILL_PLATFORM", "TOKENMILL_ATTENTION_BACKEND"):
+        monkeypatch.setenv(name, "")  # recorded, so a value a test sets (set_current_platform does) is undone
+        monkeypatch.delenv(name)
     _reset_all()
     yield
     _reset_all()
