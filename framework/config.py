@@ -148,6 +148,8 @@ class EngineConfig:
         enforce_eager: no device graphs and no ``torch.compile`` (every step eager).
         attention_backend: registered attention-backend name the user asked for (``--attention-backend``), or
             ``None``: the platform chooses (see :mod:`tokenmill.attention.selector`).
+        logits_processors: ``"module:Class"`` paths (or classes, in-process) of logits processors run besides
+            the ones plugins register (see :mod:`tokenmill.worker.logits_processor`).
     """
 
     model_config: ModelConfig
@@ -157,3 +159,4 @@ class EngineConfig:
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     enforce_eager: bool = False
     attention_backend: str | None = None
+    logits_processors: list[Any] = field(default_factory=list)

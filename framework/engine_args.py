@@ -74,6 +74,7 @@ class EngineArgs:
     enforce_eager: bool = False
     platform: str | None = None
     attention_backend: str | None = None
+    logits_processors: list[Any] | None = None
     trust_remote_code: bool = False
     quantization: str | None = None
 
@@ -108,6 +109,8 @@ class EngineArgs:
         g.add_argument("--attention-backend", default=d.attention_backend,
                        help="Registered attention backend to use instead of the platform's choice (e.g. "
                             "TORCH_PAGED); also TOKENMILL_ATTENTION_BACKEND. `tokenmill plugins` lists them.")
+        g.add_argument("--logits-processors", nargs="+", default=d.logits_processors, metavar="MODULE:CLASS",
+                       help="Logits processors to run besides those plugins register (see docs/plugins.md).")
         g.add_argument("--trust-remote-code", action="store_true", default=d.trust_remote_code)
         g.add_argument("--quantization", "-q", default=d.quantization, choices=list(QUANTIZATION_METHODS),
                        help="Quantized weights used for small batches (faster decode): int8 or int4 (CPU: GGUF Q8_0 / "
@@ -207,6 +210,7 @@ class EngineArgs:
             device_config=DeviceConfig(platform=platform.name, device_type=platform.device_type),
             enforce_eager=self.enforce_eager,
             attention_backend=attention_backend,
+            logits_processors=list(self.logits_processors or []),
         )
         platform.check_and_update_config(config)
         return config

@@ -27,6 +27,8 @@ Contents, by what a plugin does with them:
   emulator tests use), :class:`GraphCaptureError`;
 * kernels a platform may replace: :class:`QuantizedWeight` (``--quantization``), :class:`FusedMoEMethod`,
   :class:`CustomOp` / :class:`CustomOpRegistry` / :data:`CUSTOM_OPS` (RMSNorm, rotary, activations, ...);
+* sampling: :class:`LogitsProcessor`, :class:`LogitsProcessorBatch`, :class:`LogitsProcessorRegistry`,
+  :class:`SamplingParams` (its ``extra_args`` reach the processors);
 * models: :class:`ModelRegistry`, the contract :class:`CausalLM`, every layer of ``tokenmill.layers``
   (:class:`Attention`, the tensor-parallel linear layers, :class:`RMSNorm`, :func:`get_rope`, the decoder
   blocks), the weight loader (:func:`load_checkpoint_weights`, :func:`default_weight_loader`,
@@ -99,6 +101,11 @@ _LAZY: dict[str, str] = {
     "CustomOp": "tokenmill.layers.custom_op",
     "CustomOpRegistry": "tokenmill.layers.custom_op",
     "CUSTOM_OPS": "tokenmill.layers.custom_op",
+    # sampling
+    "LogitsProcessor": "tokenmill.worker.logits_processor",
+    "LogitsProcessorBatch": "tokenmill.worker.logits_processor",
+    "LogitsProcessorRegistry": "tokenmill.worker.logits_processor",
+    "SamplingParams": "tokenmill.sampling_params",
     # models
     "ModelRegistry": "tokenmill.model_loader.registry",
     "CausalLM": "tokenmill.model_contract",
@@ -153,7 +160,9 @@ if TYPE_CHECKING:
     from tokenmill.plugins.manager import PluginLoadError
     from tokenmill.plugins.qualname import resolve_qualname
     from tokenmill.worker.graph_emulator import EmulatedGraphCapture, GraphCaptureError
+    from tokenmill.sampling_params import SamplingParams
     from tokenmill.worker.graph_runner import GraphCapture
+    from tokenmill.worker.logits_processor import LogitsProcessor, LogitsProcessorBatch, LogitsProcessorRegistry
 
 
 def __getattr__(name: str) -> Any:

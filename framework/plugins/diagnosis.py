@@ -70,6 +70,7 @@ def collect_diagnosis(model: str | None = None) -> dict[str, Any]:
         out["custom_ops"] = _custom_ops(platform_cls)
         out["quantization_methods"] = _quant_methods(platform_cls)
         out["tool_parsers"] = _tool_parsers()
+        out["logits_processors"] = _logits_processors()
         if platform_cls is not None:
             try:
                 out["kernel_info"] = dict(platform_cls.kernel_info())
@@ -207,6 +208,15 @@ def _tool_parsers() -> dict[str, Any]:
         return {"error": _error(exc)}
 
 
+def _logits_processors() -> dict[str, Any]:
+    from tokenmill.worker.logits_processor import LogitsProcessorRegistry
+
+    try:
+        return _registry(LogitsProcessorRegistry, LogitsProcessorRegistry.get_names())
+    except Exception as exc:  # noqa: BLE001
+        return {"error": _error(exc)}
+
+
 def format_diagnosis(d: dict[str, Any]) -> str:
     """The report for people (what ``tokenmill plugins`` prints)."""
     lines = [f"tokenmill {d['tokenmill_version']}, plugin API {d['plugin_api_version']}", "", "Plugin distributions:"]
@@ -271,6 +281,7 @@ def format_diagnosis(d: dict[str, Any]) -> str:
     table("Custom ops", d["custom_ops"])
     table("Quantization methods", d["quantization_methods"])
     table("Tool parsers", d["tool_parsers"])
+    table("Logits processors", d["logits_processors"])
     lines += ["", "Warnings:" if d["warnings"] else "Warnings: none"]
     lines.extend(f"  - {w}" for w in d["warnings"])
     return "\n".join(lines)

@@ -80,3 +80,12 @@ def tokenmill_init_process(process: str) -> None:
             core in its own process), ``"worker"`` (a tensor-parallel worker process or Ray actor),
             ``"offline"`` (a script using ``tokenmill.LLM``) or ``"cli"`` (other ``tokenmill`` commands).
     """
+
+
+@hookspec
+def tokenmill_register_logits_processors(registry: Any) -> None:
+    """Register logits processors that every engine runs before sampling: call
+    ``registry.register_logits_processor(name, "module:Class")`` with a subclass of
+    :class:`tokenmill.plugin_api.LogitsProcessor` (it reads per-request settings from
+    ``SamplingParams.extra_args``). ``registry`` is :class:`tokenmill.plugin_api.LogitsProcessorRegistry`.
+    """

@@ -14,6 +14,7 @@ from tokenmill.model_loader.loader import get_model, str_to_dtype
 from tokenmill.worker.compiled_runner import CompiledRunner
 from tokenmill.worker.graph_runner import GraphRunner
 from tokenmill.worker.input_batch import CachedRequestState, build_batch_inputs, build_sampling_metadata
+from tokenmill.worker.logits_processor import LogitsProcessorBatch, apply_logits_processors, build_logits_processors
 from tokenmill.worker.sampler import Sampler, gather_logprobs
 
 LogprobEntry = tuple[list[int], list[float], int]
@@ -45,6 +46,7 @@ class ModelRunner:
         self.vocab_size = config.model_config.vocab_size
         self.graph_runner: GraphRunner | None = None  # device graphs for decode steps (platform-provided)
         self.compiled_runner: CompiledRunner | None = None  # torch.compile'd forward passes
+        self.logits_processors = build_logits_processors(config, device)  # plugins' and --logits-processors
 
     def load_model(self) -> None:
         self.model = get_model(self.config.model_config, self.device)
@@ -168,6 +170,8 @@ class ModelRunner:
         if sample_rows:
             rows = torch.tensor(sample_rows, device=self.device)
             logits = self.model.compute_logits(hidden[batch.logits_indices[rows]])
+            if self.logits_processors:
+                logits = self._process_logits(logits, [states[i] for i in sample_rows])
             sample_states = [states[i] for i in sample_rows]
             md = build_sampling_metadata(sample_states, self.vocab_size, self.device)
             out = self.sampler(logits, md)
@@ -187,6 +191,16 @@ class ModelRunner:
         return ModelRunnerOutput(
             req_ids=req_ids, sampled_token_ids=sampled_ids, logprobs=logprobs, prompt_logprobs=prompt_logprobs
         )
+
+    def _process_logits(self, logits: torch.Tensor, states: list[CachedRequestState]) -> torch.Tensor:
+        batch = LogitsProcessorBatch(
+            req_ids=[s.req_id for s in states],
+            sampling_params=[s.sampling_params for s in states],
+            prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] for s in states],
+            output_token_ids=[s.token_ids[s.num_prompt_tokens :] for s in states],
+        )
+        all_greedy = all(s.sampling_params.temperature < 1e-5 for s in states)
+        return apply_logits_processors(self.logits_processors, logits, batch, all_greedy)
 
     def _accumulate_prompt_logprobs(
         self,

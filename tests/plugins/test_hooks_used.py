@@ -181,3 +181,67 @@ def test_rotary_and_activation_overrides_reach_every_layer(clean_plugin_state: N
     assert type(get_act_and_mul("silu")) is MySilu
     x = torch.randn(3, 8)
     assert torch.equal(get_act_and_mul("silu")(x), SiluAndMul.forward_native(MySilu(), x))
+
+
+PROCESSORS = """
+import torch
+
+from tokenmill.plugin_api import LogitsProcessor, hookimpl
+
+CALLS = {"ban": 0, "noop": 0}
+
+
+class BanTokens(LogitsProcessor):
+    def apply(self, logits, batch):
+        CALLS["ban"] += 1
+        for row, params in enumerate(batch.sampling_params):
+            banned = (params.extra_args or {}).get("ban")
+            if banned:
+                logits[row, torch.tensor(banned)] = float("-inf")
+        return logits
+
+
+class ArgmaxInvariant(LogitsProcessor):
+    def is_argmax_invariant(self):
+        return True
+
+    def apply(self, logits, batch):
+        CALLS["noop"] += 1
+        return logits
+
+
+@hookimpl
+def tokenmill_register_logits_processors(registry):
+    registry.register_logits_processor("ban_tokens", __name__ + ":BanTokens")
+"""
+
+
+def test_logits_processor_plugin_acts_on_the_requests_that_ask(fake_site: FakeSite, tiny_llama_dir: str) -> None:
+    import sys
+
+    from tokenmill.engine.messages import EngineCoreRequest
+    from tokenmill.plugins.diagnosis import collect_diagnosis
+    from tokenmill.sampling_params import SamplingParams
+
+    module = fake_site.unique_module("processors")
+    fake_site.add_module(module, PROCESSORS)
+    fake_site.add_distribution("fake-processors", {"tokenmill.plugins": {"processors": module}})
+    fake_site.use_all_distributions()
+    want = hf_greedy(tiny_llama_dir, PROMPTS[:2], 5)
+    args = EngineArgs(model=tiny_llama_dir, dtype="float32", block_size=4, num_gpu_blocks_override=64,
+                      logits_processors=[f"{module}:ArgmaxInvariant"])
+    core = EngineCore(args.create_engine_config())
+    plain = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    banned = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, extra_args={"ban": [want[1][0]]})
+    core.add_request(EngineCoreRequest("plain", PROMPTS[0], plain))
+    core.add_request(EngineCoreRequest("banned", PROMPTS[1], banned))
+    outs: dict[str, list[int]] = {"plain": [], "banned": []}
+    while core.has_unfinished_requests():
+        for o in core.step().outputs:
+            outs[o.request_id] += o.new_token_ids
+    calls = sys.modules[module].CALLS
+    assert outs["plain"] == want[0]  # a request that asks for nothing is untouched
+    assert outs["banned"][0] != want[1][0] and want[1][0] not in outs["banned"]
+    assert calls["ban"] > 0 and calls["noop"] == 0  # all-greedy steps skip argmax-invariant work (vLLM's rule)
+    report = collect_diagnosis()
+    assert report["logits_processors"]["ban_tokens"]["source"] == "plugin tokenmill.plugins:processors"
