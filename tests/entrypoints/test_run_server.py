@@ -33,6 +33,8 @@ from tests.entrypoints.fake_engine import FakeAsyncLLM
 class AsyncLLM(FakeAsyncLLM):
     @classmethod
     def from_engine_args(cls, engine_args):
+        if os.environ.get("FAKE_STARTING_FILE"):  # the server's signal handlers are installed by now
+            open(os.environ["FAKE_STARTING_FILE"], "w").close()
         time.sleep(float(os.environ.get("FAKE_START_S", "0")))
         engine = cls(max_model_len=engine_args.max_model_len or 128,
                      delay_s=float(os.environ.get("FAKE_DELAY_S", "0")))
@@ -226,9 +228,13 @@ def test_api_key_from_environment_variable() -> None:
         assert proc.finish() == 0
 
 
-def test_sigterm_during_engine_start() -> None:
-    with launch(env={"FAKE_START_S": "30"}) as proc:
-        time.sleep(3)  # interpreter up, engine "starting"
+def test_sigterm_during_engine_start(tmp_path) -> None:
+    marker = tmp_path / "starting"
+    with launch(env={"FAKE_START_S": "30", "FAKE_STARTING_FILE": str(marker)}) as proc:
+        deadline = time.monotonic() + 60  # imports take seconds, more on a loaded machine
+        while not marker.exists():
+            assert proc.process.poll() is None and time.monotonic() < deadline, proc.finish()
+            time.sleep(0.1)
         start = time.monotonic()
         proc.process.send_signal(signal.SIGTERM)
         assert proc.finish() == 0, proc.output
