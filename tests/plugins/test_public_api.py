@@ -147,3 +147,27 @@ def test_a_plugin_whose_requirement_is_met_loads(fake_site: FakeSite) -> None:
     fake_site.add_module(module, PLATFORM_WITH_REQUIREMENT.format(requirement=api.VERSION))
     fake_site.add_distribution("tokenmill-newchip", {"tokenmill.platforms": {"newchip": module}})
     assert [s.name for s in get_platform_specs()] == ["newchip"]
+
+
+def test_every_hook_is_documented_for_plugin_authors() -> None:
+    import inspect
+
+    from tokenmill.plugins import hookspecs
+
+    docs = (ROOT / "docs/plugins.md").read_text()
+    hooks = [n for n, f in inspect.getmembers(hookspecs, inspect.isfunction) if n.startswith("tokenmill_")]
+    assert len(hooks) >= 7
+    missing = [h for h in hooks if f"`{h}(" not in docs]
+    assert not missing, f"hooks not described in docs/plugins.md: {missing}"
+
+
+def test_docs_and_docstrings_stand_alone() -> None:
+    """No pointer to a design document users do not have."""
+    offenders = []
+    for folder in ("docs", "framework", "models", "entrypoints", "plugins", "examples"):
+        for path in (ROOT / folder).rglob("*"):
+            if path.suffix in (".py", ".md", ".toml") and "build" not in path.parts:
+                text = path.read_text(errors="replace")
+                if "DESIGN.md" in text or "../shared" in text:
+                    offenders.append(str(path.relative_to(ROOT)))
+    assert not offenders, offenders
