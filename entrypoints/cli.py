@@ -55,6 +55,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     from tokenmill.entrypoints.openai.launcher import run_server
     from tokenmill.model_loader.default_model import DefaultModelMissingError
 
+    from tokenmill.engine.core_client import EngineCoreStartError
     from tokenmill.plugins import load_general_plugins
 
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
@@ -63,7 +64,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     try:
         load_general_plugins("api_server")
         return run_server(args)
-    except (OSError, ValueError, DefaultModelMissingError) as exc:
+    except (OSError, ValueError, DefaultModelMissingError, EngineCoreStartError) as exc:
         # Bad input from the user (model path, port in use, flag value): a message, not a traceback.
         logging.getLogger("tokenmill.serve").debug("startup failed", exc_info=True)
         print(f"tokenmill serve: error: {exc}", file=sys.stderr)

@@ -60,6 +60,10 @@ def resolve_engine_core_cls(spec: str | type | None) -> type:
     return spec
 
 
+
+class EngineCoreStartError(RuntimeError):
+    """The engine core reported an error while starting (a bad model, plugin or setting); the message carries it."""
+
 class EngineCoreClient:
     """Interface of the front end's link to the engine core.
 
@@ -220,7 +224,7 @@ class AsyncMPClient(EngineCoreClient):
                     ready = msgspec.msgpack.decode(frames[2], type=ReadyMessage)
                     if ready.error is not None:
                         self.proc.join(5)
-                        raise RuntimeError(f"Engine core failed to start: {ready.error}")
+                        raise EngineCoreStartError(f"Engine core failed to start: {ready.error}")
                     self._identity = frames[0]
                     if ready.num_gpu_blocks is not None:
                         self.engine_config.cache_config.num_gpu_blocks = ready.num_gpu_blocks

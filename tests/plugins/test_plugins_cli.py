@@ -97,11 +97,25 @@ def _cli(args: list[str], env_extra: dict[str, str], pythonpath: str | None = No
                           text=True, env=env, timeout=120)
 
 
-@pytest.mark.parametrize("case", ["no_platform", "conflict", "detector_raises"])
-def test_serve_platform_errors_are_one_clean_line(case: str, tiny_llama_dir: str, fake_site: FakeSite) -> None:
+@pytest.mark.parametrize("case", ["no_platform", "conflict", "detector_raises", "unknown_architecture"])
+def test_serve_platform_errors_are_one_clean_line(case: str, tiny_llama_dir: str, fake_site: FakeSite,
+                                                  tmp_path) -> None:  # noqa: ANN001
     env: dict[str, str] = {}
     path = None
-    if case == "no_platform":
+    model = tiny_llama_dir
+    if case == "unknown_architecture":  # reported by the engine-core process, said by the front end
+        import shutil
+
+        from tests.engine.engine_fakes import byte_level_tokenizer
+
+        model = str(tmp_path / "nope")
+        shutil.copytree(tiny_llama_dir, model)
+        config = json.loads((tmp_path / "nope" / "config.json").read_text())
+        config["architectures"] = ["NopeForCausalLM"]
+        (tmp_path / "nope" / "config.json").write_text(json.dumps(config))
+        byte_level_tokenizer().save_pretrained(model)
+        expected = "not supported by tokenmill"
+    elif case == "no_platform":
         env["TOKENMILL_PLUGINS"] = "builtin_models"  # no platform plugin loaded
         expected = "no tokenmill platform plugin is installed"
     elif case == "conflict":
@@ -111,8 +125,8 @@ def test_serve_platform_errors_are_one_clean_line(case: str, tiny_llama_dir: str
         fake_site.add_platform_plugin("fake-gamma", "gamma", "raise RuntimeError('driver exploded')")
         path = str(fake_site.root)
         expected = "detector raised"
-    proc = _cli(["serve", tiny_llama_dir, "--port", "0"], env, path)
+    proc = _cli(["serve", model, "--port", "0"], env, path)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("tokenmill: error:")]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith(("tokenmill: error:", "tokenmill serve: error:"))]
     assert errors and expected in proc.stderr, proc.stderr[-2000:]
