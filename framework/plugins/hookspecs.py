@@ -4,7 +4,7 @@ A plugin is a module named by an entry point. Platform plugins (group ``tokenmil
 :func:`tokenmill_platform`; every other hook belongs in a module of group ``tokenmill.plugins``. Hook
 functions are plain module-level functions decorated with :data:`hookimpl`::
 
-    from tokenmill.plugins import hookimpl
+    from tokenmill.plugin_api import hookimpl
 
     @hookimpl
     def tokenmill_register_models(registry):

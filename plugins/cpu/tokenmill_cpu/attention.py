@@ -1,6 +1,7 @@
 """CpuPagedAttentionBackend: the torch paged backend with decode attention in tokenmill-cpu's C++ kernel.
 
-Same cache layout and prefill path as ``tokenmill.attention.backends.torch_paged``; one-token queries (pure
+Same cache layout and prefill path as tokenmill's ``TorchPagedAttentionBackend`` (this is its documented
+extension point, ``forward_decode``); one-token queries (pure
 decode steps, and the decodes of mixed steps) go to :func:`tokenmill_cpu.kernels.paged_decode`, which reads
 the cache blocks in place (sliding windows and logit soft caps included). When the kernel cannot be built the backend behaves exactly like the torch one.
 """
