@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 QUANTIZATION_METHODS = ("int8", "int4")  # see tokenmill.layers.quantization
+COMPILE_MODES = ("background", "blocking")  # see tokenmill.worker.compiled_runner
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -114,17 +115,48 @@ class SchedulerConfig:
     policy: str = "fcfs"
 
 
+DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+DATA_PARALLEL_BACKENDS = ("mp", "ray")
+DATA_PARALLEL_ROUTING = ("least-loaded", "prefix-aware")
+
+
 @dataclass
 class ParallelConfig:
-    """How the model is split across workers.
+    """How the model is split across workers, and how many engine cores serve it.
+
+    Ranks of one engine core: ``world_size = pipeline_parallel_size * tensor_parallel_size`` workers; global
+    rank ``r`` is tensor-parallel rank ``r % tensor_parallel_size`` of pipeline stage
+    ``r // tensor_parallel_size`` (vLLM's layout), so the ranks of one stage are neighbours.
 
     Attributes:
-        tensor_parallel_size: number of tensor-parallel ranks.
-        distributed_executor_backend: ``"uni"``, ``"mp"`` or ``"ray"`` (``None``: uni for one rank, else mp).
+        tensor_parallel_size: ranks that split every layer (heads, MLP columns) of one stage.
+        pipeline_parallel_size: stages that split the layers; each holds a contiguous range of decoder layers
+            (the first also the embedding, the last also the final norm and the LM head).
+        data_parallel_size: independent engine cores (each with its own scheduler, KV cache and
+            ``world_size`` workers) behind one front end.
+        distributed_executor_backend: ``"uni"``, ``"mp"`` or ``"ray"`` (``None``: uni for one rank, else mp;
+            ray when ``data_parallel_backend`` is ray and there is more than one rank).
+        data_parallel_backend: ``"mp"`` (engine cores are local processes) or ``"ray"`` (Ray actors, placed
+            on the cluster with one placement group per engine core).
+        data_parallel_routing: ``"least-loaded"`` (queue length, then KV-cache usage) or ``"prefix-aware"``
+            (requests sharing a prompt prefix go to the engine that saw it, unless it is much busier).
+        data_parallel_rank: index of this engine core among the ``data_parallel_size`` (set per engine core).
+        ray_address: Ray cluster to join (``None``: ``$RAY_ADDRESS``, else a local cluster is started).
     """
 
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    data_parallel_backend: str = "mp"
+    data_parallel_routing: str = "least-loaded"
+    data_parallel_rank: int = 0
+    ray_address: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        """Workers of one engine core (tensor x pipeline ranks)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass
@@ -160,3 +192,5 @@ class EngineConfig:
     enforce_eager: bool = False
     attention_backend: str | None = None
     logits_processors: list[Any] = field(default_factory=list)
+    # "blocking": compile before serving; "background": serve eagerly and swap compiled graphs in when ready.
+    compile_mode: str = "blocking"

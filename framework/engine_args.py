@@ -15,6 +15,10 @@ from typing import Any
 import logging
 
 from tokenmill.config import (
+    COMPILE_MODES,
+    DATA_PARALLEL_BACKENDS,
+    DATA_PARALLEL_ROUTING,
+    DISTRIBUTED_EXECUTOR_BACKENDS,
     QUANTIZATION_METHODS,
     CacheConfig,
     DeviceConfig,
@@ -69,9 +73,15 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    data_parallel_backend: str = "mp"
+    data_parallel_routing: str = "least-loaded"
+    ray_address: str | None = None
     seed: int = 0
     enforce_eager: bool = False
+    compile_mode: str | None = None
     platform: str | None = None
     attention_backend: str | None = None
     logits_processors: list[Any] | None = None
@@ -99,11 +109,34 @@ class EngineArgs:
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=d.enable_prefix_caching)
         g.add_argument("--num-gpu-blocks-override", type=int, default=d.num_gpu_blocks_override)
-        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size)
+        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                       help="Ranks that split every layer of one pipeline stage.")
+        g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=d.pipeline_parallel_size,
+                       help="Pipeline stages that split the layers (micro-batches keep every stage busy).")
+        g.add_argument("--data-parallel-size", "-dp", type=int, default=d.data_parallel_size,
+                       help="Engine cores behind this server, each with its own KV cache and workers.")
         g.add_argument("--distributed-executor-backend", default=d.distributed_executor_backend,
-                       choices=["uni", "mp", "ray"])
+                       choices=list(DISTRIBUTED_EXECUTOR_BACKENDS),
+                       help="How one engine core runs its ranks: uni (in process, one rank), mp (local "
+                            "processes; default for more than one rank) or ray (Ray actors in a placement group).")
+        g.add_argument("--data-parallel-backend", "-dpb", default=d.data_parallel_backend,
+                       choices=list(DATA_PARALLEL_BACKENDS),
+                       help="Engine cores as local processes (mp) or Ray actors placed on the cluster (ray).")
+        g.add_argument("--data-parallel-routing", default=d.data_parallel_routing,
+                       choices=list(DATA_PARALLEL_ROUTING),
+                       help="How requests are spread over the engine cores: least-loaded (queue length, then "
+                            "KV-cache usage) or prefix-aware (same prompt prefix -> same engine core).")
+        g.add_argument("--ray-address", default=d.ray_address,
+                       help="Ray cluster to join, e.g. 10.0.0.1:6379 (default: $RAY_ADDRESS, else a local "
+                            "cluster is started).")
         g.add_argument("--seed", type=int, default=d.seed)
         g.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager)
+        g.add_argument("--compile-mode", default=d.compile_mode, choices=list(COMPILE_MODES),
+                       help="When torch.compile'd forward passes are made (platforms that compile, e.g. the CPU): "
+                            "background = serve eagerly at once and switch each step kind to its compiled graph "
+                            "when ready (default of `tokenmill serve`); blocking = compile before the engine "
+                            "accepts requests (default elsewhere). Compiled graphs are cached on disk "
+                            "(TOKENMILL_CACHE_DIR), so later starts load them.")
         g.add_argument("--platform", default=d.platform,
                        help="Platform plugin to use (skips detection); also TOKENMILL_PLATFORM.")
         g.add_argument("--attention-backend", default=d.attention_backend,
@@ -177,9 +210,11 @@ class EngineArgs:
                 known = ", ".join(AttentionBackendRegistry.get_backend_names())
                 raise ValueError(f"attention_backend: unknown attention backend {attention_backend!r}; "
                                  f"registered: {known}")
-        for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):
+        for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "pipeline_parallel_size",
+                     "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        parallel_config = self._create_parallel_config()
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         model_config = self.create_model_config()
@@ -203,17 +238,58 @@ class EngineArgs:
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 policy=self.scheduling_policy,
             ),
-            parallel_config=ParallelConfig(
-                tensor_parallel_size=self.tensor_parallel_size,
-                distributed_executor_backend=self.distributed_executor_backend,
-            ),
+            parallel_config=parallel_config,
             device_config=DeviceConfig(platform=platform.name, device_type=platform.device_type),
             enforce_eager=self.enforce_eager,
             attention_backend=attention_backend,
             logits_processors=list(self.logits_processors or []),
+            compile_mode=self.compile_mode or "blocking",
         )
+        num_layers = model_config.num_layers
+        if self.pipeline_parallel_size > num_layers:
+            raise ValueError(
+                f"pipeline_parallel_size: {self.pipeline_parallel_size} stages but the model has only "
+                f"{num_layers} layers (each stage needs at least one)"
+            )
         platform.check_and_update_config(config)
         return config
+
+    def _create_parallel_config(self) -> ParallelConfig:
+        """The parallel layout, with the executor backend resolved.
+
+        Raises:
+            ValueError: an unknown backend or routing policy, or ``uni`` with more than one rank.
+        """
+        if self.data_parallel_backend not in DATA_PARALLEL_BACKENDS:
+            raise ValueError(f"data_parallel_backend: must be one of {DATA_PARALLEL_BACKENDS}, "
+                             f"got {self.data_parallel_backend!r}")
+        if self.data_parallel_routing not in DATA_PARALLEL_ROUTING:
+            raise ValueError(f"data_parallel_routing: must be one of {DATA_PARALLEL_ROUTING}, "
+                             f"got {self.data_parallel_routing!r}")
+        world = self.tensor_parallel_size * self.pipeline_parallel_size
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend: must be one of {DISTRIBUTED_EXECUTOR_BACKENDS}, "
+                             f"got {backend!r}")
+        if backend is None:
+            if world == 1:
+                backend = "uni"
+            else:
+                backend = "ray" if self.data_parallel_backend == "ray" or self.ray_address else "mp"
+        if backend == "uni" and world > 1:
+            raise ValueError(
+                f"distributed_executor_backend: 'uni' runs one rank, but tensor_parallel_size x "
+                f"pipeline_parallel_size = {world}; use 'mp' or 'ray'"
+            )
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            data_parallel_size=self.data_parallel_size,
+            distributed_executor_backend=backend,
+            data_parallel_backend=self.data_parallel_backend,
+            data_parallel_routing=self.data_parallel_routing,
+            ray_address=self.ray_address or os.environ.get("RAY_ADDRESS") or None,
+        )
 
     def replace(self, **changes: Any) -> EngineArgs:
         return dataclasses.replace(self, **changes)

@@ -15,21 +15,24 @@ from typing import Any
 class ForwardContext:
     """Attributes:
     attn_metadata: the attention backend's metadata for this step (``None`` for a dummy run without cache).
+    attn_layers: the running model's attention layers by ``Attention.op_key``, where the
+        ``tokenmill::attention`` custom op finds its layer (set with ``opaque_attention``).
     opaque_attention: attention layers call the ``tokenmill::attention`` custom op, which torch.compile
         keeps as one opaque call (the backend's Python runs inside it), instead of the backend directly.
     """
 
     attn_metadata: Any
     opaque_attention: bool = False
+    attn_layers: Any = None
 
 
 _CONTEXT: ForwardContext | None = None
 
 
 @contextmanager
-def set_forward_context(attn_metadata: Any, opaque_attention: bool = False) -> Iterator[None]:
+def set_forward_context(attn_metadata: Any, opaque_attention: bool = False, attn_layers: Any = None) -> Iterator[None]:
     global _CONTEXT
-    previous, _CONTEXT = _CONTEXT, ForwardContext(attn_metadata, opaque_attention)
+    previous, _CONTEXT = _CONTEXT, ForwardContext(attn_metadata, opaque_attention, attn_layers)
     try:
         yield
     finally:

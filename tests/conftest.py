@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -10,6 +11,9 @@ import torch
 # Engines built by tests (and the servers they start, which inherit the environment) stay eager: compiling
 # decode steps takes seconds per engine. tests/worker/test_compiled_runner.py turns it back on.
 os.environ["TOKENMILL_COMPILE"] = "0"
+# tokenmill's on-disk caches (compiled graphs, converted GGUF tokenizers) go to a directory of this test run,
+# never the user's ~/.cache; servers the tests start inherit it, so a GGUF tokenizer is converted once per run.
+os.environ.setdefault("TOKENMILL_CACHE_DIR", tempfile.mkdtemp(prefix="tokenmill-test-cache-"))
 
 
 def build_tiny_llama(path: str, *, seed: int = 0, tie: bool = False, **overrides) -> str:
@@ -66,3 +70,25 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int, **l
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One real Ray cluster for the session: a head (``node_a``) and a second node (``node_b``) on
+    127.0.0.1, this process connected to it (see tests/ray_cluster.py)."""
+    from tests.ray_cluster import RAY_ENV, LocalRayCluster
+
+    saved = {k: os.environ.get(k) for k in RAY_ENV}
+    os.environ.update(RAY_ENV)
+    cluster = LocalRayCluster()
+    try:
+        cluster.start()
+        cluster.add_node("node_b")
+        yield cluster
+    finally:
+        cluster.stop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -57,6 +57,64 @@ def peak_rss_bytes() -> int:
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
+_ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+              "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "sve2")
+
+
+def cpu_isa() -> dict[str, Any]:
+    """The CPU's instruction-set level and the vector flags that matter for the kernels.
+
+    ``level`` is ``AVX512`` (with its extensions in brackets), ``AVX2`` (AVX2 + FMA), ``SSE4.2``/``x86-64``,
+    or the machine name elsewhere; ``torch_cpu_capability`` is what torch dispatches to (lowered by
+    ``ATEN_CPU_CAPABILITY``, which is how an AVX2 run is made on an AVX-512 machine).
+    """
+    import torch
+
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    if "avx512f" in flags:
+        extras = [name for flag, name in (("avx512_vnni", "VNNI"), ("avx512_bf16", "BF16"), ("amx_tile", "AMX"))
+                  if flag in flags]
+        level = "AVX512" + (f" ({', '.join(extras)})" if extras else "")
+    elif {"avx2", "fma"} <= flags:
+        level = "AVX2" + (" (AVX-VNNI)" if "avx_vnni" in flags else "")
+    elif "sse4_2" in flags:
+        level = "SSE4.2"
+    else:
+        level = platform.machine()
+    return {"level": level, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "flags": [f for f in _ISA_FLAGS if f in flags]}
+
+
+def kernel_info() -> dict[str, str]:
+    """The current platform's :meth:`~tokenmill.platforms.Platform.kernel_info` (the engine ran in this
+    process); empty when no platform can be resolved."""
+    try:
+        from tokenmill.platforms import get_current_platform
+
+        return dict(get_current_platform().kernel_info())
+    except Exception:  # noqa: BLE001 - a benchmark never fails over a description
+        return {}
+
+
+def isa_rows(record: dict[str, Any], kernels: dict[str, str] | None) -> list[tuple[str, Any]]:
+    """Table rows for the instruction set (and ``kernels``), which are also stored in ``record``."""
+    isa = record["machine"]["isa"]
+    rows: list[tuple[str, Any]] = [("CPU instruction set", isa["level"]),
+                                   ("torch CPU capability", isa["torch_cpu_capability"])]
+    if kernels is not None:
+        record["kernels"] = kernels
+        rows += [(f"Kernel: {name}", value) for name, value in kernels.items() if name != "torch_cpu_capability"]
+    return rows
+
+
 def machine_info() -> dict[str, Any]:
     """What the figures were measured on: cores, CPU model, RAM (bytes), torch version and threads, ..."""
     import torch
@@ -78,6 +136,7 @@ def machine_info() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "accelerator": accelerator,
         "tokenmill_version": __version__,
+        "isa": cpu_isa(),
     }
 
 

@@ -21,6 +21,8 @@ from tokenmill.entrypoints.bench.common import (
     base_record,
     check_lengths,
     engine_args_from,
+    isa_rows,
+    kernel_info,
     peak_rss_bytes,
     print_table,
     random_prompts,
@@ -150,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
     if args.num_iters < 1 or args.num_iters_warmup < 0:
         raise SystemExit("tokenmill bench latency: error: --num-iters must be >= 1 and --num-iters-warmup >= 0")
     figures, prompts, info = _run_tokenmill(args)
+    kernels = kernel_info()
     rss = peak_rss_bytes()
     rows: list[tuple[str, Any]] = [
         ("Model", info["served_model_name"]),
@@ -180,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
                 record["ratio_ttft"] = baseline["ttft_s"] / figures["ttft_s"]
                 rows += [(f"Ratio tokenmill / {baseline['name']} (decode tok/s)", ratio),
                          (f"Ratio {baseline['name']} / tokenmill (TTFT)", record["ratio_ttft"])]
+    rows += isa_rows(record, kernels)
     print_table("tokenmill bench latency", rows)
     if args.json:
         write_json(args.json, record)

@@ -22,6 +22,7 @@ from typing import Any
 
 from tokenmill.entrypoints.bench.common import (
     base_record,
+    isa_rows,
     load_tokenizer_for,
     print_table,
     random_prompts,
@@ -222,13 +223,14 @@ def run(args: argparse.Namespace, transport: Any = None) -> int:
     for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_latency_ms", "E2E")):
         for stat in ("mean", "p50", "p99"):
             rows.append((f"{label} {stat} (ms)", m[key][stat]))
+    record = base_record("serve", args)
+    record.update({"model": model, "dtype": None, "server": args.base_url, **m})
+    rows += isa_rows(record, None)  # this machine's; the server's kernels are not visible from here
     print_table("tokenmill bench serve", rows)
     for error in m["errors"]:
         print(f"error: {error}")
     if m["output_len_mismatches"]:
         print(f"warning: {m['output_len_mismatches']} requests did not return exactly {args.output_len} tokens")
     if args.json:
-        record = base_record("serve", args)
-        record.update({"model": model, "dtype": None, "server": args.base_url, **m})
         write_json(args.json, record)
     return 1 if m["failed_requests"] else 0

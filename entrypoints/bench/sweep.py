@@ -20,6 +20,8 @@ from tokenmill.entrypoints.bench.common import (
     base_record,
     check_lengths,
     engine_args_from,
+    isa_rows,
+    kernel_info,
     peak_rss_bytes,
     print_table,
     random_prompts,
@@ -157,11 +159,12 @@ def run(args: argparse.Namespace) -> int:
         if p["mean_step_s"] is not None:
             rows.append((f"B={p['batch_size']} decode step (ms)", p["mean_step_s"] * 1000))
     rows.append(("Peak RSS (MiB)", rss / 2**20))
+    record = base_record("sweep", args)
+    record.update({"model": info["served_model_name"], "dtype": info["dtype"], "engine": info,
+                   "input_len": args.input_len, "output_len": args.output_len, "sweep": points,
+                   "peak_rss_bytes": rss})
+    rows += isa_rows(record, kernel_info())
     print_table("tokenmill bench sweep", rows)
     if args.json:
-        record = base_record("sweep", args)
-        record.update({"model": info["served_model_name"], "dtype": info["dtype"], "engine": info,
-                       "input_len": args.input_len, "output_len": args.output_len, "sweep": points,
-                       "peak_rss_bytes": rss})
         write_json(args.json, record)
     return 0

@@ -19,6 +19,8 @@ from tokenmill.entrypoints.bench.common import (
     base_record,
     check_lengths,
     engine_args_from,
+    isa_rows,
+    kernel_info,
     peak_rss_bytes,
     print_table,
     random_prompts,
@@ -142,6 +144,7 @@ def run_hf(args: argparse.Namespace, prompts: Sequence[Sequence[int]]) -> dict[s
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``tokenmill bench throughput``; returns the exit code."""
     figures, prompts, info = run_tokenmill(args)
+    kernels = kernel_info()
     tokenmill_rss = peak_rss_bytes()
     rows: list[tuple[str, Any]] = [
         ("Model", info["served_model_name"]),
@@ -165,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
             rows.append((f"HF {name} output tokens/s", fig["output_tokens_per_s"]))
         rows.append((f"HF best ({baseline['best_dtype']}) elapsed (s)", baseline["elapsed_s"]))
         rows.append(("Ratio tokenmill / HF (output tok/s)", ratio))
+    rows += isa_rows(record, kernels)
     print_table("tokenmill bench throughput", rows)
     if args.json:
         write_json(args.json, record)

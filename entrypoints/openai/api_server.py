@@ -154,7 +154,7 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
     state = ServerState()
     tokenization = Tokenization(engine.tokenizer)
     renderer = ChatRenderer(engine.tokenizer, load_chat_template(getattr(args, "chat_template", None)))
-    stat_logger = PrometheusStatLogger(served_name)
+    stat_logger = PrometheusStatLogger(served_name, num_engines=int(getattr(engine, "num_engines", 1) or 1))
     stats = RequestStatsTracker([stat_logger])
     add_listener = getattr(engine, "add_stats_listener", None)
     if add_listener is not None:

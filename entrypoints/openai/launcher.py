@@ -89,6 +89,8 @@ def run_server(args: argparse.Namespace) -> int:
         sock = _bind(host, port)
         try:
             engine_args = EngineArgs.from_cli_args(args)
+            if engine_args.compile_mode is None:  # a server answers first and compiles meanwhile
+                engine_args = engine_args.replace(compile_mode="background")
             return asyncio.run(_serve(args, engine_args, sock, signals, uvicorn))
         except KeyboardInterrupt:
             logger.info("interrupted (signal %s); stopped", signals.received)

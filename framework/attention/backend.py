@@ -131,6 +131,12 @@ class AttentionBackend(ABC):
     @abstractmethod
     def get_impl_cls() -> type[AttentionImpl]: ...
 
+    @classmethod
+    def wait_until_ready(cls) -> None:
+        """Block until kernels the backend builds or loads in the background are usable. Called before a
+        forward pass is compiled (the trace must see the kernels the steps will run) and before compiled graphs
+        that call them are loaded; eager steps never wait. Default: nothing to wait for."""
+
     @staticmethod
     @abstractmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:

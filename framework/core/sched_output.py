@@ -38,11 +38,15 @@ class CachedRequestData:
         req_ids: the requests.
         new_block_ids: blocks appended since the last step, per request.
         num_computed_tokens: tokens in the cache before this step, per request.
+        new_token_ids: with pipeline parallelism only (else empty): per request, the step's input tokens
+            (positions ``num_computed_tokens ..`` of its tokens), so stages that never sample learn the
+            tokens the last stage sampled.
     """
 
     req_ids: list[str] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass

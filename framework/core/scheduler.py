@@ -57,6 +57,8 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self._num_preemptions = 0
         self._sent_to_workers: set[str] = set()
+        # PP: stages before the last never see sampled tokens, so cached requests carry their input tokens
+        self._send_token_ids = config.parallel_config.pipeline_parallel_size > 1
 
     # ------------------------------------------------------------------ admission
 
@@ -163,6 +165,9 @@ class Scheduler:
                 cached.req_ids.append(request.request_id)
                 cached.new_block_ids.append([b.block_id for b in new_blocks])
                 cached.num_computed_tokens.append(request.num_computed_tokens)
+                if self._send_token_ids:
+                    start = request.num_computed_tokens
+                    cached.new_token_ids.append(list(request.all_token_ids[start : start + num_new]))
             else:
                 new_reqs.append(self._new_request_data(request))
             i += 1

@@ -68,7 +68,7 @@ class AsyncLLM:
         self._output_handler: asyncio.Task[None] | None = None
         self._dead_error: EngineDeadError | None = None
         self._stop_error: ServerShuttingDownError | None = None
-        self._last_stats: SchedulerStats | None = None
+        self._last_stats: dict[int, SchedulerStats] = {}  # per data-parallel engine core
         self._stats_listeners: list[StatsListener] = []
 
     @classmethod
@@ -156,7 +156,7 @@ class AsyncLLM:
             while True:
                 outputs = await self.engine_core.get_output_async()
                 if outputs.scheduler_stats is not None:
-                    self._last_stats = outputs.scheduler_stats
+                    self._last_stats[outputs.engine_index] = outputs.scheduler_stats
                 self._notify_stats(outputs)
                 result = self.output_processor.process_outputs(outputs.outputs)
                 self.engine_core.abort_requests(result.reqs_to_abort)
@@ -190,9 +190,27 @@ class AsyncLLM:
         """Raises EngineDeadError when the engine core is dead."""
         self._check_alive()
 
+    @property
+    def num_engines(self) -> int:
+        """Data-parallel engine cores behind this front end."""
+        return self.engine_core.num_engines
+
     async def get_stats(self) -> SchedulerStats | None:
-        """The scheduler stats of the last engine step seen (``None`` before the first)."""
-        return self._last_stats
+        """The scheduler stats of the last engine step seen (``None`` before the first); with several
+        engine cores, their sum (KV-cache usage: the mean)."""
+        stats = list(self._last_stats.values())
+        if not stats:
+            return None
+        if len(stats) == 1:
+            return stats[0]
+        return SchedulerStats(
+            num_running_reqs=sum(s.num_running_reqs for s in stats),
+            num_waiting_reqs=sum(s.num_waiting_reqs for s in stats),
+            kv_cache_usage=sum(s.kv_cache_usage for s in stats) / len(stats),
+            prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
+            prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),
+            num_preemptions=sum(s.num_preemptions for s in stats),
+        )
 
     def add_stats_listener(self, listener: StatsListener) -> None:
         """Call ``listener(outputs, now)`` for every engine-core step (before its outputs reach the requests)
@@ -210,24 +228,27 @@ class AsyncLLM:
                 logger.exception("stats listener failed")
 
     async def refresh_stats(self) -> SchedulerStats | None:
-        """Ask the engine core for its stats now (an idle engine core sends none, e.g. after aborts).
+        """Ask every engine core for its stats now (an idle engine core sends none, e.g. after aborts).
 
-        The snapshot also goes to the stats listeners. Returns ``None`` when the engine core cannot answer.
+        Each snapshot also goes to the stats listeners (tagged with its engine index). Returns the stats as
+        :meth:`get_stats` does, or ``None`` when the engine cores cannot answer.
         """
         import msgspec
 
         try:
-            raw = await self.engine_core.call_utility_async("get_stats")
-            stats = msgspec.convert(raw, SchedulerStats)
+            raws = await self.engine_core.call_utility_all_async("get_stats")
+            snapshots = [msgspec.convert(raw, SchedulerStats) for raw in raws]
         except (EngineDeadError, RuntimeError, msgspec.ValidationError):
             return None
-        self._last_stats = stats
-        self._notify_stats(EngineCoreOutputs(scheduler_stats=stats))
-        return stats
+        for index, stats in enumerate(snapshots):
+            self._last_stats[index] = stats
+            self._notify_stats(EngineCoreOutputs(scheduler_stats=stats, engine_index=index))
+        return await self.get_stats()
 
     async def reset_prefix_cache(self) -> bool:
+        """Reset every engine core's prefix cache; ``True`` when all of them did."""
         self._check_alive()
-        return bool(await self.engine_core.call_utility_async("reset_prefix_cache"))
+        return all(bool(r) for r in await self.engine_core.call_utility_all_async("reset_prefix_cache"))
 
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()

@@ -1,9 +1,19 @@
-"""EngineCore: the scheduler and the executor, stepped one batch at a time (no tokenizer, no I/O)."""
+"""EngineCore: the scheduler and the executor, stepped one batch at a time (no tokenizer, no I/O).
+
+With pipeline parallelism (``N`` stages) one batch at a time would leave all stages but one idle, so the
+engine core keeps up to ``N`` micro-batches in flight (a *batch queue*, as vLLM V1 does): while the queue has
+room it schedules the next batch (the scheduler only picks tokens that do not depend on a batch still in
+flight: a decoding request waits for its previous token, a long prompt may send its next chunk) and submits
+it without waiting; when the queue is full, or nothing more can be scheduled, it waits for the oldest batch
+and applies its output. Stages run the batches in submission order, so stage ``s`` works on batch ``k``
+while stage ``s + 1`` works on batch ``k - 1``.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.request import Request
@@ -11,7 +21,8 @@ from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.input_processor import check_token_ids_in_vocab
 from tokenmill.engine.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from tokenmill.errors import InvalidRequestError
-from tokenmill.executor.base import Executor
+from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.executor.base import Executor, FutureOutput
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +46,9 @@ class EngineCore:
         self.executor.initialize_cache(num_blocks)
         config.cache_config.num_gpu_blocks = num_blocks
         self.scheduler = Scheduler(config)
+        self.max_concurrent_batches = max(1, getattr(self.executor, "max_concurrent_batches", 1))
+        # in flight: (future, scheduler output, {req_id: preemption count when scheduled})
+        self.batch_queue: deque[tuple[FutureOutput, SchedulerOutput, dict[str, int]]] = deque()
         logger.info(
             "engine core ready in %.1f s: %d KV blocks of %d tokens (%d tokens)",
             time.perf_counter() - start,
@@ -65,15 +79,57 @@ class EngineCore:
         self.scheduler.abort_requests(request_ids)
 
     def step(self) -> EngineCoreOutputs:
-        """Schedule, run and update once. Returns no outputs (only stats) when there is nothing to run."""
+        """Schedule, run and update once. Returns no outputs (only stats) when there is nothing to run.
+
+        With more than one pipeline stage this is :meth:`step_with_batch_queue`.
+        """
+        if self.max_concurrent_batches > 1:
+            return self.step_with_batch_queue()
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(timestamp=time.monotonic(), scheduler_stats=self.scheduler.make_stats())
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
+    def step_with_batch_queue(self) -> EngineCoreOutputs:
+        """Submit the next micro-batch while the queue has room; otherwise finish the oldest one.
+
+        Returns the oldest batch's outputs, or no outputs (only stats) when a batch was submitted without
+        waiting or there was nothing to do.
+        """
+        scheduler = self.scheduler
+        if len(self.batch_queue) < self.max_concurrent_batches and scheduler.has_unfinished_requests():
+            scheduler_output = scheduler.schedule()
+            if scheduler_output.total_num_scheduled_tokens > 0 or scheduler_output.finished_req_ids:
+                future = self.executor.execute_model(scheduler_output, non_block=True)
+                preemptions = {
+                    req_id: scheduler.requests[req_id].num_preemptions for req_id in scheduler_output.num_scheduled_tokens
+                }
+                self.batch_queue.append((future, scheduler_output, preemptions))
+                if scheduler_output.total_num_scheduled_tokens > 0 and len(self.batch_queue) < self.max_concurrent_batches:
+                    return EngineCoreOutputs(timestamp=time.monotonic())  # room for another micro-batch
+        if not self.batch_queue:
+            return EngineCoreOutputs(timestamp=time.monotonic(), scheduler_stats=scheduler.make_stats())
+        future, scheduler_output, preemptions = self.batch_queue.popleft()
+        runner_output = future.result()
+        return scheduler.update_from_output(scheduler_output, self._drop_stale(runner_output, preemptions))
+
+    def _drop_stale(self, output: ModelRunnerOutput, preemptions: dict[str, int]) -> ModelRunnerOutput:
+        """Blank the samples of requests preempted (and perhaps re-admitted) since their batch was scheduled:
+        those tokens belong to a computation the scheduler has already thrown away."""
+        requests = self.scheduler.requests
+        stale = [
+            i
+            for i, req_id in enumerate(output.req_ids)
+            if req_id in requests and requests[req_id].num_preemptions != preemptions.get(req_id)
+        ]
+        for i in stale:
+            output.sampled_token_ids[i] = []
+        return output
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests not finished, or micro-batches still in flight (their answers must be read)."""
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
@@ -81,5 +137,10 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
 
+    def check_health(self) -> None:
+        """Raises the executor's error when a worker is gone."""
+        self.executor.check_health()
+
     def shutdown(self) -> None:
+        self.batch_queue.clear()
         self.executor.shutdown()

@@ -1,4 +1,4 @@
-"""How front ends talk to the EngineCore: directly in-process, or over ZMQ to its own process.
+"""How front ends talk to the EngineCore: directly in-process, or over ZMQ to its own process(es).
 
 ``InprocClient`` (used by the sync ``LLMEngine``) needs no ZMQ; ``AsyncMPClient`` (used by ``AsyncLLM``)
 imports ``zmq`` only when constructed, so the offline path works without pyzmq installed.
@@ -11,11 +11,15 @@ ZMQ layout (ipc:// sockets in a private temp directory, both bound by the front 
   ids to abort, or ``(call_id, method, args)`` for a utility call).
 * outputs: front-end PULL <- engine-core PUSH: ``[OUTPUTS_FRAME, msgpack EngineCoreOutputs]`` or
   ``[DEAD_FRAME, utf-8 error text]`` when the engine core hit a fatal error.
+
+With data parallelism every engine core connects to the same two sockets (identity ``engine-core-<i>``);
+with Ray-placed engine cores the sockets are TCP on this node's address instead of ipc.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import multiprocessing
@@ -139,104 +143,191 @@ class InprocClient(EngineCoreClient):
         self.engine_core.shutdown()
 
 
-class AsyncMPClient(EngineCoreClient):
-    """The EngineCore in its own process (spawned), reached over asyncio ZMQ sockets.
+class LocalEngineProc:
+    """A data-parallel engine core as a local process (``spawn``).
 
-    Construction starts the process; :meth:`wait_for_ready` waits for its handshake. Outputs are read by a
-    background task (started by the first async call) into a queue; the same task notices when the process
-    dies (within ~0.2 s) and from then on every call raises :class:`EngineDeadError`.
+    Attributes:
+        proc: the ``multiprocessing`` process.
+    """
+
+    def __init__(self, proc: multiprocessing.process.BaseProcess) -> None:
+        self.proc = proc
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.proc.exitcode
+
+    def describe_exit(self) -> str:
+        return f"process {self.proc.pid} exited with code {self.proc.exitcode}"
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 5 s."""
+        proc = self.proc
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(5)
+            if proc.is_alive():
+                logger.warning("engine core process did not stop within 5 s of SIGTERM; killing it")
+                proc.kill()
+                proc.join(5)
+
+
+class AsyncMPClient(EngineCoreClient):
+    """The EngineCore(s) in their own processes, reached over asyncio ZMQ sockets.
+
+    With ``data_parallel_size`` N there are N engine cores (identities ``engine-core-<i>``), each with its
+    own scheduler, KV cache and workers: local processes (``spawn``), or Ray actors placed on the cluster
+    with ``data_parallel_backend="ray"`` (the sockets are then TCP on this node's address instead of ipc).
+    Every request goes to the engine a :class:`~tokenmill.engine.dp_lb.DPLoadBalancer` picks (queue length
+    and KV-cache usage, optionally prefix-aware); aborts follow it there. All engine cores push outputs to
+    one socket, tagged with ``engine_index``.
+
+    Construction starts the engine cores; :meth:`wait_for_ready` waits for their handshakes. Outputs are read
+    by a background task (started by the first async call) into a queue; the same task notices when an
+    engine core dies (within ~0.2 s) and from then on every call raises :class:`EngineDeadError` (one dead
+    engine core fails the whole client, as in vLLM: its requests cannot be recovered elsewhere).
 
     Args:
-        config: the engine configuration; the handshake writes the resolved ``num_gpu_blocks`` and
-            ``max_model_len`` into it.
-        engine_core_cls: EngineCore ``"module:Class"`` path the child imports (default: the real one).
+        config: the engine configuration; the handshake writes the resolved ``num_gpu_blocks`` (the smallest
+            of the engine cores') and ``max_model_len`` into it.
+        engine_core_cls: EngineCore ``"module:Class"`` path the children import (default: the real one).
     """
 
     def __init__(self, config: EngineConfig, engine_core_cls: str | None = None) -> None:
         import zmq
         import zmq.asyncio
 
-        from tokenmill.engine.core_proc import run_engine_core
+        from tokenmill.engine.dp_lb import DPLoadBalancer
 
+        pc = config.parallel_config
         self.engine_config = config
+        self.num_engines = pc.data_parallel_size
         self._dead_error: EngineDeadError | None = None
         self._closed = False
-        self._identity: bytes | None = None
+        self._identities: list[bytes | None] = [None] * self.num_engines
         self._encoder = msgspec.msgpack.Encoder()
         self._call_ids = itertools.count()
         self._utility_futures: dict[int, asyncio.Future[Any]] = {}
         self._outputs: asyncio.Queue[EngineCoreOutputs | EngineDeadError] | None = None
         self._reader: asyncio.Task[None] | None = None
+        self.balancer = DPLoadBalancer(self.num_engines, pc.data_parallel_routing, config.cache_config.block_size)
+        self._request_engine: dict[str, int] = {}
+        self.engines: list[Any] = []
+        ray_dp = pc.data_parallel_backend == "ray"
 
         self._tmpdir = tempfile.mkdtemp(prefix="tokenmill-")
-        input_address = f"ipc://{self._tmpdir}/input"
-        output_address = f"ipc://{self._tmpdir}/output"
         self._ctx = zmq.Context()
         self._input = self._ctx.socket(zmq.ROUTER)
         self._input.setsockopt(zmq.LINGER, 0)
         self._input.setsockopt(zmq.SNDHWM, 0)
-        self._input.bind(input_address)
         self._output = zmq.asyncio.Context.shadow(self._ctx.underlying).socket(zmq.PULL)
         self._output.setsockopt(zmq.LINGER, 0)
         self._output.setsockopt(zmq.RCVHWM, 0)
-        self._output.bind(output_address)
+        if ray_dp:
+            from tokenmill.engine import dp_ray
+
+            host = dp_ray.front_end_address(pc)
+            input_address = f"tcp://{host}:{self._input.bind_to_random_port(f'tcp://{host}')}"
+            output_address = f"tcp://{host}:{self._output.bind_to_random_port(f'tcp://{host}')}"
+        else:
+            input_address = f"ipc://{self._tmpdir}/input"
+            output_address = f"ipc://{self._tmpdir}/output"
+            self._input.bind(input_address)
+            self._output.bind(output_address)
+        self._finalizer = weakref.finalize(
+            self, _release, self.engines, [self._input, self._output], self._ctx, self._tmpdir
+        )
+        try:
+            for rank in range(self.num_engines):
+                engine_config = _for_dp_rank(config, rank)
+                identity = f"engine-core-{rank}".encode()
+                if ray_dp:
+                    from tokenmill.engine import dp_ray
+
+                    self.engines.append(dp_ray.RayEngineActor.start(
+                        engine_config, input_address, output_address, engine_core_cls or DEFAULT_ENGINE_CORE_CLS,
+                        identity,
+                    ))
+                else:
+                    self.engines.append(LocalEngineProc(self._spawn(
+                        engine_config, input_address, output_address, engine_core_cls, identity
+                    )))
+        except BaseException:
+            self._closed = True
+            self._finalizer()
+            raise
+
+    @staticmethod
+    def _spawn(config: EngineConfig, input_address: str, output_address: str, engine_core_cls: str | None,
+               identity: bytes) -> multiprocessing.process.BaseProcess:
+        from tokenmill.engine.core_proc import run_engine_core
 
         mp = multiprocessing.get_context("spawn")
-        self.proc = mp.Process(
+        rank = config.parallel_config.data_parallel_rank
+        proc = mp.Process(
             target=run_engine_core,
-            name="TokenmillEngineCore",
+            name="TokenmillEngineCore" if config.parallel_config.data_parallel_size == 1 else f"TokenmillEngineCore-{rank}",
             kwargs={
                 "config": config,
                 "input_address": input_address,
                 "output_address": output_address,
                 "engine_core_cls": engine_core_cls or DEFAULT_ENGINE_CORE_CLS,
                 "parent_pid": os.getpid(),
+                "identity": identity,
             },
         )
-        self._finalizer = weakref.finalize(
-            self, _release, self.proc, [self._input, self._output], self._ctx, self._tmpdir
-        )
-        try:
-            self.proc.start()
-        except BaseException:
-            self._closed = True
-            self._finalizer()
-            raise
+        proc.start()
+        return proc
+
+    @property
+    def proc(self) -> multiprocessing.process.BaseProcess:
+        """The first engine core's process (local engine cores only)."""
+        return self.engines[0].proc
 
     # -- startup ---------------------------------------------------------------------------------------
 
     def wait_for_ready(self, timeout_s: float | None = None) -> None:
-        """Block until the engine core's READY handshake.
+        """Block until every engine core's READY handshake.
 
         Raises:
-            RuntimeError: the engine core failed to start (the message carries its error), exited without
-                a word, or did not answer within ``timeout_s``. The process is stopped first.
+            RuntimeError: an engine core failed to start (the message carries its error), exited without
+                a word, or did not answer within ``timeout_s``. Every engine core is stopped first.
         """
         from tokenmill.engine.core_proc import READY_FRAME, ReadyMessage
 
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        index = {f"engine-core-{i}".encode(): i for i in range(self.num_engines)}
+        blocks: list[int] = []
         try:
-            while True:
+            while any(identity is None for identity in self._identities):
                 if self._input.poll(100):
                     frames = self._input.recv_multipart()
-                    if len(frames) != 3 or frames[1] != READY_FRAME:
+                    if len(frames) != 3 or frames[1] != READY_FRAME or frames[0] not in index:
                         raise RuntimeError(f"engine core sent an unexpected startup message ({len(frames)} frames)")
                     ready = msgspec.msgpack.decode(frames[2], type=ReadyMessage)
+                    rank = index[frames[0]]
                     if ready.error is not None:
-                        self.proc.join(5)
-                        raise EngineCoreStartError(f"Engine core failed to start: {ready.error}")
-                    self._identity = frames[0]
+                        proc = getattr(self.engines[rank], "proc", None)
+                        if proc is not None:
+                            proc.join(5)
+                        which = f" (engine core {rank})" if self.num_engines > 1 else ""
+                        raise EngineCoreStartError(f"Engine core failed to start{which}: {ready.error}")
+                    self._identities[rank] = frames[0]
                     if ready.num_gpu_blocks is not None:
-                        self.engine_config.cache_config.num_gpu_blocks = ready.num_gpu_blocks
+                        blocks.append(ready.num_gpu_blocks)
                     self.engine_config.model_config.max_model_len = ready.max_model_len
-                    return
-                if self.proc.exitcode is not None:
-                    raise RuntimeError(
-                        f"Engine core process exited with code {self.proc.exitcode} before it was ready "
-                        "(see its log output above)"
-                    )
+                    continue
+                for rank, engine in enumerate(self.engines):
+                    if self._identities[rank] is None and engine.exitcode is not None:
+                        which = f" {rank}" if self.num_engines > 1 else ""
+                        raise RuntimeError(
+                            f"Engine core{which} exited before it was ready ({engine.describe_exit()}; see its log "
+                            "output above)"
+                        )
                 if deadline is not None and time.monotonic() > deadline:
                     raise RuntimeError(f"Engine core did not become ready within {timeout_s} s")
+            if blocks:
+                self.engine_config.cache_config.num_gpu_blocks = min(blocks)
         except BaseException:
             self.shutdown()
             raise
@@ -249,11 +340,15 @@ class AsyncMPClient(EngineCoreClient):
 
     @property
     def dead_error(self) -> EngineDeadError | None:
-        """Why the engine core is unusable, or ``None`` while it runs."""
-        if self._dead_error is None and not self._closed and self.proc.exitcode is not None:
-            self._dead_error = EngineDeadError(
-                f"engine core process died unexpectedly (exit code {self.proc.exitcode})"
-            )
+        """Why the engine core(s) are unusable, or ``None`` while they run."""
+        if self._dead_error is None and not self._closed:
+            for rank, engine in enumerate(self.engines):
+                if engine.exitcode is not None:
+                    which = f" {rank}" if self.num_engines > 1 else ""
+                    self._dead_error = EngineDeadError(
+                        f"engine core{which} died unexpectedly ({engine.describe_exit()})"
+                    )
+                    break
         return self._dead_error
 
     def _check_alive(self) -> None:
@@ -265,23 +360,43 @@ class AsyncMPClient(EngineCoreClient):
 
     # -- requests --------------------------------------------------------------------------------------
 
-    def _send(self, kind: EngineCoreRequestType, payload: bytes) -> None:
-        assert self._identity is not None, "wait_for_ready() was not called"
-        self._input.send_multipart([self._identity, kind.value, payload], copy=False)
+    def _send(self, engine: int, kind: EngineCoreRequestType, payload: bytes) -> None:
+        identity = self._identities[engine]
+        assert identity is not None, "wait_for_ready() was not called"
+        self._input.send_multipart([identity, kind.value, payload], copy=False)
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Send a request (non-blocking).
+        """Send a request to the engine core the balancer picks (non-blocking).
 
         Raises:
-            EngineDeadError: the engine core is dead.
+            EngineDeadError: an engine core is dead.
         """
         self._check_alive()
-        self._send(EngineCoreRequestType.ADD, self._encoder.encode(request))
+        engine = self.balancer.choose(request)
+        self._request_engine[request.request_id] = engine
+        self.balancer.on_sent(engine)
+        self._send(engine, EngineCoreRequestType.ADD, self._encoder.encode(request))
+
+    def engine_of(self, request_id: str) -> int | None:
+        """The engine core an unfinished request was sent to."""
+        return self._request_engine.get(request_id)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        """Send an abort (non-blocking); nothing to do when the engine core is gone."""
-        if request_ids and not self._closed and self.dead_error is None:
-            self._send(EngineCoreRequestType.ABORT, self._encoder.encode(request_ids))
+        """Send aborts (non-blocking) to the engine cores holding the requests; nothing to do when they are gone."""
+        if not request_ids or self._closed or self.dead_error is not None:
+            return
+        by_engine: dict[int, list[str]] = {}
+        for req_id in request_ids:
+            engine = self._request_engine.pop(req_id, None)
+            if engine is None:
+                if self.num_engines > 1:
+                    continue  # finished already (or never sent)
+                engine = 0
+            else:
+                self.balancer.on_finished(engine)
+            by_engine.setdefault(engine, []).append(req_id)
+        for engine, ids in by_engine.items():
+            self._send(engine, EngineCoreRequestType.ABORT, self._encoder.encode(ids))
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         self._ensure_reader()
@@ -290,8 +405,9 @@ class AsyncMPClient(EngineCoreClient):
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         self.abort_requests(request_ids)
 
-    async def call_utility_async(self, method: str, *args: Any) -> Any:
-        """Call ``EngineCore.<method>(*args)`` in the engine process; returns its msgpack-decoded result.
+    async def call_utility_async(self, method: str, *args: Any, engine_index: int = 0) -> Any:
+        """Call ``EngineCore.<method>(*args)`` in engine core ``engine_index``; returns its msgpack-decoded
+        result.
 
         Raises:
             EngineDeadError: the engine core is dead or dies meanwhile.
@@ -302,14 +418,20 @@ class AsyncMPClient(EngineCoreClient):
         call_id = next(self._call_ids)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._utility_futures[call_id] = future
-        self._send(EngineCoreRequestType.UTILITY, self._encoder.encode((call_id, method, list(args))))
+        self._send(engine_index, EngineCoreRequestType.UTILITY, self._encoder.encode((call_id, method, list(args))))
         return await future
 
+    async def call_utility_all_async(self, method: str, *args: Any) -> list[Any]:
+        """:meth:`call_utility_async` on every engine core; their results in engine order."""
+        return list(await asyncio.gather(
+            *(self.call_utility_async(method, *args, engine_index=i) for i in range(self.num_engines))
+        ))
+
     async def get_output_async(self) -> EngineCoreOutputs:
-        """The next step's outputs.
+        """The next step's outputs (of any engine core; ``engine_index`` says which).
 
         Raises:
-            EngineDeadError: the engine core died (after every output it sent was delivered).
+            EngineDeadError: an engine core died (after every output sent before was delivered).
         """
         self._check_alive()
         self._ensure_reader()
@@ -340,23 +462,31 @@ class AsyncMPClient(EngineCoreClient):
                         self._mark_dead(EngineDeadError(f"engine core failed: {message}"))
                         return
                     outputs = decoder.decode(payload)
+                    self._track(outputs)
                     if outputs.utility_output is not None:
                         self._resolve_utility(outputs.utility_output)
                         if not outputs.outputs:
                             continue
                     assert self._outputs is not None
                     self._outputs.put_nowait(outputs)
-                elif self.proc.exitcode is not None:
-                    if not self._closed:
-                        self._mark_dead(
-                            EngineDeadError(f"engine core process died unexpectedly (exit code {self.proc.exitcode})")
-                        )
+                elif not self._closed and self.dead_error is not None:
+                    self._mark_dead(self.dead_error)
                     return
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             logger.exception("reading engine core outputs failed")
             self._mark_dead(EngineDeadError(f"reading engine core outputs failed: {exc!r}"))
+
+    def _track(self, outputs: EngineCoreOutputs) -> None:
+        """Load-balancer bookkeeping: finished requests, the engine's latest queue and KV-cache figures."""
+        if outputs.scheduler_stats is not None and outputs.engine_index < self.num_engines:
+            self.balancer.update_stats(outputs.engine_index, outputs.scheduler_stats)
+        for out in outputs.outputs:
+            if out.finished:
+                engine = self._request_engine.pop(out.request_id, None)
+                if engine is not None:
+                    self.balancer.on_finished(engine)
 
     def _resolve_utility(self, reply: tuple[int, object, str | None]) -> None:
         call_id, result, error = reply
@@ -382,7 +512,8 @@ class AsyncMPClient(EngineCoreClient):
     # -- shutdown --------------------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Stop the engine-core process (SIGTERM, then SIGKILL after 5 s) and release the sockets."""
+        """Stop the engine cores (processes: SIGTERM, then SIGKILL after 5 s; Ray actors: killed, their
+        placement groups removed) and release the sockets."""
         if self._closed:
             return
         self._closed = True
@@ -392,14 +523,21 @@ class AsyncMPClient(EngineCoreClient):
         self._finalizer()
 
 
-def _release(proc: multiprocessing.process.BaseProcess, sockets: list[Any], ctx: Any, tmpdir: str) -> None:
-    if proc.is_alive():
-        proc.terminate()
-        proc.join(5)
-        if proc.is_alive():
-            logger.warning("engine core process did not stop within 5 s of SIGTERM; killing it")
-            proc.kill()
-            proc.join(5)
+def _for_dp_rank(config: EngineConfig, rank: int) -> EngineConfig:
+    """A copy of ``config`` for data-parallel engine core ``rank``."""
+    if config.parallel_config.data_parallel_size == 1:
+        return config
+    return dataclasses.replace(
+        config, parallel_config=dataclasses.replace(config.parallel_config, data_parallel_rank=rank)
+    )
+
+
+def _release(engines: list[Any], sockets: list[Any], ctx: Any, tmpdir: str) -> None:
+    for engine in engines:
+        try:
+            engine.stop()
+        except Exception:  # noqa: BLE001 - keep stopping the others
+            logger.exception("stopping an engine core failed")
     for sock in sockets:
         sock.close(linger=0)
     ctx.term()

@@ -84,7 +84,9 @@ def run_engine_core(
 ) -> None:
     """Process target: run the engine core until told to stop; exits the process with its status."""
     if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [engine core] %(message)s")
+        rank = config.parallel_config.data_parallel_rank
+        label = f"engine core {rank}" if config.parallel_config.data_parallel_size > 1 else "engine core"
+        logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [{label}] %(message)s")
     proc = EngineCoreProc(config, input_address, output_address, engine_core_cls, parent_pid, identity)
     sys.exit(proc.run())
 
@@ -100,8 +102,11 @@ class EngineCoreProc:
         engine_core_cls: str = DEFAULT_ENGINE_CORE_CLS,
         parent_pid: int | None = None,
         identity: bytes = b"engine-core-0",
+        install_signal_handlers: bool = True,
     ) -> None:
         self.config = config
+        self.engine_index = config.parallel_config.data_parallel_rank
+        self.install_signal_handlers = install_signal_handlers
         self.input_address = input_address
         self.output_address = output_address
         self.engine_core_cls = engine_core_cls
@@ -117,7 +122,9 @@ class EngineCoreProc:
         """Start, serve, clean up; returns the exit status."""
         import zmq
 
-        self._install_signal_handlers()
+        if self.install_signal_handlers:
+            self._install_signal_handlers()
+        _share_cores_between_engines(self.config)
         ctx = zmq.Context()
         input_socket = ctx.socket(zmq.DEALER)
         input_socket.setsockopt(zmq.IDENTITY, self.identity)
@@ -231,7 +238,12 @@ class EngineCoreProc:
             return (call_id, None, f"{type(exc).__name__}: {exc}")
         return (call_id, result, None)
 
+    def stop(self) -> None:
+        """Ask the busy loop to return (from another thread; what SIGTERM does for a process)."""
+        self._stop.set()
+
     def _send_outputs(self, outputs: EngineCoreOutputs) -> None:
+        outputs.engine_index = self.engine_index
         self._output_queue.put((OUTPUTS_FRAME, self._encoder.encode(outputs)))
 
     def _parent_alive(self) -> bool:
@@ -294,6 +306,18 @@ class EngineCoreProc:
             self._input_queue.put(_Fatal(exc))
         finally:
             sock.close()
+
+
+def _share_cores_between_engines(config: EngineConfig) -> None:
+    """With several local engine cores, each one that runs its model in-process takes its share of the
+    cores for torch (the multiprocess executor divides its workers' threads the same way)."""
+    pc = config.parallel_config
+    if pc.data_parallel_size > 1 and pc.data_parallel_backend == "mp" and pc.world_size == 1:
+        import torch
+
+        from tokenmill.executor.multiproc import threads_per_worker
+
+        torch.set_num_threads(threads_per_worker(pc.data_parallel_size))
 
 
 def _has_counters(stats: SchedulerStats | None) -> bool:

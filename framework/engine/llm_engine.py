@@ -33,6 +33,13 @@ class LLMEngine:
     ) -> None:
         self.engine_config = engine_config
         self.model_config = engine_config.model_config
+        dp = engine_config.parallel_config.data_parallel_size
+        if dp > 1:
+            raise ValueError(
+                f"data_parallel_size: the offline engine runs one engine core, got {dp}; serve with "
+                "`tokenmill serve --data-parallel-size N` (one API server in front of N engine cores), or run one "
+                "LLM per process"
+            )
         if tokenizer is None:
             from tokenmill.tokenizer import get_tokenizer
 

@@ -138,9 +138,11 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
         timestamp: ``time.monotonic()`` of the engine core when the step ended (seconds).
         scheduler_stats: gauges after the step.
         utility_output: reply to a UTILITY request ``(call_id, result, error)``.
+        engine_index: the data-parallel engine core that sent them (0 without data parallelism).
     """
 
     outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
     timestamp: float = 0.0
     scheduler_stats: SchedulerStats | None = None
     utility_output: tuple[int, object, str | None] | None = None
+    engine_index: int = 0

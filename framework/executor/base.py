@@ -1,16 +1,35 @@
-"""Executor: runs collective calls on the worker(s) and returns rank 0's answer."""
+"""Executor: runs collective calls on the worker(s) of one engine core and returns the output rank's answer."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Protocol
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 
 
+class FutureOutput(Protocol):
+    """A step submitted with ``execute_model(..., non_block=True)``: ``result()`` waits for it.
+
+    Raises (from ``result``): whatever the blocking call would have raised.
+    """
+
+    def result(self) -> ModelRunnerOutput: ...
+
+
+class DoneOutput:
+    """A :class:`FutureOutput` that is already resolved."""
+
+    def __init__(self, output: ModelRunnerOutput) -> None:
+        self._output = output
+
+    def result(self) -> ModelRunnerOutput:
+        return self._output
+
+
 class Executor(ABC):
-    """Owns the workers of one engine.
+    """Owns the workers of one engine core: ``tensor_parallel_size x pipeline_parallel_size`` ranks.
 
     Args:
         config: the engine configuration.
@@ -26,20 +45,22 @@ class Executor(ABC):
 
         ``None`` means ``"uni"`` for one rank and ``"mp"`` for more: ``"uni"`` -> UniProcExecutor (the worker
         in this process, one rank only), ``"mp"`` -> MultiprocExecutor (one local process per rank),
-        ``"ray"`` -> RayExecutor (ranks as Ray actors; needs ``pip install ray``).
+        ``"ray"`` -> RayExecutor (ranks as Ray actors; needs ``pip install 'tokenmill[ray]'``).
 
         Raises:
             ValueError: unknown backend, ``"uni"`` with more than one rank, or ``"ray"`` without Ray installed.
         """
-        backend = config.parallel_config.distributed_executor_backend
-        tp = config.parallel_config.tensor_parallel_size
+        pc = config.parallel_config
+        backend = pc.distributed_executor_backend
+        tp = pc.tensor_parallel_size
+        world = tp * getattr(pc, "pipeline_parallel_size", 1)
         if backend is None:
-            backend = "uni" if tp == 1 else "mp"
+            backend = "uni" if world == 1 else "mp"
         if backend == "uni":
-            if tp != 1:
+            if world != 1:
                 raise ValueError(
-                    f"distributed_executor_backend: 'uni' runs one rank, but tensor_parallel_size={tp}; "
-                    "use 'mp' (one process per rank on this machine) or 'ray'"
+                    f"distributed_executor_backend: 'uni' runs one rank, but tensor_parallel_size={tp} x "
+                    f"pipeline_parallel_size={world // tp}; use 'mp' (one process per rank on this machine) or 'ray'"
                 )
             from tokenmill.executor.uniproc import UniProcExecutor
 
@@ -53,8 +74,8 @@ class Executor(ABC):
 
             if importlib.util.find_spec("ray") is None:
                 raise ValueError(
-                    "distributed_executor_backend: 'ray' needs Ray, which is not installed; `pip install ray` "
-                    "(or use 'mp' for tensor parallelism on one machine)"
+                    "distributed_executor_backend: 'ray' needs Ray, which is not installed; "
+                    "`pip install 'tokenmill[ray]'` (or use 'mp' for the ranks of one machine)"
                 )
             from tokenmill.executor.ray import RayExecutor
 
@@ -68,6 +89,17 @@ class Executor(ABC):
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
         """Call ``method`` on every worker; returns each worker's result in rank order."""
 
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Steps the engine core may keep in flight: one per pipeline stage (1 without pipeline parallelism)."""
+        return self.config.parallel_config.pipeline_parallel_size
+
+    @property
+    def output_rank(self) -> int:
+        """The rank whose ``execute_model`` result is the step's output: tensor rank 0 of the last stage."""
+        pc = self.config.parallel_config
+        return (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
+
     def determine_num_available_blocks(self) -> int:
         """KV blocks every rank can hold: the minimum over the ranks (each holds its heads' share of each block)."""
         return min(self.collective_rpc("determine_num_available_blocks"))
@@ -75,8 +107,20 @@ class Executor(ABC):
     def initialize_cache(self, num_blocks: int) -> None:
         self.collective_rpc("initialize_cache", (num_blocks,))
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.collective_rpc("execute_model", (scheduler_output,))[0]
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | FutureOutput:
+        """Run one step on every rank; the output rank's result.
+
+        With ``non_block=True`` the step is submitted and a :class:`FutureOutput` returned at once, so the
+        engine core can submit the next micro-batch while this one is in the pipeline (executors that cannot
+        overlap steps run it at once and return a resolved future).
+        """
+        output = self.collective_rpc("execute_model", (scheduler_output,))[self.output_rank]
+        return DoneOutput(output) if non_block else output
+
+    def check_health(self) -> None:
+        """Raises an error when a worker is gone (nothing to check in-process)."""
 
     def shutdown(self) -> None:
         """Release the workers (nothing to do in-process)."""

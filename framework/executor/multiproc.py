@@ -1,4 +1,4 @@
-"""MultiprocExecutor: one worker process per tensor-parallel rank on this machine.
+"""MultiprocExecutor: one worker process per rank (tensor x pipeline) on this machine.
 
 Processes are started with the ``spawn`` method (no inherited device state, no fork after threads or a CUDA
 context). Each rank builds the platform's Worker, joins ``torch.distributed`` with the platform's backend
@@ -14,6 +14,11 @@ per-step cost of a pipe write is a few microseconds next to a forward pass, and 
 end-of-file semantics when a process dies. Waiting for answers uses ``multiprocessing.connection.wait`` over
 the pipes *and* the worker processes' sentinels, so a worker that dies (killed, crashed, out of memory) is
 noticed at once; a deadline (``TOKENMILL_RPC_TIMEOUT_S``) guards against a rank that hangs.
+
+Pipeline parallelism: ``execute_model(..., non_block=True)`` writes the step to every pipe and returns at
+once, so the engine core can submit the next micro-batch while the first stage already works on it and the
+later stages still run the previous one. Every rank answers calls in the order it received them, so answers
+are collected strictly oldest call first (a later call's future waits for the earlier ones).
 
 Any failure (a worker error, a dead worker, a timeout) leaves the ranks out of step, possibly inside a
 collective, so the executor is then marked broken: the remaining workers are stopped and every later call
@@ -34,14 +39,16 @@ import threading
 import time
 import traceback
 import weakref
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from multiprocessing import connection
 from multiprocessing.context import SpawnProcess
 from typing import Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from tokenmill.executor.base import Executor
+from tokenmill.executor.base import Executor, FutureOutput
 
 logger = logging.getLogger(__name__)
 
@@ -214,8 +221,31 @@ def _stop_workers(procs: list[SpawnProcess], conns: list[connection.Connection],
             pass
 
 
+@dataclass
+class _Call:
+    """A call written to every rank's pipe whose answers are not all read yet."""
+
+    seq: int
+    name: str
+    reply_rank: int | None
+    timeout_s: float | None
+    done: bool = False
+    results: list[Any] = field(default_factory=list)
+    error: BaseException | None = None
+
+
+class _MultiprocFuture:
+    """``result()`` of a step submitted with ``non_block=True`` (see :class:`FutureOutput`)."""
+
+    def __init__(self, executor: MultiprocExecutor, call: _Call, rank: int) -> None:
+        self._executor, self._call, self._rank = executor, call, rank
+
+    def result(self) -> ModelRunnerOutput:
+        return self._executor._wait_for(self._call)[self._rank]
+
+
 class MultiprocExecutor(Executor):
-    """Tensor-parallel ranks as local processes (see the module docstring for the protocol).
+    """Ranks (tensor x pipeline) as local processes (see the module docstring for the protocol).
 
     Raises (from the constructor):
         WorkerError: a rank failed to start (its traceback is in the message).
@@ -225,12 +255,16 @@ class MultiprocExecutor(Executor):
     def _init_executor(self) -> None:
         import multiprocessing
 
-        self.world_size = self.config.parallel_config.tensor_parallel_size
+        self.world_size = self.config.parallel_config.world_size
         self.rpc_timeout_s = _env_seconds(RPC_TIMEOUT_ENV, DEFAULT_RPC_TIMEOUT_S)
         self._broken: str | None = None
+        self._unanswered: deque[_Call] = deque()
+        self._seq = 0
         self.distributed_init_method = f"tcp://127.0.0.1:{get_open_port()}"
         ctx = multiprocessing.get_context("spawn")
-        num_threads = threads_per_worker(self.world_size)
+        pc = self.config.parallel_config
+        local_engines = pc.data_parallel_size if pc.data_parallel_backend == "mp" else 1
+        num_threads = threads_per_worker(self.world_size * local_engines)
         platform_path = _platform_path()
         self.processes: list[SpawnProcess] = []
         self._conns: list[connection.Connection] = []
@@ -298,6 +332,25 @@ class MultiprocExecutor(Executor):
             WorkerError: a rank raised (its traceback is in the message), or the deadline passed.
             WorkerDiedError: a rank's process is gone.
         """
+        call = self._submit(method, args, kwargs, reply_rank, self.rpc_timeout_s if timeout_s == -1.0 else timeout_s)
+        return self._wait_for(call)
+
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | FutureOutput:
+        """Run the step on every rank; the output rank's result is the answer (the others only acknowledge).
+
+        ``non_block=True`` returns a future at once (see the module docstring).
+        """
+        rank = self.output_rank
+        call = self._submit("execute_model", (scheduler_output,), None, rank, self.rpc_timeout_s)
+        future = _MultiprocFuture(self, call, rank)
+        return future if non_block else future.result()
+
+    def _submit(
+        self, method: Method, args: tuple, kwargs: dict | None, reply_rank: int | None, timeout_s: float | None
+    ) -> _Call:
+        """Write one call to every rank's pipe (without waiting for answers)."""
         if self._broken is not None:
             raise WorkerError(f"the executor's workers are unusable after an earlier failure: {self._broken}")
         payload = pickle.dumps((method, args, kwargs or {}, reply_rank), protocol=pickle.HIGHEST_PROTOCOL)
@@ -312,11 +365,32 @@ class MultiprocExecutor(Executor):
         except WorkerError as exc:
             self._fail(str(exc))
             raise
-        return self._collect(name, reply_rank, self.rpc_timeout_s if timeout_s == -1.0 else timeout_s)
+        self._seq += 1
+        call = _Call(self._seq, name, reply_rank, timeout_s)
+        self._unanswered.append(call)
+        return call
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run the step on every rank; rank 0's output is the answer (the others only acknowledge)."""
-        return self.collective_rpc("execute_model", (scheduler_output,), reply_rank=0)[0]
+    def _wait_for(self, call: _Call) -> list[Any]:
+        """Read answers, oldest call first, until ``call``'s are in; returns them or raises its error."""
+        while not call.done:
+            if not self._unanswered:  # the executor failed and dropped the queue
+                raise WorkerError(f"the executor's workers are unusable after an earlier failure: {self._broken}")
+            oldest = self._unanswered[0]
+            try:
+                oldest.results = self._collect(oldest.name, oldest.reply_rank, oldest.timeout_s)
+            except BaseException as exc:
+                oldest.error = exc
+                if self._broken is not None:
+                    for pending in self._unanswered:
+                        pending.done = True
+                        pending.error = pending.error or exc
+                    self._unanswered.clear()
+            oldest.done = True
+            if self._unanswered and self._unanswered[0] is oldest:
+                self._unanswered.popleft()
+        if call.error is not None:
+            raise call.error
+        return call.results
 
     def check_health(self) -> None:
         """Raises:

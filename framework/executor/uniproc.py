@@ -19,3 +19,9 @@ class UniProcExecutor(Executor):
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
         return [getattr(self.worker, method)(*args, **(kwargs or {}))]
+
+    def shutdown(self) -> None:
+        """Stop the worker's background work (a compile worker process, if any)."""
+        stop = getattr(getattr(self, "worker", None), "shutdown", None)
+        if stop is not None:
+            stop()

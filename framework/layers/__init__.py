@@ -18,6 +18,14 @@ from tokenmill.layers.linear import (
     default_weight_loader,
 )
 from tokenmill.layers.mlp import GatedMLP
+from tokenmill.layers.pipeline import (
+    IntermediateTensors,
+    PPMissingLayer,
+    get_pp_indices,
+    is_pp_missing_parameter,
+    make_empty_intermediate_tensors_factory,
+    make_layers,
+)
 from tokenmill.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_of
 from tokenmill.layers.self_attention import DecoderAttention, attention_args, layer_sliding_window, layer_type_of
 from tokenmill.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -34,7 +42,9 @@ __all__ = [
     "FusedMoEMethod",
     "GatedMLP",
     "GeluAndMul",
+    "IntermediateTensors",
     "MergedColumnParallelLinear",
+    "PPMissingLayer",
     "ParallelLMHead",
     "QKVParallelLinear",
     "RMSNorm",
@@ -49,8 +59,12 @@ __all__ = [
     "attention_args",
     "default_weight_loader",
     "get_act_and_mul",
+    "get_pp_indices",
     "get_rope",
+    "is_pp_missing_parameter",
     "layer_sliding_window",
     "layer_type_of",
+    "make_empty_intermediate_tensors_factory",
+    "make_layers",
     "rope_parameters_of",
 ]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import weakref
 
 import torch
 from torch import nn
@@ -60,10 +59,10 @@ class Attention(nn.Module):
             options[name] = value
         self.impl = backend.get_impl_cls()(num_heads, head_size, scale, num_kv_heads, **options)
         self.kv_cache = torch.empty(0)
-        # Unique in the process (two engines may share layer names) and the same from one run to the next, so
-        # that compiled graphs, which hold it as a constant, hit Inductor's on-disk cache at the next start.
-        self.op_key = f"{prefix}#{next(_INSTANCE_IDS)}"
-        _LAYERS[self.op_key] = self
+        # Unique in the model and the same in every process and run: compiled graphs hold it as a constant and
+        # are saved and loaded by other processes (tokenmill.worker.compiled_runner), which look the layer up in
+        # the forward context's attn_layers (the running model's), never in a process-wide table.
+        self.op_key = prefix or f"attention#{next(_INSTANCE_IDS)}"
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """``query`` ``[T, Hq*D]``, ``key``/``value`` ``[T, Hkv*D]`` -> ``[T, Hq*D]``."""
@@ -73,8 +72,12 @@ class Attention(nn.Module):
         return self.impl.forward(query, key, value, self.kv_cache, ctx.attn_metadata)
 
 
-_LAYERS: weakref.WeakValueDictionary[str, Attention] = weakref.WeakValueDictionary()
 _INSTANCE_IDS = itertools.count()
+
+
+def attention_layers(model: nn.Module) -> dict[str, Attention]:
+    """``model``'s attention layers by ``op_key``: the forward context's ``attn_layers`` for opaque attention."""
+    return {m.op_key: m for m in model.modules() if isinstance(m, Attention)}
 
 
 @torch.library.custom_op("tokenmill::attention", mutates_args=())
@@ -84,11 +87,14 @@ def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, la
     torch.compile treats it as an opaque call, so a compiled forward pass can contain attention of any kind of
     step (prefill chunks, mixed batches) while the backend runs its own Python (per-request loops, host
     metadata) eagerly inside it. The layer, its backend and its cache are found by ``layer_key``, the step's
-    metadata in the forward context; only the output is declared, so the compiler sees no mutation of the
+    metadata in the forward context (``attn_layers``, ``attn_metadata``); only the output is declared, so the compiler sees no mutation of the
     cache (it is never an argument) and keeps the calls in layer order through their data dependencies.
     """
-    layer = _LAYERS[layer_key]
-    out = layer.impl.forward(query, key, value, layer.kv_cache, get_forward_context().attn_metadata)
+    ctx = get_forward_context()
+    if ctx.attn_layers is None:
+        raise RuntimeError("tokenmill::attention needs the forward context's attn_layers (the running model's)")
+    layer = ctx.attn_layers[layer_key]
+    out = layer.impl.forward(query, key, value, layer.kv_cache, ctx.attn_metadata)
     return out.contiguous()
 
 

@@ -22,7 +22,15 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import nn
 
+from tokenmill.distributed import get_pp_group
 from tokenmill.layers.layernorm import RMSNorm
+from tokenmill.layers.pipeline import (
+    IntermediateTensors,
+    PPMissingLayer,
+    is_pp_missing_parameter,
+    make_empty_intermediate_tensors_factory,
+    make_layers,
+)
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 
@@ -127,8 +135,11 @@ class DecoderModel(nn.Module):
             Granite: ``embedding_multiplier``).
         norm_offset, norm_in_float32: the final norm's settings.
 
-    The forward pass is ``embed -> layers -> norm`` over ``self.layers`` in order, so a pipeline stage can run
-    a contiguous range of them.
+    The forward pass is ``embed -> layers -> norm`` over ``self.layers`` in order. Under pipeline parallelism
+    (docs/distributed.md) each stage builds only its range ``[start_layer, end_layer)`` of the layers
+    (:func:`~tokenmill.layers.pipeline.make_layers`), the embedding only on the first stage and the final norm
+    only on the last (:class:`~tokenmill.layers.pipeline.PPMissingLayer` elsewhere); a stage other than the
+    last returns ``IntermediateTensors`` with ``hidden_states`` and ``residual``, ``[T, H]`` each.
     """
 
     def __init__(
@@ -143,35 +154,61 @@ class DecoderModel(nn.Module):
     ) -> None:
         super().__init__()
         cfg = config.hf_config
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.embedding_multiplier = embedding_multiplier
-        self.layers = nn.ModuleList(
-            layer_type(config, i, f"{prefix}.layers.{i}") for i in range(cfg.num_hidden_layers)
+        pp = get_pp_group()
+        self.embed_tokens = (
+            VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if pp.is_first_rank else PPMissingLayer()
         )
-        self.norm = RMSNorm(cfg.hidden_size, float(getattr(cfg, "rms_norm_eps", 1e-6)), offset=norm_offset,
-                            multiply_in_float32=norm_in_float32)
+        self.embedding_multiplier = embedding_multiplier
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            cfg.num_hidden_layers,
+            lambda name: layer_type(config, int(name.rsplit(".", 1)[1]), name),
+            f"{prefix}.layers",
+        )
+        self.norm = (
+            RMSNorm(cfg.hidden_size, float(getattr(cfg, "rms_norm_eps", 1e-6)), offset=norm_offset,
+                    multiply_in_float32=norm_in_float32)
+            if pp.is_last_rank
+            else PPMissingLayer()
+        )
+        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
+            ["hidden_states", "residual"], cfg.hidden_size
+        )
         ropes = {id(m): m for m in self.modules() if isinstance(m, RotaryEmbedding)}
         self._rotary_embs: tuple[RotaryEmbedding, ...] = tuple(ropes.values())  # plain attribute: not registered
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``input_ids``, ``positions``: ``[T]`` int64 -> hidden states ``[T, H]``."""
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """``input_ids``, ``positions``: ``[T]`` int64 -> hidden states ``[T, H]`` (a non-last pipeline stage:
+        ``IntermediateTensors`` for the next stage; a non-first one continues from ``intermediate_tensors``)."""
+        pp = get_pp_group()
         eager = not torch.compiler.is_compiling()
         if eager:  # one cos/sin lookup per rope per forward pass, recorded by a graph capture around it
             for rope in self._rotary_embs:
                 rope.begin_step(positions)
-        hidden_states = self.embed_tokens(input_ids)
-        if self.embedding_multiplier is not None:
-            hidden_states = hidden_states * self.embedding_multiplier
-        residual = None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
-        if residual is None:
-            hidden_states = self.norm(hidden_states)
+        if pp.is_first_rank:
+            hidden_states = self.embed_tokens(input_ids)
+            if self.embedding_multiplier is not None:
+                hidden_states = hidden_states * self.embedding_multiplier
+            residual = None
         else:
-            hidden_states, _ = self.norm(hidden_states, residual)
+            if intermediate_tensors is None:
+                raise ValueError("a pipeline stage after the first needs the previous stage's intermediate_tensors")
+            hidden_states, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
+        for layer in self.layers[self.start_layer : self.end_layer]:
+            hidden_states, residual = layer(positions, hidden_states, residual)
         if eager:
             for rope in self._rotary_embs:
                 rope.end_step()
+        if not pp.is_last_rank:
+            assert residual is not None  # every stage holds at least one layer
+            return IntermediateTensors({"hidden_states": hidden_states, "residual": residual})
+        if residual is None:
+            return self.norm(hidden_states)
+        hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
 
@@ -196,6 +233,7 @@ class DecoderForCausalLM(nn.Module):
     """
 
     layer_type: ClassVar[Any] = None
+    supports_pp: ClassVar[bool] = True  # the pipeline-parallel model contract (docs/distributed.md)
     stacked_params_mapping: ClassVar[tuple[tuple[str, str, str | int], ...]] = DEFAULT_STACKED_PARAMS
     expert_weight_names: ClassVar[Mapping[str, str] | None] = None
     checkpoint_name_remap: ClassVar[Mapping[str, str]] = {}
@@ -206,9 +244,14 @@ class DecoderForCausalLM(nn.Module):
         self.config = cfg
         self.model = DecoderModel(config, layer_type=self.layer_type, **self.model_kwargs(cfg))
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
-        if self.tie_word_embeddings:
+        pp = get_pp_group()
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if pp.is_last_rank else PPMissingLayer()
+        # A tied head shares the embedding only when both live on this stage; on a later stage it loads its own
+        # copy of the embedding's checkpoint tensor.
+        self._tied_here = self.tie_word_embeddings and pp.world_size == 1
+        if self._tied_here:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
         self.logits_multiplier: float | None = None
         self.final_logit_softcap: float | None = None
 
@@ -216,9 +259,15 @@ class DecoderForCausalLM(nn.Module):
         """Extra keyword arguments of :class:`DecoderModel` (embedding multiplier, final norm settings)."""
         return {}
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``input_ids``, ``positions``: ``[T]`` int64 -> hidden states ``[T, hidden]``."""
-        return self.model(input_ids, positions)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """``input_ids``, ``positions``: ``[T]`` int64 -> hidden states ``[T, hidden]`` (see
+        :meth:`DecoderModel.forward` for pipeline stages)."""
+        return self.model(input_ids, positions, intermediate_tensors)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> ``[N, vocab]`` logits (the weights' dtype; the sampler widens to float32 as needed)."""
@@ -240,12 +289,24 @@ class DecoderForCausalLM(nn.Module):
 
         loaded = load_checkpoint_weights(
             self,
-            weights,
+            self._this_stage(weights),
             stacked_params_mapping=self.stacked_params_mapping,
             expert_weight_names=self.expert_weight_names,
             checkpoint_name_remap=self.checkpoint_name_remap,
             ignore_names=("lm_head.weight",) if self.tie_word_embeddings else (),
         )
-        if self.tie_word_embeddings:
+        if self.tie_word_embeddings and isinstance(self.lm_head, ParallelLMHead):
             loaded.add("lm_head.weight")
         return loaded
+
+    def _this_stage(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """The checkpoint tensors this pipeline stage holds (all of them without pipeline parallelism)."""
+        if get_pp_group().world_size == 1:
+            yield from weights
+            return
+        last = get_pp_group().is_last_rank
+        for name, tensor in weights:
+            if self.tie_word_embeddings and last and name == "model.embed_tokens.weight":
+                self.lm_head.weight_loader(self.lm_head.weight, tensor)  # type: ignore[union-attr]
+            if not is_pp_missing_parameter(name, self):
+                yield name, tensor

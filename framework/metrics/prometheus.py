@@ -1,7 +1,8 @@
 """Prometheus metrics of the server, in vLLM's families with the prefix ``tokenmill:`` (vLLM: ``vllm:``).
 
-Every family carries the label ``model_name``; ``request_success_total`` also ``finished_reason``
-(``stop``, ``length``, ``abort``, ``error``). Families (units in the name):
+Every family carries the labels ``model_name`` and ``engine`` (the data-parallel engine core, ``"0"`` without
+data parallelism; as vLLM labels its metrics), ``request_success_total`` also ``finished_reason`` (``stop``,
+``length``, ``abort``, ``error``). Sum over ``engine`` for the server's totals. Families (units in the name):
 
 * gauges: ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc`` (a fraction, 0..1,
   as in vLLM despite the name);
@@ -41,15 +42,17 @@ class PrometheusStatLogger:
     Args:
         model_name: value of the ``model_name`` label (the served model name).
         registry: where the metrics live (default: a new registry; with ``process_*`` metrics).
+        num_engines: data-parallel engine cores; every family has a series (at 0) for each from the start.
     """
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None, num_engines: int = 1) -> None:
         prometheus_client.disable_created_metrics()  # vLLM exports no *_created series either
         if registry is None:
             registry = CollectorRegistry(auto_describe=True)
             prometheus_client.ProcessCollector(registry=registry)
         self.registry = registry
-        labels = ["model_name"]
+        self.model_name = model_name
+        labels = ["model_name", "engine"]
 
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(PREFIX + name, doc, labels, registry=registry)
@@ -85,62 +88,81 @@ class PrometheusStatLogger:
         self.request_generation_tokens = histogram("request_generation_tokens", "Generated tokens per request.",
                                                    _TOKEN_BUCKETS)
 
-        # Bound children: every series exists (at 0) from the start, and updates skip the label lookup.
-        self._running = self.num_requests_running.labels(model_name)
-        self._waiting = self.num_requests_waiting.labels(model_name)
-        self._kv = self.kv_cache_usage.labels(model_name)
-        self._queries = self.prefix_cache_queries.labels(model_name)
-        self._hits = self.prefix_cache_hits.labels(model_name)
-        self._prompt = self.prompt_tokens.labels(model_name)
-        self._generation = self.generation_tokens.labels(model_name)
-        self._preemptions = self.num_preemptions.labels(model_name)
-        self._success = {reason: self.request_success.labels(model_name, reason) for reason in FINISH_REASONS}
-        self._ttft = self.ttft.labels(model_name)
-        self._itl = self.itl.labels(model_name)
-        self._e2e = self.e2e.labels(model_name)
-        self._queue = self.queue_time.labels(model_name)
-        self._prefill = self.prefill_time.labels(model_name)
-        self._decode = self.decode_time.labels(model_name)
-        self._req_prompt = self.request_prompt_tokens.labels(model_name)
-        self._req_generation = self.request_generation_tokens.labels(model_name)
+        self._engines: dict[int, _EngineSeries] = {}
+        for index in range(max(1, num_engines)):
+            self._series(index)
+
+    def _series(self, engine_index: int) -> _EngineSeries:
+        """The bound children of one engine core (created at 0 on first use)."""
+        series = self._engines.get(engine_index)
+        if series is None:
+            series = self._engines[engine_index] = _EngineSeries(self, str(engine_index))
+        return series
 
     # -- StatsSink -------------------------------------------------------------------------------------
 
-    def record_scheduler_stats(self, stats: SchedulerStats) -> None:
-        self._running.set(stats.num_running_reqs)
-        self._waiting.set(stats.num_waiting_reqs)
-        self._kv.set(stats.kv_cache_usage)
+    def record_scheduler_stats(self, stats: SchedulerStats, engine_index: int = 0) -> None:
+        e = self._series(engine_index)
+        e.running.set(stats.num_running_reqs)
+        e.waiting.set(stats.num_waiting_reqs)
+        e.kv.set(stats.kv_cache_usage)
         if stats.prefix_cache_queries:
-            self._queries.inc(stats.prefix_cache_queries)
+            e.queries.inc(stats.prefix_cache_queries)
         if stats.prefix_cache_hits:
-            self._hits.inc(stats.prefix_cache_hits)
+            e.hits.inc(stats.prefix_cache_hits)
         if stats.num_preemptions:
-            self._preemptions.inc(stats.num_preemptions)
+            e.preemptions.inc(stats.num_preemptions)
 
     def record_iteration(self, stats: IterationStats) -> None:
+        e = self._series(stats.engine_index)
         if stats.num_prompt_tokens:
-            self._prompt.inc(stats.num_prompt_tokens)
+            e.prompt.inc(stats.num_prompt_tokens)
         if stats.num_generation_tokens:
-            self._generation.inc(stats.num_generation_tokens)
+            e.generation.inc(stats.num_generation_tokens)
         for value in stats.time_to_first_tokens_s:
-            self._ttft.observe(value)
+            e.ttft.observe(value)
         for value in stats.inter_token_latencies_s:
-            self._itl.observe(value)
+            e.itl.observe(value)
 
     def record_finished(self, stats: FinishedRequestStats) -> None:
-        self._success[stats.finish_reason].inc()
-        self._e2e.observe(stats.e2e_latency_s)
-        self._req_prompt.observe(stats.num_prompt_tokens)
-        self._req_generation.observe(stats.num_generation_tokens)
+        e = self._series(stats.engine_index)
+        e.success[stats.finish_reason].inc()
+        e.e2e.observe(stats.e2e_latency_s)
+        e.req_prompt.observe(stats.num_prompt_tokens)
+        e.req_generation.observe(stats.num_generation_tokens)
         if stats.queue_time_s is not None:
-            self._queue.observe(stats.queue_time_s)
+            e.queue.observe(stats.queue_time_s)
         if stats.prefill_time_s is not None:
-            self._prefill.observe(stats.prefill_time_s)
+            e.prefill.observe(stats.prefill_time_s)
         if stats.decode_time_s is not None:
-            self._decode.observe(stats.decode_time_s)
+            e.decode.observe(stats.decode_time_s)
 
     # -- exposition ------------------------------------------------------------------------------------
 
     def render(self) -> bytes:
         """The registry in the Prometheus text format (content type :data:`CONTENT_TYPE`)."""
         return prometheus_client.generate_latest(self.registry)
+
+
+class _EngineSeries:
+    """The children of every family bound to one ``(model_name, engine)``: updates skip the label lookup."""
+
+    def __init__(self, logger: PrometheusStatLogger, engine: str) -> None:
+        labels = (logger.model_name, engine)
+        self.running = logger.num_requests_running.labels(*labels)
+        self.waiting = logger.num_requests_waiting.labels(*labels)
+        self.kv = logger.kv_cache_usage.labels(*labels)
+        self.queries = logger.prefix_cache_queries.labels(*labels)
+        self.hits = logger.prefix_cache_hits.labels(*labels)
+        self.prompt = logger.prompt_tokens.labels(*labels)
+        self.generation = logger.generation_tokens.labels(*labels)
+        self.preemptions = logger.num_preemptions.labels(*labels)
+        self.success = {reason: logger.request_success.labels(*labels, reason) for reason in FINISH_REASONS}
+        self.ttft = logger.ttft.labels(*labels)
+        self.itl = logger.itl.labels(*labels)
+        self.e2e = logger.e2e.labels(*labels)
+        self.queue = logger.queue_time.labels(*labels)
+        self.prefill = logger.prefill_time.labels(*labels)
+        self.decode = logger.decode_time.labels(*labels)
+        self.req_prompt = logger.request_prompt_tokens.labels(*labels)
+        self.req_generation = logger.request_generation_tokens.labels(*labels)

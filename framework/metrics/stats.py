@@ -45,8 +45,10 @@ class IterationStats:
         num_generation_tokens: tokens generated in this step.
         time_to_first_tokens_s: one entry per sequence that got its first token.
         inter_token_latencies_s: one entry per sequence that got a later token batch.
+        engine_index: the data-parallel engine core of the step (0 without data parallelism).
     """
 
+    engine_index: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     time_to_first_tokens_s: list[float] = field(default_factory=list)
@@ -69,6 +71,7 @@ class FinishedRequestStats:
         queue_time_s: first scheduled - queued (engine core).
         prefill_time_s: first token - first scheduled.
         decode_time_s: last token - first token.
+        engine_index: the data-parallel engine core that ran it (the one of its first output; 0 if none).
     """
 
     finish_reason: str
@@ -78,12 +81,13 @@ class FinishedRequestStats:
     queue_time_s: float | None = None
     prefill_time_s: float | None = None
     decode_time_s: float | None = None
+    engine_index: int = 0
 
 
 class StatsSink(Protocol):
     """Receives statistics (a metrics backend or a logger)."""
 
-    def record_scheduler_stats(self, stats: SchedulerStats) -> None: ...
+    def record_scheduler_stats(self, stats: SchedulerStats, engine_index: int = 0) -> None: ...
 
     def record_iteration(self, stats: IterationStats) -> None: ...
 
@@ -99,6 +103,7 @@ class _SequenceTimes:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_generation_tokens: int = 0
+    engine_index: int | None = None
 
 
 class RequestStatsTracker:
@@ -134,14 +139,16 @@ class RequestStatsTracker:
         """Record one engine-core step (or stats snapshot) handled by the front end at ``now``."""
         if outputs.scheduler_stats is not None:
             for sink in self.sinks:
-                sink.record_scheduler_stats(outputs.scheduler_stats)
+                sink.record_scheduler_stats(outputs.scheduler_stats, outputs.engine_index)
         if not outputs.outputs:
             return
-        iteration = IterationStats()
+        iteration = IterationStats(engine_index=outputs.engine_index)
         for out in outputs.outputs:
             seq = self._sequences.get(out.request_id)
             if seq is None:
                 continue
+            if seq.engine_index is None:
+                seq.engine_index = outputs.engine_index
             for event in out.events or ():
                 if event.type == EngineCoreEventType.QUEUED and seq.queued_time is None:
                     seq.queued_time = event.timestamp
@@ -183,6 +190,7 @@ class RequestStatsTracker:
             e2e_latency_s=max(0.0, now - seq.arrival_time),
             num_prompt_tokens=seq.num_prompt_tokens,
             num_generation_tokens=seq.num_generation_tokens,
+            engine_index=seq.engine_index or 0,
         )
         if seq.queued_time is not None and seq.scheduled_time is not None:
             stats.queue_time_s = max(0.0, seq.scheduled_time - seq.queued_time)

@@ -30,13 +30,19 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
 
     Raises:
         tokenmill.model_loader.registry.UnknownArchitectureError: no registered class for the architecture.
-        ValueError: a parameter was left without weights.
+        ValueError: a parameter was left without weights, or pipeline parallelism with a model that does not
+            support it.
     """
     model_cls = ModelRegistry.resolve_model_cls(model_config.architectures)
-    from tokenmill.distributed import get_tp_rank
+    from tokenmill.distributed import get_pp_size, get_tp_rank
     from tokenmill.model_contract import check_model_class
 
     check_model_class(model_cls)
+    if get_pp_size() > 1 and not getattr(model_cls, "supports_pp", False):
+        raise ValueError(
+            f"pipeline_parallel_size: {model_cls.__name__} does not support pipeline parallelism (it does not "
+            "set supports_pp; see docs/distributed.md for the model contract)"
+        )
     if get_tp_rank() == 0:
         arch = next((a for a in model_config.architectures if ModelRegistry.is_registered(a)), "?")
         logger.info("model class: %s -> %s.%s (registered by %s)", arch, model_cls.__module__, model_cls.__qualname__,

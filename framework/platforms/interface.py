@@ -242,8 +242,8 @@ class Platform:
 
     @classmethod
     def kernel_info(cls) -> dict[str, str]:
-        """Which kernels and instruction sets this platform's steps use now (benchmarks and ``tokenmill
-        plugins`` show it); default: nothing to report."""
+        """Which kernels and instruction sets this platform's steps use now, e.g. ``{"attention": ...,
+        "quantized_matmul": ...}`` (``tokenmill bench`` prints and records it); default: nothing to report."""
         return {}
 
     # -- shared logic ---------------------------------------------------------------------------------------
@@ -325,8 +325,15 @@ class Platform:
 
     @classmethod
     def local_ranks_needed(cls, config: EngineConfig) -> int:
-        """How many devices this machine needs for ``config`` (the tensor-parallel size)."""
-        return int(config.parallel_config.tensor_parallel_size)
+        """How many devices this machine needs for ``config``: tensor-parallel x pipeline-parallel size, times
+        the data-parallel size when the data-parallel engine cores are local processes; 0 with the Ray
+        executor (Ray places ranks on the cluster's devices)."""
+        pc = config.parallel_config
+        if pc.distributed_executor_backend == "ray":
+            return 0
+        tp, pp = int(pc.tensor_parallel_size), int(getattr(pc, "pipeline_parallel_size", 1))
+        dp = int(getattr(pc, "data_parallel_size", 1)) if getattr(pc, "data_parallel_backend", "mp") == "mp" else 1
+        return tp * pp * dp
 
     @classmethod
     def check_and_update_config(cls, config: EngineConfig) -> None:
@@ -338,7 +345,8 @@ class Platform:
 
         Raises:
             ValueError: ``dtype`` is not one of :attr:`supported_dtypes` (the message names ``dtype``), or
-                there are fewer visible devices than ranks (the message names ``--tensor-parallel-size``).
+                there are fewer visible devices than local ranks (the message names ``--tensor-parallel-size``,
+                ``--pipeline-parallel-size`` and ``--data-parallel-size``).
         """
         model_config = config.model_config
         if model_config.dtype == "auto":
@@ -355,9 +363,12 @@ class Platform:
             count = cls.device_count()
             if needed > count:
                 where = f" (check {cls.visible_devices_env})" if cls.visible_devices_env else ""
+                pc = config.parallel_config
                 raise ValueError(
-                    f"--tensor-parallel-size {config.parallel_config.tensor_parallel_size} needs {needed} "
-                    f"{cls.name} devices but only {count} are visible{where}"
+                    f"--tensor-parallel-size {pc.tensor_parallel_size} x --pipeline-parallel-size "
+                    f"{getattr(pc, 'pipeline_parallel_size', 1)} x --data-parallel-size "
+                    f"{getattr(pc, 'data_parallel_size', 1)}: {needed} local ranks need {needed} {cls.name} "
+                    f"devices but only {count} are visible{where}"
                 )
 
     @classmethod

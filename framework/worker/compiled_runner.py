@@ -14,39 +14,50 @@ How it runs:
   a registered custom op), so the whole step is one graph.
 * Prefill and mixed steps run the ``mixed`` compilation: every attention layer is one opaque custom op
   (``tokenmill::attention``, see ``tokenmill.layers.attention``) that runs the backend eagerly, and the
-  compiler fuses everything between them (norms, rotary, activation, residual adds): 128-token prefills of
-  SmolLM2-135M spend about a sixth of their time in those operators eagerly.
-* Kinds, each one guard-free compilation with dynamic shapes: ``one`` (decode of one request; the compiler
-  specialises sizes 0 and 1), ``many`` (decode of 2 or more), ``large`` (decode of more than the quantized
-  layers' row limit, only when the model has quantized layers: a compilation bakes in the branch its
-  trace took, and the dense matmul is the right one for large batches) and ``mixed``. The block table is
-  padded to at least two columns (block 0, masked by ``seq_lens``) so that short contexts reuse the decode
-  compilations.
-* Every compilation happens in :meth:`warm_up`, at engine start-up (one to two minutes on 2 cores the first
-  time; about 40 s, 55 s with ``--quantization``, once Inductor's on-disk caches hold the graphs: most of it
-  is Dynamo tracing, and each decode kind's first Dynamo analysis restarts once per start and misses
-  AOTAutograd's cache, about 8 s each, not yet understood). Warm-up writes keys/values of dummy tokens into
-  block 0, which is harmless: a slot is always written by its owner before it is read, and no request
-  exists yet.
+  compiler fuses everything between them (norms, rotary, activation, residual adds).
+* Kinds, each one compilation with dynamic shapes and no guards: ``one`` (decode of one request), ``many``
+  (decode of 2 or more), ``large`` (decode of more than the quantized layers' row limit, only when the model
+  has quantized layers: a compilation bakes in the branch its trace took, and the dense matmul is the right
+  one for large batches) and ``mixed``. The block table is padded to at least two columns (block 0, masked by
+  ``seq_lens``) so that short contexts reuse the decode compilations. A step whose kind is not compiled (yet)
+  runs eagerly.
+* Each kind is compiled ahead of time (``torch.compile(...).aot_compile``: Dynamo, AOTAutograd and Inductor run
+  on a dummy step of the kind's shape, nothing is executed) and saved in the on-disk cache of
+  ``tokenmill.worker.compile_cache``; a later start with the same key loads the saved graph (seconds) instead
+  of tracing again (minutes). Weights, KV caches and all ``nn.Module`` state are graph inputs with static
+  shapes except the KV cache's block count, so a graph fits any checkpoint of the architecture and any KV
+  cache size.
+* ``compile_mode="blocking"`` (``--compile-mode blocking``; the default of ``LLM`` and the benchmarks):
+  every kind is loaded or compiled before the engine takes requests. ``"background"`` (the default of
+  ``tokenmill serve``): the engine serves eagerly at once; a thread loads the cached kinds, and the missing
+  ones are compiled by a child process (``python -m tokenmill.worker.compile_worker``, at a lower CPU
+  priority, its own copy of the model) whose artifacts the thread loads and swaps in one kind at a time
+  (``one`` first: single requests gain most). Progress goes to the log.
 * ``--enforce-eager`` turns it off, as does ``TOKENMILL_COMPILE=0`` in the environment (the test suite sets
   it so that its many short-lived engines skip compiling) and a platform without ``supports_compile``. If
-  compilation fails the engine logs why and stays eager.
+  compilation fails the engine logs why and that kind stays eager.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import threading
 import time
-import types
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.forward_context import set_forward_context
+from tokenmill.worker.compile_cache import CompileCache
 
 if TYPE_CHECKING:
     from tokenmill.worker.input_batch import BatchInputs
@@ -54,65 +65,63 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-def _own_forward(model: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """``model.forward`` bound to a copy of its code object.
+KIND_ORDER = ("one", "many", "mixed", "large")  # compile order: single requests gain most
+KIND_LABELS = {"one": "decode of 1 request", "many": "decode of 2+ requests", "mixed": "prefill and mixed steps",
+               "large": "decode above the quantized row limit"}
+_POLL_S = 0.5
 
-    torch.compile keeps its compiled graphs per code object, so every model instance of a class would share
-    them; with guards skipped, a second engine in the same process could run the first one's graph.
-    A private code object gives each runner its own cache.
-    """
-    func = type(model).forward
-    private = types.FunctionType(
-        func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__, func.__closure__
+
+def step_kinds(quant_max_rows: int, max_batch_size: int) -> list[str]:
+    """The kinds a runner compiles (``large`` only when quantized layers stop below ``max_batch_size``)."""
+    return [k for k in KIND_ORDER if k != "large" or 0 < quant_max_rows < max_batch_size]
+
+
+def quant_row_limit(model: torch.nn.Module) -> int:
+    """Rows above which the model's quantized layers use their dense weight (0: no quantized layer)."""
+    return max(
+        (getattr(m, "quant_max_tokens", 0) for m in model.modules() if getattr(m, "quant", None) is not None),
+        default=0,
     )
-    return types.MethodType(private, model)
 
 
 class CompiledRunner:
-    """Runs model forward passes through ``torch.compile(model)``: decode steps of at most ``max_batch_size``
-    requests with attention traced, other steps with attention as an opaque op.
+    """Runs model forward passes through ahead-of-time compiled graphs, one per step kind (module docstring).
 
     Args:
         model: the loaded model (``forward(input_ids, positions)``).
         max_batch_size: the largest decode step compiled.
         block_size: tokens per KV block.
+
+    Attributes:
+        compiled: the kinds ready now, ``kind -> callable(model, input_ids, positions)``; a background loader
+            adds to it while the engine runs.
+        kinds: every kind this runner will have once compilation is done.
+        kind_steps: steps run per compiled kind since it was installed.
     """
 
     def __init__(self, model: torch.nn.Module, max_batch_size: int, block_size: int) -> None:
+        from tokenmill.layers.attention import attention_layers
+
+        self.model = model
+        self.attn_layers = attention_layers(model)  # where opaque attention finds its layers
         self.max_batch_size = max_batch_size
         self.block_size = block_size
-        # Quantized layers switch to their dense weight above this many rows (0: no quantized layer).
-        self.quant_max_rows = max(
-            (getattr(m, "quant_max_tokens", 0) for m in model.modules() if getattr(m, "quant", None) is not None),
-            default=0,
-        )
-        kinds = ["one", "many", "mixed"]
-        if 0 < self.quant_max_rows < max_batch_size:
-            kinds.append("large")
-        # One compilation for a batch of one and one for larger batches, each with its own code object (see
-        # _own_forward) and without guards or size asserts: checking torch.compile's guards (thousands, on the
-        # model's modules and tensors) took over a millisecond per step, the generated code's input size
-        # asserts (hundreds) about 0.4 ms. That is safe because each compilation serves one model
-        # and one kind of batch only, which run() chooses, and nothing replaces the model's modules or KV
-        # cache tensors after warm-up (a new KV cache comes with a new runner).
-        self.compiled = {
-            kind: torch.compile(
-                _own_forward(model),
-                dynamic=True,
-                fullgraph=True,
-                options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe, "size_asserts": False},
-            )
-            for kind in kinds
-        }
-        self.kind_steps = dict.fromkeys(self.compiled, 0)  # steps run per kind since warm-up
+        self.quant_max_rows = quant_row_limit(model)
+        self.kinds = step_kinds(self.quant_max_rows, max_batch_size)
+        self.compiled: dict[str, Callable[..., torch.Tensor]] = {}
+        self.kind_steps = dict.fromkeys(self.kinds, 0)
+        self.background: threading.Thread | None = None
+        self.child: subprocess.Popen | None = None
+        self._stop = threading.Event()
 
     @classmethod
     def create_if_enabled(cls, runner: ModelRunner) -> CompiledRunner | None:
-        """A warmed-up runner for ``runner``'s model, or ``None`` when compilation is off or fails.
+        """A runner for ``runner``'s model, or ``None`` when compilation is off.
 
         Off with ``enforce_eager`` or ``TOKENMILL_COMPILE=0``, on platforms without ``supports_compile``, with
         attention backends without ``supports_compile``, and with tensor parallelism (collectives are not
-        traced).
+        traced). With ``compile_mode="blocking"`` every kind is ready when this returns (or, if its compilation
+        failed, logged and left eager); with ``"background"`` kinds arrive while the engine serves.
         """
         from tokenmill.distributed import get_tp_size
         from tokenmill.platforms import get_current_platform
@@ -125,20 +134,56 @@ class CompiledRunner:
         if not get_current_platform().supports_compile or not getattr(runner.attn_backend, "supports_compile", False):
             return None
         compiled = cls(runner.model, config.scheduler_config.max_num_seqs, runner.block_size)
-        try:
-            compiled.warm_up(runner.device)
-        except Exception as exc:  # noqa: BLE001 - any compiler failure leaves the engine eager, never broken
-            logger.warning("torch.compile of decode steps failed, running eagerly (%s: %s)", type(exc).__name__, exc)
-            torch.compiler.reset()
-            return None
+        cache = compiled.cache_for(runner)
+        if getattr(config, "compile_mode", "blocking") == "background":
+            compiled.start_background(runner, cache)
+        else:
+            compiled.prepare_blocking(runner, cache)
         return compiled
 
+    def cache_for(self, runner: ModelRunner) -> CompileCache:
+        """The on-disk cache whose key fits this model, engine configuration and source code."""
+        from tokenmill.plugins import get_plugin_status
+
+        config = runner.config
+        hf = config.model_config.hf_config
+        layer_classes: set[str] = set()
+        for m in self.model.modules():
+            layer_classes.add(f"{type(m).__module__}.{type(m).__qualname__}")
+            quant = getattr(m, "quant", None)
+            if isinstance(quant, torch.nn.Module):
+                layer_classes.add(f"{type(quant).__module__}.{type(quant).__qualname__}")
+            method_path = getattr(m, "method_path", None)  # FusedMoE's expert method ("module:Class")
+            if isinstance(method_path, str):
+                layer_classes.add(method_path.replace(":", "."))
+        plugins = [s for s in get_plugin_status() if s.loaded]
+        facts = {
+            "architecture": hf.to_json_string(use_diff=False) if hasattr(hf, "to_json_string") else repr(hf),
+            "model_class": f"{type(self.model).__module__}.{type(self.model).__qualname__}",
+            "dtype": config.model_config.dtype,
+            "quantization": config.model_config.quantization,
+            "block_size": self.block_size,
+            "quant_max_rows": self.quant_max_rows,
+            "platform": config.device_config.platform,
+            "attention_backend": f"{runner.attn_backend.__module__}.{runner.attn_backend.__qualname__}",
+            # A plugin's custom op (RMSNorm, rotary, MoE, quantized linear) changes the traced graph: every layer
+            # class and every loaded plugin go into the key, and their packages' sources into the digest.
+            "layer_classes": sorted(layer_classes),
+            "plugins": sorted(f"{s.distribution}=={s.version}:{s.value}" for s in plugins),
+        }
+        modules = [type(self.model).__module__, runner.attn_backend.__module__]
+        modules += sorted({name.split(".")[0] for name in layer_classes} - {"torch"})  # torch: its version
+        modules += [s.value.split(":")[0] for s in plugins]
+        return CompileCache(facts, modules)
+
+    # ------------------------------------------------------------------------------------------- stepping
+
     def can_run(self, batch: BatchInputs) -> bool:
-        """Whether ``batch`` has a compiled kind: any step with tokens, decode steps up to ``max_batch_size``."""
+        """Whether ``batch``'s kind is compiled now: any step with tokens, decode steps up to ``max_batch_size``."""
         md = batch.attn_metadata
         if md.max_query_len == 1:
-            return 0 < md.num_actual_tokens <= self.max_batch_size
-        return md.num_actual_tokens > 1
+            return 0 < md.num_actual_tokens <= self.max_batch_size and self.kind(md) in self.compiled
+        return md.num_actual_tokens > 1 and "mixed" in self.compiled
 
     def kind(self, md: AttentionMetadata) -> str:
         """The compilation that runs a step with metadata ``md``."""
@@ -146,7 +191,7 @@ class CompiledRunner:
             return "mixed"
         if md.num_actual_tokens == 1:
             return "one"
-        return "large" if "large" in self.compiled and md.num_actual_tokens > self.quant_max_rows else "many"
+        return "large" if "large" in self.kinds and md.num_actual_tokens > self.quant_max_rows else "many"
 
     def run(self, batch: BatchInputs) -> torch.Tensor:
         """The compiled forward pass of ``batch``: ``[T, hidden]``."""
@@ -155,56 +200,230 @@ class CompiledRunner:
         if kind != "mixed" and md.block_table.shape[1] < 2:
             md = self._pad_block_table(md)
         self.kind_steps[kind] += 1
-        with set_forward_context(md, opaque_attention=kind == "mixed"):
-            return self.compiled[kind](batch.input_ids, batch.positions)
+        with set_forward_context(md, opaque_attention=kind == "mixed", attn_layers=self.attn_layers):
+            return self.compiled[kind](self.model, batch.input_ids, batch.positions)
 
     def _pad_block_table(self, md: AttentionMetadata) -> AttentionMetadata:
         pad = md.block_table.new_zeros(md.block_table.shape[0], 2 - md.block_table.shape[1])
         return dataclasses.replace(md, block_table=torch.cat((md.block_table, pad), dim=1))
 
-    @torch.inference_mode()
-    def warm_up(self, device: torch.device) -> None:
-        """Compile every kind (see the module docstring), tracing each with a step of its own kind."""
+    # ------------------------------------------------------------------------------------------- preparing
+
+    def prepare_blocking(self, runner: ModelRunner, cache: CompileCache) -> None:
+        """Load or compile (and save) every kind now, in this thread."""
         start = time.perf_counter()
-        # Distinct sizes per trace: equal sizes at trace time would be tied together. "large" and "mixed"
-        # trace above the quantized row limit so that they take the dense matmuls.
-        above = max(self.quant_max_rows, 3) + 5
-        for kind, size in (("one", 1), ("many", 3), ("large", above), ("mixed", above)):
-            if kind in self.compiled:
+        runner.attn_backend.wait_until_ready()
+        for kind in self.kinds:
+            try:
+                if cache.has(kind):
+                    self._install(kind, load_kind(cache, kind), cache, "loaded from the compile cache")
+                    continue
                 kind_start = time.perf_counter()
-                self.run(self._dummy_batch(kind, size, device))
-                logger.debug("compiled %s steps in %.1f s", kind, time.perf_counter() - kind_start)
-        self.kind_steps = dict.fromkeys(self.compiled, 0)
-        logger.info(
-            "compiled forward passes with torch.compile in %.1f s: decode steps of 1-%d requests, prefill and "
-            "mixed steps (--enforce-eager skips this)",
-            time.perf_counter() - start,
-            self.max_batch_size,
-        )
+                logger.info("compiling %s steps (%s) with torch.compile ...", kind, KIND_LABELS[kind])
+                fn = compile_kind(self, kind, runner, cache)
+                self._install(kind, fn, cache, f"compiled in {time.perf_counter() - kind_start:.1f} s")
+            except Exception as exc:  # noqa: BLE001 - any compiler failure leaves the kind eager, never broken
+                logger.warning("torch.compile of %s steps failed, they run eagerly (%s: %s)", kind,
+                               type(exc).__name__, exc)
+        logger.info("compiled forward passes ready in %.1f s: %s (cache %s; --enforce-eager skips this)",
+                    time.perf_counter() - start, ", ".join(self.compiled) or "none", cache.directory)
 
-    def _dummy_batch(self, kind: str, size: int, device: torch.device) -> BatchInputs:
-        """Decode of ``size`` requests, or (``mixed``) one fresh prefill of ``size`` tokens; writes go to block 0."""
-        from tokenmill.worker.input_batch import BatchInputs
-
-        ids = torch.zeros(size, dtype=torch.int64, device=device)
-        if kind == "mixed":
-            num_reqs, seq_lens, qsl = 1, [size], [0, size]
+    def start_background(self, runner: ModelRunner, cache: CompileCache) -> None:
+        """Serve eagerly now; load cached kinds and compile missing ones (child process) in a daemon thread."""
+        missing = [k for k in self.kinds if not cache.has(k)]
+        if missing:
+            logger.info("serving eagerly while %s compile in the background (%s; compiled graphs are cached in %s, "
+                        "later starts load them)", ", ".join(missing),
+                        "minutes on a small CPU" if len(missing) == len(self.kinds) else "the rest is cached",
+                        cache.directory)
         else:
-            num_reqs, seq_lens, qsl = size, [1] * size, list(range(size + 1))
-        md = AttentionMetadata(
-            num_actual_tokens=size,
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_table=torch.zeros(num_reqs, size + 2, dtype=torch.int32, device=device),
-            slot_mapping=torch.zeros(size, dtype=torch.int64, device=device),
-            max_query_len=size if kind == "mixed" else 1,
-            max_seq_len=max(seq_lens),
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=seq_lens,
-            block_size=self.block_size,
-        )
-        torch._dynamo.mark_dynamic(md.block_table, 1)
-        if size > 1:
-            torch._dynamo.mark_dynamic(ids, 0)
-        logits_indices = torch.tensor([size - 1] if kind == "mixed" else list(range(size)), device=device)
-        return BatchInputs(ids, ids.clone(), md, logits_indices, [True] * num_reqs)
+            logger.info("loading compiled forward passes from the compile cache in the background (%s)",
+                        cache.directory)
+        self.background = threading.Thread(target=self._background, args=(runner, cache, missing),
+                                           name="tokenmill-compile", daemon=True)
+        self.background.start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the background work to end; whether it has (``True`` at once in blocking mode)."""
+        if self.background is not None:
+            self.background.join(timeout)
+            return not self.background.is_alive()
+        return True
+
+    def shutdown(self) -> None:
+        """Stop background compilation (the child process is killed; loaded kinds stay)."""
+        self._stop.set()
+        self._end_child(grace_s=0.0)
+
+    def _end_child(self, grace_s: float) -> None:
+        child = self.child
+        if child is None:
+            return
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(grace_s)
+        if child.poll() is None:
+            child.kill()
+            with contextlib.suppress(Exception):
+                child.wait(5)
+
+    def _background(self, runner: ModelRunner, cache: CompileCache, missing: list[str]) -> None:
+        start = time.perf_counter()
+        try:
+            runner.attn_backend.wait_until_ready()
+            for kind in self.kinds:
+                if kind not in missing and not self._stop.is_set():
+                    self._install(kind, load_kind(cache, kind), cache, "loaded from the compile cache")
+            if missing and not self._stop.is_set():
+                self._compile_in_child(runner, cache, missing)
+        except Exception as exc:  # noqa: BLE001 - never take the engine down; the rest stays eager
+            logger.warning("background compilation stopped, the remaining step kinds run eagerly (%s: %s)",
+                           type(exc).__name__, exc)
+        finally:
+            self._end_child(grace_s=30.0)  # it exits by itself after its last kind
+        if not self._stop.is_set():
+            logger.info("background compilation done in %.1f s: compiled %s; eager: %s",
+                        time.perf_counter() - start, ", ".join(self.compiled) or "none",
+                        ", ".join(k for k in self.kinds if k not in self.compiled) or "none")
+
+    def _compile_in_child(self, runner: ModelRunner, cache: CompileCache, missing: list[str]) -> None:
+        cache.prepare()
+        spec = {"config": runner.config, "kinds": missing, "cache_dir": str(cache.directory),
+                "parent_pid": os.getpid()}
+        with tempfile.NamedTemporaryFile("wb", suffix=".pkl", prefix="tokenmill-compile-", delete=False) as f:
+            pickle.dump(spec, f)
+            spec_path = f.name
+        env = dict(os.environ, TOKENMILL_COMPILE="0", OMP_NUM_THREADS="1",
+                   TOKENMILL_PLATFORM=runner.config.device_config.platform or os.environ.get("TOKENMILL_PLATFORM", ""))
+        if not env["TOKENMILL_PLATFORM"]:
+            env.pop("TOKENMILL_PLATFORM")
+        try:
+            self.child = subprocess.Popen([sys.executable, "-m", "tokenmill.worker.compile_worker", spec_path],
+                                          env=env, stdin=subprocess.DEVNULL)
+            logger.info("compile worker started (pid %d, lower CPU priority)", self.child.pid)
+            for kind in missing:
+                while not cache.has(kind):
+                    if self._stop.wait(_POLL_S):
+                        return
+                    if self.child.poll() is not None and not cache.has(kind):
+                        logger.warning("compile worker exited (code %s) before %s steps were compiled; they run "
+                                       "eagerly", self.child.returncode, kind)
+                        return
+                self._install(kind, load_kind(cache, kind), cache, "compiled in the background")
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(spec_path)
+
+    def _install(self, kind: str, fn: Callable[..., torch.Tensor], cache: CompileCache, how: str) -> None:
+        self.kind_steps[kind] = 0
+        self.compiled[kind] = fn
+        logger.info("%s steps (%s) now run compiled: %s (%d of %d kinds)", kind, KIND_LABELS[kind], how,
+                    len(self.compiled), len(self.kinds))
+
+
+# ------------------------------------------------------------------------------------------- compiling
+
+
+def load_kind(cache: CompileCache, kind: str) -> Callable[..., torch.Tensor]:
+    """The saved graph of ``kind``, guards off (each graph serves one kind only; the runner chooses it).
+
+    Raises:
+        OSError, RuntimeError: the artifact cannot be read or was made by an incompatible torch.
+    """
+    start = time.perf_counter()
+    with open(cache.path(kind), "rb") as f:
+        fn = torch.compiler.load_compiled_function(f)
+    fn.disable_guard_check()
+    logger.debug("loaded %s steps in %.1f s", kind, time.perf_counter() - start)
+    return fn
+
+
+@contextlib.contextmanager
+def _aot_settings() -> Iterator[None]:
+    """Compiler settings of an ahead-of-time compilation.
+
+    ``specialize_float``: a dynamic float restarts Dynamo's analysis once, which ahead-of-time capture cannot
+    do. ``use_duck_shape=False``: sizes that happen to be equal at trace time (3 KV heads, 3 decode rows)
+    must not become one symbol.
+    """
+    import torch.fx.experimental._config as fx_config
+
+    with torch._dynamo.config.patch(enable_aot_compile=True, specialize_float=True), \
+            fx_config.patch(use_duck_shape=False):
+        yield
+
+
+def kv_block_dim(model_runner: ModelRunner) -> int:
+    """Which dimension of the backend's KV cache layout counts blocks."""
+    one = model_runner.attn_backend.get_kv_cache_shape(1, model_runner.block_size, 1, 8)
+    two = model_runner.attn_backend.get_kv_cache_shape(2, model_runner.block_size, 1, 8)
+    return next(i for i, (a, b) in enumerate(zip(one, two)) if a != b)
+
+
+def compile_kind(
+    runner: CompiledRunner, kind: str, model_runner: ModelRunner, cache: CompileCache | None
+) -> Callable[..., torch.Tensor]:
+    """Compile ``kind`` ahead of time for ``runner``'s model (nothing runs) and save it in ``cache``.
+
+    Every parameter, buffer and KV cache dimension is static except the KV caches' block count.
+
+    Returns:
+        ``callable(model, input_ids, positions) -> [T, hidden]``.
+    """
+    model = runner.model
+    device = model_runner.device
+    for t in list(model.parameters()) + list(model.buffers()):
+        torch._dynamo.mark_static(t)
+    blocks = kv_block_dim(model_runner)
+    for kv in model_runner.kv_caches:
+        for i in range(kv.dim()):
+            if i == blocks:
+                torch._dynamo.mark_dynamic(kv, i)
+            else:
+                torch._dynamo.mark_static(kv, i)
+    # Distinct sizes per trace; "large" and "mixed" trace above the quantized row limit (dense matmuls).
+    above = max(runner.quant_max_rows, 3) + 5
+    size = {"one": 1, "many": 3, "large": above, "mixed": above}[kind]
+    batch = _dummy_batch(kind, size, device, runner.block_size)
+    fn = torch.compile(
+        type(model).forward,
+        dynamic=True,
+        fullgraph=True,
+        options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe, "size_asserts": False},
+    )
+    with torch.inference_mode(), _aot_settings(), set_forward_context(
+            batch.attn_metadata, opaque_attention=kind == "mixed", attn_layers=runner.attn_layers):
+        compiled = fn.aot_compile(((model, batch.input_ids, batch.positions), {}))
+    if cache is not None:
+        cache.prepare()
+        compiled.save_compiled_function(str(cache.path(kind)))
+    compiled.disable_guard_check()
+    return compiled
+
+
+def _dummy_batch(kind: str, size: int, device: torch.device, block_size: int) -> BatchInputs:
+    """Decode of ``size`` requests, or (``mixed``) one fresh prefill of ``size`` tokens, on block 0 (traced,
+    never run)."""
+    from tokenmill.worker.input_batch import BatchInputs
+
+    ids = torch.zeros(size, dtype=torch.int64, device=device)
+    if kind == "mixed":
+        num_reqs, seq_lens, qsl = 1, [size], [0, size]
+    else:
+        num_reqs, seq_lens, qsl = size, [1] * size, list(range(size + 1))
+    md = AttentionMetadata(
+        num_actual_tokens=size,
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_table=torch.zeros(num_reqs, size + 2, dtype=torch.int32, device=device),
+        slot_mapping=torch.zeros(size, dtype=torch.int64, device=device),
+        max_query_len=size if kind == "mixed" else 1,
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+        block_size=block_size,
+    )
+    torch._dynamo.mark_dynamic(md.block_table, 1)
+    if size > 1:
+        torch._dynamo.mark_dynamic(ids, 0)
+    logits_indices = torch.tensor([size - 1] if kind == "mixed" else list(range(size)), device=device)
+    return BatchInputs(ids, ids.clone(), md, logits_indices, [True] * num_reqs)

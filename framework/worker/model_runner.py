@@ -7,8 +7,10 @@ import torch
 from tokenmill.attention.selector import load_backend_cls, set_attn_backend
 from tokenmill.config import EngineConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.distributed import get_pp_size
 from tokenmill.forward_context import set_forward_context
 from tokenmill.layers.attention import Attention
+from tokenmill.layers.pipeline import IntermediateTensors
 from tokenmill.layers.quantization import quantize_model
 from tokenmill.model_loader.loader import get_model, str_to_dtype
 from tokenmill.worker.compiled_runner import CompiledRunner
@@ -113,9 +115,15 @@ class ModelRunner:
             cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.kv_cache = cache
             self.kv_caches.append(cache)
+        if get_pp_size() > 1:
+            return  # PP: the captured / compiled forwards take no intermediate tensors; stages run eagerly
         self.graph_runner = GraphRunner.create_if_enabled(self)  # captures against the new cache
         if self.graph_runner is None:
             self.compiled_runner = CompiledRunner.create_if_enabled(self)
+
+    def shutdown(self) -> None:
+        if self.compiled_runner is not None:
+            self.compiled_runner.shutdown()
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
@@ -137,10 +145,24 @@ class ModelRunner:
             state = self.requests[req_id]
             state.block_ids.extend(cached.new_block_ids[i])
             state.num_computed_tokens = cached.num_computed_tokens[i]
+            if cached.new_token_ids:
+                # PP: stages before the last never sampled this request's latest tokens; the scheduler sends
+                # the step's input tokens and a stage appends those it lacks.
+                start, tokens = state.num_computed_tokens, cached.new_token_ids[i]
+                have = len(state.token_ids) - start
+                if have < len(tokens):
+                    state.token_ids.extend(tokens[max(have, 0):])
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step; returns the sampled token of every request that reached the end of its known tokens."""
+    def execute_model(
+        self, so: SchedulerOutput, intermediate_tensors: IntermediateTensors | None = None
+    ) -> ModelRunnerOutput | IntermediateTensors:
+        """Run one step; returns the sampled token of every request that reached the end of its known tokens.
+
+        With pipeline parallelism a stage other than the first gets the previous stage's activations as
+        ``intermediate_tensors``, and a stage other than the last returns its own activations instead of
+        sampling.
+        """
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
@@ -153,6 +175,13 @@ class ModelRunner:
             hidden = self.graph_runner.run(batch)  # decode-only step: replay the captured graph (padded)
         elif self.compiled_runner is not None and self.compiled_runner.can_run(batch):
             hidden = self.compiled_runner.run(batch)
+        elif get_pp_size() > 1:
+            with set_forward_context(batch.attn_metadata):
+                hidden = self.model(batch.input_ids, batch.positions, intermediate_tensors)
+            if isinstance(hidden, IntermediateTensors):  # PP: not the last stage
+                for state, n in zip(states, counts):
+                    state.num_computed_tokens += n
+                return hidden
         else:
             with set_forward_context(batch.attn_metadata):
                 hidden = self.model(batch.input_ids, batch.positions)

@@ -1,4 +1,10 @@
-"""Worker: owns one device, the model runner on it and its share of the KV cache."""
+"""Worker: owns one device, the model runner on it and its share of the KV cache.
+
+With pipeline parallelism the worker also moves the activations between stages: a stage other than the first
+receives the previous stage's :class:`~tokenmill.layers.pipeline.IntermediateTensors` before running its
+layers, a stage other than the last sends its own to the next stage and returns ``None`` (only the last
+stage samples, so only its output rank answers the executor).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +16,8 @@ import torch
 from tokenmill.attention.selector import select_attn_backend
 from tokenmill.config import EngineConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from tokenmill.distributed import init_tensor_parallel
+from tokenmill.distributed import get_pp_group, init_distributed_environment, initialize_model_parallel
+from tokenmill.layers.pipeline import IntermediateTensors
 from tokenmill.platforms import get_current_platform
 from tokenmill.worker.model_runner import ModelRunner
 
@@ -19,12 +26,12 @@ GiB = 1 << 30
 
 
 class Worker:
-    """One tensor-parallel rank.
+    """One rank of an engine core (tensor-parallel rank ``rank % tp`` of pipeline stage ``rank // tp``).
 
     Args:
         config: the engine configuration.
         local_rank: device index on this machine.
-        rank: global rank in the tensor-parallel group.
+        rank: global rank among the engine core's ``tensor x pipeline`` ranks.
         distributed_init_method: ``torch.distributed`` init URL when there is more than one rank.
     """
 
@@ -45,15 +52,14 @@ class Worker:
     def init_device(self) -> None:
         self.device = self.platform.make_device(self.local_rank)
         self.platform.set_device(self.device)
-        world = self.config.parallel_config.tensor_parallel_size
-        if world > 1:
-            torch.distributed.init_process_group(
-                backend=self.platform.dist_backend,
-                init_method=self.distributed_init_method or os.environ.get("TOKENMILL_DIST_INIT", "env://"),
-                rank=self.rank,
-                world_size=world,
-            )
-        init_tensor_parallel(self.rank, world)
+        pc = self.config.parallel_config
+        init_distributed_environment(
+            pc.world_size,
+            self.rank,
+            self.distributed_init_method or os.environ.get("TOKENMILL_DIST_INIT", "env://"),
+            self.platform.dist_backend,
+        )
+        initialize_model_parallel(pc.tensor_parallel_size, pc.pipeline_parallel_size, self.rank)
         self.platform.manual_seed_all(self.config.model_config.seed)
         choice = select_attn_backend(self.platform, self.config)
         if self.rank == 0:
@@ -100,6 +106,31 @@ class Worker:
         assert self.model_runner is not None
         self.model_runner.initialize_kv_cache(num_blocks)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run this rank's part of the step.
+
+        Returns:
+            The sampled tokens on the last pipeline stage; ``None`` on the others (after sending their
+            activations on). Every stage of a step sees the same scheduler output, so either all of them
+            exchange activations or, for a step without tokens, none does.
+        """
         assert self.model_runner is not None
-        return self.model_runner.execute_model(scheduler_output)
+        pp = get_pp_group()
+        intermediate = None
+        if pp.world_size > 1 and not pp.is_first_rank and scheduler_output.total_num_scheduled_tokens > 0:
+            model = self.model_runner.model
+            assert model is not None
+            buffers = model.make_empty_intermediate_tensors(
+                scheduler_output.total_num_scheduled_tokens, self.model_runner.dtype, self.device
+            )
+            intermediate = IntermediateTensors(pp.recv_tensor_dict(buffers.tensors))
+        output = self.model_runner.execute_model(scheduler_output, intermediate)
+        if isinstance(output, IntermediateTensors):
+            pp.send_tensor_dict(output.tensors)
+            return None
+        return output if pp.is_last_rank else None
+
+    def shutdown(self) -> None:
+        """Stop background work of the model runner (compilation); the model stays usable."""
+        if self.model_runner is not None:
+            self.model_runner.shutdown()

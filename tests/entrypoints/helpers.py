@@ -45,9 +45,9 @@ def assert_error(response: Any, status: int, param: str | None, type_: str = INV
 
 
 def metric(text: str, name: str, model: str, **labels: str) -> float:
-    """The value of one sample in Prometheus text: ``name`` with exactly the labels ``model_name=model`` and
-    ``labels``."""
-    wanted = {"model_name": model, **labels}
+    """The value of one sample in Prometheus text: ``name`` with exactly the labels ``model_name=model``,
+    ``engine`` (default ``"0"``) and ``labels``."""
+    wanted = {"model_name": model, "engine": "0", **labels}
     for line in text.splitlines():
         match = re.match(r"^([^{\s]+)(?:\{([^}]*)\})? (\S+)$", line)
         if match is None or match.group(1) != name:

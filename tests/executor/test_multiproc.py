@@ -101,7 +101,7 @@ def test_get_class_chooses_backend(monkeypatch):
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
-    with pytest.raises(ValueError, match="pip install ray"):
+    with pytest.raises(ValueError, match=r"pip install .tokenmill\[ray\]"):
         Executor.get_class(_parallel(2, "ray"))
 
 

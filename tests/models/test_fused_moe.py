@@ -98,8 +98,7 @@ def test_expert_and_fused_linear_shards_per_tensor_parallel_rank(monkeypatch):
     qkv_full = torch.randn((4 + 2 * 2) * 4, h)  # 4 query heads, 2 kv heads, head size 4
     gate_up_full = torch.randn(2 * 10, h)
     for rank in (0, 1):
-        monkeypatch.setattr(dist, "_TP_RANK", rank)
-        monkeypatch.setattr(dist, "_TP_SIZE", 2)
+        monkeypatch.setattr(dist, "_TP", dist.GroupCoordinator([0, 1], rank))  # rank of 2, no collectives run
         moe = FusedMoE(e, 1, h, i)
         moe.weight_loader(moe.w13_weight, torch.cat((gate, up), dim=1), "w13")
         moe.weight_loader(moe.w2_weight, down, "w2")

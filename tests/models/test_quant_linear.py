@@ -1,4 +1,4 @@
-"""tokenmill-cpu's VNNI quantized matmuls (``csrc/quant_linear.cpp``) against a float64 reference that quantizes
+"""tokenmill-cpu's quantized matmuls (VNNI, AVX2 and scalar builds) (``csrc/quant_linear.cpp``) against a float64 reference that quantizes
 the activations the same way, so the kernel's own error (not the 8-bit rounding) is what is bounded."""
 
 from __future__ import annotations
@@ -131,15 +131,27 @@ def test_kernel_traces_under_torch_compile_with_dynamic_rows():
         assert torch.allclose(compiled(x), q.matmul(x) * 2.0)
 
 
-SCALAR_CHECK = """
+BUILD_CHECK = """
+import sys
 import torch
 from tokenmill_cpu import kernels
 assert kernels.load()
-assert not torch.ops.tokenmill_cpu.quant_linear_has_vnni()
+assert kernels.isa()["quant_linear"] == sys.argv[1], kernels.isa()
 from tests.models.test_quant_linear import reference, rel_err
 from tokenmill_cpu.quant_linear import Q4Weight, Q8Weight
 torch.manual_seed(0)
-w, x = torch.randn(32, 96), torch.randn(5, 96)
+for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 8e-3), (torch.float16, 1e-3)):
+    for rows in (1, 2, 3, 4, 5, 9):
+        w, x = torch.randn(48, 96) * 0.1, torch.randn(rows, 96).to(dtype)
+        x[0, 5] = 40.0  # an outlier: the other values of its block get small codes
+        for cls in (Q8Weight, Q4Weight):
+            q = cls(w)
+            assert rel_err(q.matmul(x).float(), reference(q, x)) < tol, (cls, dtype, rows)
+# the largest codes: q8 weights at -127 / 127, 14-bit activations at 8191 (16-bit pair sums at their bound)
+w = torch.ones(16, 64)
+w[:, ::2] = -1.0
+x = torch.ones(2, 64)
+x[:, 1::2] = 0.37
 for cls in (Q8Weight, Q4Weight):
     q = cls(w)
     assert rel_err(q.matmul(x), reference(q, x)) < 1e-5, cls
@@ -147,10 +159,14 @@ print("ok")
 """
 
 
-def test_portable_build_without_vnni_gives_the_same_results():
-    """The plain C++ path (other CPUs): built for ATen's default capability, in a subprocess."""
-    env = dict(os.environ, ATEN_CPU_CAPABILITY="default")
+@pytest.mark.parametrize(("capability", "isa"), [("default", "scalar"), ("avx2", "avx2")])
+def test_lower_isa_builds_give_the_same_results(capability, isa):
+    """The plain C++ path (ATen's default capability) and the AVX2/FMA path (CPUs without AVX-512 VNNI; on an
+    AVX-512 machine built with AVX2 flags only), each built and checked in a subprocess."""
+    if isa == "avx2" and not {"avx2", "fma", "f16c"} <= kernels.cpu_flags():
+        pytest.skip("this CPU has no AVX2/FMA/F16C")
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    result = subprocess.run([sys.executable, "-c", SCALAR_CHECK], env=env, cwd=root, capture_output=True, text=True,
-                            timeout=600)
+    result = subprocess.run([sys.executable, "-c", BUILD_CHECK, isa], env=env, cwd=root, capture_output=True,
+                            text=True, timeout=600)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]

@@ -45,3 +45,20 @@ def test_tp2_greedy_equals_tp1(name, family_root):
             assert tokens(got[i]) == tokens(expected[i]), f"prompt {i}"
     finally:
         core.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gemma2", "qwen3_moe"])
+def test_pp2_greedy_equals_pp1(name, family_root):
+    """Pipeline parallelism on the shared DecoderModel: Gemma 2 (sandwich norms, scaled embedding, tied head on
+    the other stage, soft caps) and an MoE family split into two stages give one stage's tokens."""
+    model_dir = family_dir(name, family_root)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = run_wave(EngineCore(EngineArgs(model=model_dir, **KWARGS).create_engine_config()), "a", params)
+    core = EngineCore(EngineArgs(model=model_dir, pipeline_parallel_size=2, **KWARGS).create_engine_config())
+    try:
+        got = run_wave(core, "b", params)
+        for i in range(len(PROMPTS)):
+            assert tokens(got[i]) == tokens(expected[i]), f"prompt {i}"
+    finally:
+        core.shutdown()

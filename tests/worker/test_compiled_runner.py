@@ -15,8 +15,9 @@ from tokenmill.worker.input_batch import CachedRequestState, build_batch_inputs
 
 
 @pytest.fixture
-def compile_on(monkeypatch: pytest.MonkeyPatch) -> None:
+def compile_on(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setenv("TOKENMILL_COMPILE", "1")
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
 
 
 def _compiled_core(model_dir: str, **kwargs) -> EngineCore:
@@ -51,6 +52,7 @@ def test_steps_choose_their_compiled_kind() -> None:
     runner = CompiledRunner.__new__(CompiledRunner)
     runner.max_batch_size = 4
     runner.compiled = {"one": None, "many": None, "mixed": None}
+    runner.kinds = list(runner.compiled)
     runner.quant_max_rows = 0
     params = SamplingParams(max_tokens=4)
 
@@ -69,6 +71,7 @@ def test_steps_choose_their_compiled_kind() -> None:
     assert runner.can_run(mixed) and runner.kind(mixed.attn_metadata) == "mixed"
     # With quantized layers (dense above 2 rows here), decode steps above the limit have their own kind.
     runner.compiled["large"], runner.quant_max_rows = None, 2
+    runner.kinds.append("large")
     assert runner.kind(build_batch_inputs(decodes[:2], [1] * 2, 8, cpu).attn_metadata) == "many"
     assert runner.kind(build_batch_inputs(decodes[:3], [1] * 3, 8, cpu).attn_metadata) == "large"
 
@@ -82,3 +85,37 @@ def test_quantized_model_compiles_a_large_decode_kind_and_matches_eager(compile_
     assert runner is not None and runner.quant_max_rows == 32 and "large" in runner.compiled
     assert run_engine(core, prompts, max_tokens=6) == eager
     assert runner.kind_steps["large"] >= 4 and runner.kind_steps["mixed"] >= 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)  # the compile worker runs at a lower priority than everything else on the machine
+def test_background_mode_serves_eagerly_then_swaps_in_compiled_kinds_and_caches_them(compile_on, tmp_path) -> None:
+    model_dir = build_tiny_llama(str(tmp_path / "m"), seed=3)
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
+    expected = hf_greedy(model_dir, prompts, 8)
+    core = _compiled_core(model_dir, compile_mode="background")
+    runner = core.executor.worker.model_runner.compiled_runner
+    assert runner is not None and runner.kinds == ["one", "many", "mixed"]
+    # the engine answers before anything is compiled (steps of missing kinds run eagerly)
+    assert run_engine(core, prompts, max_tokens=8) == expected
+    assert runner.wait(timeout=900), "background compilation did not finish"
+    assert sorted(runner.compiled) == ["many", "mixed", "one"]
+    assert run_engine(core, prompts, max_tokens=8) == expected
+    assert runner.kind_steps["many"] >= 6 and runner.kind_steps["mixed"] >= 1
+    assert runner.child is not None and runner.child.returncode == 0
+    core.shutdown()
+    # a second engine with the same key loads every kind from the cache instead of compiling
+    warm = _compiled_core(model_dir)
+    warm_runner = warm.executor.worker.model_runner.compiled_runner
+    assert sorted(warm_runner.compiled) == ["many", "mixed", "one"] and warm_runner.child is None
+    assert run_engine(warm, [[5, 6, 7]], max_tokens=8) == expected[:1]
+    assert warm_runner.kind_steps["one"] >= 7 and warm_runner.kind_steps["mixed"] >= 1  # graphs of another process
+
+
+def test_compile_cache_key_follows_the_architecture_not_the_weights(compile_on, tmp_path) -> None:
+    from tokenmill.worker.compile_cache import CompileCache
+
+    base = {"architecture": "a", "dtype": "float32"}
+    assert CompileCache(base, []).key == CompileCache(dict(base), []).key
+    assert CompileCache(base, []).key != CompileCache({**base, "dtype": "bfloat16"}, []).key
+    assert str(CompileCache(base, []).directory).startswith(str(tmp_path / "cache"))

@@ -3,7 +3,9 @@
 Same cache layout and prefill path as tokenmill's ``TorchPagedAttentionBackend`` (this is its documented
 extension point, ``forward_decode``); one-token queries (pure
 decode steps, and the decodes of mixed steps) go to :func:`tokenmill_cpu.kernels.paged_decode`, which reads
-the cache blocks in place (sliding windows and logit soft caps included). When the kernel cannot be built the backend behaves exactly like the torch one.
+the cache blocks in place (sliding windows and logit soft caps included). The kernels build in the background
+(:func:`tokenmill_cpu.kernels.load_async`) while the model loads; until they are ready, and when they cannot be
+built, the backend behaves exactly like the torch one.
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ from tokenmill_cpu import kernels
 
 class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
     name = "CPU_PAGED"
+
+    @classmethod
+    def wait_until_ready(cls) -> None:
+        kernels.load()
 
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:
@@ -33,7 +39,16 @@ class CpuPagedAttentionImpl(TorchPagedAttentionImpl):
         logits_soft_cap: float | None = None,
     ) -> None:
         super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window, logits_soft_cap)
-        self.use_kernel = kernels.load()
+        kernels.load_async()  # the model loads meanwhile; steps use the torch path until the kernels are ready
+        self._use_kernel: bool | None = None  # None: whenever the kernels are ready
+
+    @property
+    def use_kernel(self) -> bool:
+        return kernels.ready() if self._use_kernel is None else self._use_kernel
+
+    @use_kernel.setter
+    def use_kernel(self, value: bool) -> None:
+        self._use_kernel = value
 
     def forward_decode(
         self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int

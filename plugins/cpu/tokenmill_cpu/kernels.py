@@ -11,10 +11,18 @@ pair dot product. ``python benchmarks/attention_kernel.py`` (256 requests x 192 
 / 3 KV heads, bfloat16, 2 cores, 2026-11-30): eager 10.0 ms, torch.compile 8.9 ms, this kernel 2.7 ms, memory
 floor 1.2 ms.
 
-The build (about 10 to 30 s, once per machine, torch version and checkout; cached under torch's extension
-directory, ``TORCH_EXTENSIONS_DIR``) needs a C++ compiler and ``ninja``. Without them, or with
-``TOKENMILL_CPU_KERNELS=0``, :func:`load` returns ``False``: attention stays on the torch path and
-``--quantization`` uses torch's packed int8/int4 ops.
+The build (about 10 to 30 s, once per machine, torch version, instruction-set level and checkout; cached
+under torch's extension directory, ``TORCH_EXTENSIONS_DIR``) needs a C++ compiler and ``ninja``. Without them,
+or with ``TOKENMILL_CPU_KERNELS=0``, :func:`load` returns ``False``: attention stays on the torch path and
+``--quantization`` uses torch's packed int8/int4 ops. :func:`load_async` starts the build in a background thread
+so that an engine can serve (attention on the torch path, :func:`ready` false) while it runs.
+
+Instruction sets: the library is compiled for the level torch's own CPU kernels use here
+(``torch.backends.cpu.get_cpu_capability()``, which ``ATEN_CPU_CAPABILITY=avx2|default`` lowers):
+``AVX512`` builds with ``-march=native`` (AVX-512 VNNI and BF16 when the CPU has them), ``AVX2`` with AVX2, FMA
+and F16C only (any x86-64-v3 CPU; on an AVX-512 machine this is how the AVX2 code is built and tested), and
+``DEFAULT`` with the baseline x86-64 instruction set (the plain C++ loops). :func:`isa` says which paths the
+loaded library runs.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import platform
 import threading
 import time
 from pathlib import Path
@@ -36,21 +45,91 @@ _CAPABILITY_FLAGS = {
     "AVX512": ["-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"],
     "AVX2": ["-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"],
 }
+# Target instruction set per ATen capability on x86-64 (elsewhere: -march=native). AVX2 spelled out rather than
+# -march=x86-64-v3 so that older compilers accept it.
+_X86_ARCH_FLAGS = {
+    "AVX512": ["-march=native"],
+    "AVX2": ["-march=x86-64", "-mavx", "-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2", "-mlzcnt", "-mpopcnt"],
+    "DEFAULT": ["-march=x86-64"],
+}
 
-_lock = threading.Lock()
+_lock = threading.Lock()  # held for a whole build
+_start_lock = threading.Lock()  # guards _thread only (never waits for a build)
 _loaded: bool | None = None
+_thread: threading.Thread | None = None
 
 
 def load() -> bool:
     """Build (first time) and load the kernels into ``torch.ops.tokenmill_cpu``; whether they are usable.
 
-    Never raises: a failed build is logged once and reported as ``False``.
+    Blocks until a build started by :func:`load_async` has finished. Never raises: a failed build is logged once
+    and reported as ``False``.
     """
     global _loaded
     with _lock:
         if _loaded is None:
             _loaded = _build()
         return _loaded
+
+
+def load_async() -> None:
+    """Start :func:`load` in a background thread (once); :func:`ready` turns true when the kernels are loaded.
+
+    The build's time goes to the compiler subprocess, so the caller's thread keeps most of the CPU's attention
+    it needs (an engine serving with the torch attention path meanwhile).
+    """
+    global _thread
+    with _start_lock:
+        if _loaded is not None or _thread is not None:
+            return
+        _thread = threading.Thread(target=load, name="tokenmill-cpu-kernels", daemon=True)
+        _thread.start()
+
+
+def ready() -> bool:
+    """Whether the kernels are loaded now (never waits for a build)."""
+    return _loaded is True
+
+
+def isa() -> dict[str, str]:
+    """The code paths of the loaded kernels: ``capability`` (the ATen level they were built for),
+    ``quant_linear`` (``avx512_vnni``, ``avx2`` or ``scalar``) and ``paged_decode`` (``avx512_bf16``,
+    ``avx512``, ``avx2`` or ``scalar``); ``{"status": "not loaded"}`` before :func:`load` succeeded."""
+    if not ready():
+        return {"status": "not loaded"}
+    return {
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "quant_linear": str(torch.ops.tokenmill_cpu.quant_linear_isa()),
+        "paged_decode": _paged_decode_isa(),
+    }
+
+
+def _paged_decode_isa() -> str:
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability == "AVX512":
+        return "avx512_bf16" if "avx512_bf16" in cpu_flags() else "avx512"
+    return {"AVX2": "avx2"}.get(capability, "scalar")
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux lists them (``/proc/cpuinfo``); empty where unknown."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def compile_flags(capability: str) -> list[str]:
+    """Compiler flags for ATen capability ``capability`` (``AVX512``, ``AVX2``, ``DEFAULT``, ...)."""
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        arch = _X86_ARCH_FLAGS.get(capability, ["-march=native"])
+    else:
+        arch = ["-march=native"]
+    return ["-O3", *arch, "-fopenmp", *_CAPABILITY_FLAGS.get(capability, [])]
 
 
 def _build() -> bool:
@@ -62,9 +141,9 @@ def _build() -> bool:
     from torch.utils.cpp_extension import load as load_extension
 
     capability = torch.backends.cpu.get_cpu_capability()
-    # -march=native: the library is built for, and cached on, the machine that runs it.
-    flags = ["-O3", "-march=native", "-fopenmp", *_CAPABILITY_FLAGS.get(capability, [])]
+    flags = compile_flags(capability)
     start = time.perf_counter()
+    logger.info("loading tokenmill-cpu's C++ kernels for %s (compiled on first use, 10-30 s; cached afterwards)", capability)
     try:
         # One build directory per source location: checkouts sharing it would rebuild each other's copy.
         where = hashlib.sha1(str(CSRC.resolve()).encode()).hexdigest()[:8]
@@ -83,7 +162,8 @@ def _build() -> bool:
                        type(exc).__name__, reason)
         return False
     _register_fake()
-    logger.info("tokenmill-cpu kernels ready (%s, %.1f s)", capability, time.perf_counter() - start)
+    logger.info("tokenmill-cpu kernels ready in %.1f s (%s; quantized matmuls: %s)", time.perf_counter() - start,
+                capability, torch.ops.tokenmill_cpu.quant_linear_isa())
     return True
 
 

@@ -51,6 +51,27 @@ class CpuPlatform(Platform):
         return super().get_quant_method_cls(method)
 
     @classmethod
+    def kernel_info(cls) -> dict[str, str]:
+        """torch's CPU capability (its own vectorized ops, ``ATEN_CPU_CAPABILITY``), the dense matmul library,
+        and this plugin's kernels with the code path each runs (``tokenmill_cpu.kernels.isa``)."""
+        import torch
+
+        from tokenmill_cpu import kernels
+
+        isa = kernels.isa()
+        info = {
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "dense_matmul": "oneDNN (torch)" if torch.backends.mkldnn.is_available() else "torch",
+        }
+        if kernels.ready():
+            info["decode_attention"] = f"tokenmill_cpu.paged_decode ({isa['paged_decode']})"
+            info["quantized_matmul"] = f"tokenmill_cpu.q4_linear/q8_linear ({isa['quant_linear']})"
+        else:
+            info["decode_attention"] = "torch (tokenmill-cpu kernels not loaded)"
+            info["quantized_matmul"] = "torch packed int8/int4 ops"
+        return info
+
+    @classmethod
     def get_device_name(cls, device_id: int = 0) -> str:
         return memory.cpu_model_name()
 

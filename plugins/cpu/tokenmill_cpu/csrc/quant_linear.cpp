@@ -19,8 +19,16 @@
 //   q8 panel: [K / 4][16 rows][4] bytes, each q + 128 (unsigned; the +128 is taken out with the activation sums)
 //   q4 panel: [K / 8][16 rows][4] bytes, low nibble = channel 8j + i, high nibble = channel 8j + 4 + i
 //   scales (and q4's mins): [N / 16][K / 32][16] float16
-// Without AVX-512 VNNI (other CPUs, or a build for a lower ATen capability) the same formats run through plain
-// C++ loops with the same integer sums.
+// AVX2 + FMA + F16C (every x86-64-v3 CPU, e.g. AMD Zen 1-3, Intel Haswell and later; AVX-512 CPUs without VNNI)
+// run the same panels through vpmaddubsw (unsigned 8-bit x signed 8-bit, pairs summed to 16 bits) and vpmaddwd:
+//   q4: codes 0..15 are the unsigned operand; a pair sum is at most 2 * 15 * 127 = 3810, so the 16-bit sums of
+//       the 8 four-channel groups of a block are added in 16 bits (<= 30480, no saturation) and widened once
+//       per block;
+//   q8: codes q + 128 would overflow the 16-bit pair sums, so the signs move to the activations (llama.cpp's
+//       trick): |q| x sign(q) * hi, |q| x sign(q) * lo, pair sums at most 2 * 127 * 127 = 32258.
+// Both are exact: the same integer sums as the VNNI path and the scalar loops, so the three builds agree to
+// float32 rounding of the final scale products. Anything else (or a build for ATen's DEFAULT capability) runs
+// plain C++ loops with the same integer sums.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -29,12 +37,16 @@
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #define TOKENMILL_VNNI 1
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define TOKENMILL_AVX2 1
+#include <immintrin.h>
 #endif
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <string>
 
 namespace {
 
@@ -78,6 +90,51 @@ inline __m512 load_float16<at::Half>(const at::Half* p) {
 }
 #endif
 
+#ifdef TOKENMILL_AVX2
+template <typename T>
+inline __m256 load8_float(const T* p) {  // double: instantiated by the dispatch, rejected before it runs
+  float tmp[8];
+  for (int i = 0; i < 8; ++i) tmp[i] = static_cast<float>(p[i]);
+  return _mm256_loadu_ps(tmp);
+}
+template <>
+inline __m256 load8_float<float>(const float* p) {
+  return _mm256_loadu_ps(p);
+}
+template <>
+inline __m256 load8_float<at::BFloat16>(const at::BFloat16* p) {
+  const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+}
+template <>
+inline __m256 load8_float<at::Half>(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline float hsum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+inline float hmax8(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+inline int32_t hsum8_epi32(__m256i v) {
+  __m128i x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(x, _mm_shuffle_epi32(x, 0xB1)));
+}
+// Four vectors of 8 int32 (each in -128..127) -> 32 int8 in order.
+inline void store32_epi8(int8_t* dst, const __m256i* v) {
+  const __m256i p01 = _mm256_packs_epi32(v[0], v[1]), p23 = _mm256_packs_epi32(v[2], v[3]);  // lane-interleaved
+  const __m256i b = _mm256_packs_epi16(p01, p23);
+  // packs works per 128-bit lane: dwords now hold elements 0-3, 8-11, 16-19, 24-27, 4-7, 12-15, 20-23, 28-31
+  const __m256i ordered = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), ordered);
+}
+#endif
+
 // One block of 32 activations (see QuantizedActivations); i indexes the block.
 template <typename T>
 inline void quantize_block(const T* src, int64_t i, QuantizedActivations& a) {
@@ -101,6 +158,33 @@ inline void quantize_block(const T* src, int64_t i, QuantizedActivations& a) {
   }
   a.hi_sums[i] = _mm512_reduce_add_epi32(hsum);
   a.lo_sums[i] = _mm512_reduce_add_epi32(lsum);
+#elif defined(TOKENMILL_AVX2)
+  __m256 x[4];
+  for (int j = 0; j < 4; ++j) x[j] = load8_float(src + 8 * j);
+  const __m256 sign_mask = _mm256_set1_ps(-0.f);
+  __m256 vmax = _mm256_andnot_ps(sign_mask, x[0]), vsum = x[0];
+  for (int j = 1; j < 4; ++j) {
+    vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign_mask, x[j]));
+    vsum = _mm256_add_ps(vsum, x[j]);
+  }
+  const float amax = hmax8(vmax);
+  a.fsums[i] = hsum8(vsum);
+  const __m256 inv = _mm256_set1_ps(amax > 0.f ? kActMax / amax : 0.f);
+  const __m256i low7 = _mm256_set1_epi32(127);
+  __m256i hsum = _mm256_setzero_si256(), lsum = _mm256_setzero_si256();
+  __m256i h[4], l[4];
+  for (int j = 0; j < 4; ++j) {
+    // cvtps_epi32 rounds to nearest even (the default MXCSR mode), as nearbyint below; |x * inv| <= 8191.
+    const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(x[j], inv));
+    h[j] = _mm256_srai_epi32(c, 7);
+    l[j] = _mm256_and_si256(c, low7);
+    hsum = _mm256_add_epi32(hsum, h[j]);
+    lsum = _mm256_add_epi32(lsum, l[j]);
+  }
+  store32_epi8(hi, h);
+  store32_epi8(lo, l);
+  a.hi_sums[i] = hsum8_epi32(hsum);
+  a.lo_sums[i] = hsum8_epi32(lsum);
 #else
   float vals[kBlock];
   float amax = 0.f, sum = 0.f;
@@ -198,6 +282,95 @@ void panel_tile(const uint8_t* w, const at::Half* d, const at::Half* mins, int64
 }
 #endif
 
+#ifdef TOKENMILL_AVX2
+inline __m256i broadcast4_avx2(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// MT activation rows against one panel with AVX2 (see the header); out[m * 16 + r] in float32. Each 64-byte
+// group of the panel is two registers: rows 0-7 (h = 0) and rows 8-15 (h = 1).
+template <int MT, bool Q4>
+void panel_tile_avx2(const uint8_t* w, const at::Half* d, const at::Half* mins, int64_t K,
+                     const QuantizedActivations& a, int64_t m0, float* out) {
+  const int64_t nb = K / kBlock;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones16 = _mm256_set1_epi16(1);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  __m256 accf[MT][2];
+  for (int m = 0; m < MT; ++m) accf[m][0] = accf[m][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i acc_hi[MT][2], acc_lo[MT][2];  // Q4: 16-bit pair sums; q8: 32-bit sums
+    const int8_t* xh[MT];
+    const int8_t* xl[MT];
+    for (int m = 0; m < MT; ++m) {
+      const int64_t i = (m0 + m) * nb + b;
+      xh[m] = a.hi.get() + i * kBlock;
+      xl[m] = a.lo.get() + i * kBlock;
+      for (int h = 0; h < 2; ++h) acc_hi[m][h] = acc_lo[m][h] = _mm256_setzero_si256();
+    }
+    if constexpr (Q4) {
+      const uint8_t* wb = w + b * kBlock * kRows / 2;
+      for (int g = 0; g < kBlock / 8; ++g) {
+        __m256i w0[2], w1[2];
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * 64 + h * 32));
+          w0[h] = _mm256_and_si256(v, low4);
+          w1[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        }
+        for (int m = 0; m < MT; ++m) {
+          const __m256i h0 = broadcast4_avx2(xh[m] + g * 8), h1 = broadcast4_avx2(xh[m] + g * 8 + 4);
+          const __m256i l0 = broadcast4_avx2(xl[m] + g * 8), l1 = broadcast4_avx2(xl[m] + g * 8 + 4);
+          for (int h = 0; h < 2; ++h) {
+            acc_hi[m][h] = _mm256_add_epi16(acc_hi[m][h], _mm256_add_epi16(_mm256_maddubs_epi16(w0[h], h0),
+                                                                           _mm256_maddubs_epi16(w1[h], h1)));
+            acc_lo[m][h] = _mm256_add_epi16(acc_lo[m][h], _mm256_add_epi16(_mm256_maddubs_epi16(w0[h], l0),
+                                                                           _mm256_maddubs_epi16(w1[h], l1)));
+          }
+        }
+      }
+      for (int m = 0; m < MT; ++m)
+        for (int h = 0; h < 2; ++h) {
+          acc_hi[m][h] = _mm256_madd_epi16(acc_hi[m][h], ones16);
+          acc_lo[m][h] = _mm256_madd_epi16(acc_lo[m][h], ones16);
+        }
+    } else {
+      const uint8_t* wb = w + b * kBlock * kRows;
+      for (int j = 0; j < kBlock / 4; ++j) {
+        __m256i wa[2], ws[2];
+        for (int h = 0; h < 2; ++h) {
+          ws[h] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + j * 64 + h * 32)), flip);
+          wa[h] = _mm256_sign_epi8(ws[h], ws[h]);  // |q| (q >= -127)
+        }
+        for (int m = 0; m < MT; ++m) {
+          const __m256i hb = broadcast4_avx2(xh[m] + j * 4), lb = broadcast4_avx2(xl[m] + j * 4);
+          for (int h = 0; h < 2; ++h) {
+            acc_hi[m][h] = _mm256_add_epi32(
+                acc_hi[m][h], _mm256_madd_epi16(_mm256_maddubs_epi16(wa[h], _mm256_sign_epi8(hb, ws[h])), ones16));
+            acc_lo[m][h] = _mm256_add_epi32(
+                acc_lo[m][h], _mm256_madd_epi16(_mm256_maddubs_epi16(wa[h], _mm256_sign_epi8(lb, ws[h])), ones16));
+          }
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 scale = load8_float(d + b * kRows + h * 8);
+      const __m256 mn = Q4 ? load8_float(mins + b * kRows + h * 8) : _mm256_setzero_ps();
+      for (int m = 0; m < MT; ++m) {
+        const int64_t i = (m0 + m) * nb + b;
+        const __m256i acc = _mm256_add_epi32(_mm256_slli_epi32(acc_hi[m][h], 7), acc_lo[m][h]);  // sum q c, exact
+        const __m256 s = _mm256_mul_ps(scale, _mm256_set1_ps(a.scales[i]));
+        accf[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), s, accf[m][h]);
+        if constexpr (Q4) accf[m][h] = _mm256_fmadd_ps(mn, _mm256_set1_ps(a.fsums[i]), accf[m][h]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + m * kRows + h * 8, accf[m][h]);
+}
+#endif
+
 // Portable path: the same formats and the same integer block sums.
 template <bool Q4>
 void panel_tile_scalar(const uint8_t* w, const at::Half* d, const at::Half* mins, int64_t K,
@@ -236,6 +409,17 @@ void run_tile(const uint8_t* w, const at::Half* d, const at::Half* mins, int64_t
     case 2: return panel_tile<2, Q4>(w, d, mins, K, a, m0, out);
     case 3: return panel_tile<3, Q4>(w, d, mins, K, a, m0, out);
     default: return panel_tile<4, Q4>(w, d, mins, K, a, m0, out);
+  }
+#elif defined(TOKENMILL_AVX2)
+  switch (mt) {
+    case 1: return panel_tile_avx2<1, Q4>(w, d, mins, K, a, m0, out);
+    case 2: return panel_tile_avx2<2, Q4>(w, d, mins, K, a, m0, out);
+    case 3:
+      panel_tile_avx2<2, Q4>(w, d, mins, K, a, m0, out);
+      return panel_tile_avx2<1, Q4>(w, d, mins, K, a, m0 + 2, out + 2 * kRows);
+    default:
+      panel_tile_avx2<2, Q4>(w, d, mins, K, a, m0, out);
+      return panel_tile_avx2<2, Q4>(w, d, mins, K, a, m0 + 2, out + 2 * kRows);
   }
 #else
   panel_tile_scalar<Q4>(w, d, mins, K, a, m0, mt, out);
@@ -309,12 +493,24 @@ bool has_vnni() {
 #endif
 }
 
+// Which code path this build runs: "avx512_vnni", "avx2" or "scalar".
+std::string quant_linear_isa() {
+#if defined(TOKENMILL_VNNI)
+  return "avx512_vnni";
+#elif defined(TOKENMILL_AVX2)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("q8_linear(Tensor x, Tensor packed, Tensor scales) -> Tensor");
   m.def("q4_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins) -> Tensor");
   m.def("quant_linear_has_vnni() -> bool", &has_vnni);
+  m.def("quant_linear_isa() -> str", &quant_linear_isa);
 }
 
 TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {

@@ -1,0 +1,161 @@
+"""Data parallelism: the load balancer's choices, and N real engine cores (local processes) behind one
+AsyncLLM giving the single engine's greedy tokens, spread by load, prefix-aware on request."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.engine.engine_fakes import byte_level_tokenizer
+from tests.models.test_llama_correctness import PROMPTS, run_engine
+from tokenmill.engine.core import EngineCore
+from tokenmill.engine.dp_lb import DPLoadBalancer
+from tokenmill.engine.messages import EngineCoreRequest, SchedulerStats
+from tokenmill.engine_args import EngineArgs
+from tokenmill.sampling_params import SamplingParams
+
+ENGINE_KWARGS = dict(dtype="float32", block_size=4, max_num_batched_tokens=64, kv_cache_memory="256KiB")
+
+
+def _req(req_id: str, tokens: list[int], salt: str | None = None) -> EngineCoreRequest:
+    return EngineCoreRequest(req_id, tokens, SamplingParams(max_tokens=1), cache_salt=salt)
+
+
+def test_least_loaded_spreads_a_burst_and_breaks_ties_by_kv_usage():
+    lb = DPLoadBalancer(3, "least-loaded", block_size=4)
+    chosen = []
+    for i in range(6):
+        engine = lb.choose(_req(str(i), [1, 2, 3]))
+        lb.on_sent(engine)
+        chosen.append(engine)
+    assert sorted(chosen) == [0, 0, 1, 1, 2, 2]  # in-flight counts are known at once
+    lb.on_finished(1)
+    assert lb.choose(_req("x", [1])) == 1
+    lb.on_sent(1)
+    # equal counts: the emptier KV cache wins; waiting requests count on top of in-flight ones
+    lb.update_stats(0, SchedulerStats(num_running_reqs=2, kv_cache_usage=0.9))
+    lb.update_stats(1, SchedulerStats(num_running_reqs=2, kv_cache_usage=0.1))
+    lb.update_stats(2, SchedulerStats(num_running_reqs=2, kv_cache_usage=0.5))
+    assert lb.choose(_req("y", [1])) == 1
+    lb.update_stats(1, SchedulerStats(num_running_reqs=1, num_waiting_reqs=1, kv_cache_usage=0.1))
+    assert lb.choose(_req("z", [1])) == 2
+    with pytest.raises(ValueError, match="data_parallel_routing"):
+        DPLoadBalancer(2, "random")
+
+
+def test_prefix_aware_keeps_a_prefix_on_its_engine_unless_it_is_much_busier():
+    lb = DPLoadBalancer(2, "prefix-aware", block_size=4, max_imbalance=2)
+    system_a, system_b = list(range(100, 112)), list(range(200, 212))
+    first_a = lb.choose(_req("a0", system_a + [1, 2]))
+    lb.on_sent(first_a)
+    first_b = lb.choose(_req("b0", system_b + [3]))
+    lb.on_sent(first_b)
+    assert first_a != first_b
+    for i in range(1, 3):
+        for prefix, owner, tail in ((system_a, first_a, [9, i]), (system_b, first_b, [8, i])):
+            engine = lb.choose(_req(f"{owner}-{i}", prefix + tail))
+            assert engine == owner
+            lb.on_sent(engine)
+    # a different salt is a different prefix; a short prompt (no full block) is routed by load alone
+    assert lb.block_hashes(system_a, "t1") != lb.block_hashes(system_a, "t2")
+    assert lb.block_hashes([1, 2, 3]) == []
+    # the owner of prefix a gets 3 more requests than the other engine: the next a-request goes elsewhere
+    for _ in range(3):
+        lb.on_sent(first_a)
+    other = 1 - first_a
+    assert lb.choose(_req("a-over", system_a + [7])) == other
+    assert lb.choose(_req("a-after", system_a + [6])) == other  # the prefix moved with it
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir):
+    return run_engine(EngineCore(EngineArgs(model=tiny_llama_dir, **ENGINE_KWARGS).create_engine_config()), PROMPTS,
+                      max_tokens=8)
+
+
+async def _generate(llm, prompt: list[int], request_id: str, max_tokens: int = 8) -> list[int]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    final = None
+    async for out in llm.generate(prompt, params, request_id):
+        final = out
+    return list(final.outputs[0].token_ids)
+
+
+def _engine_of(llm, request_id: str, seen: dict[str, int]):
+    """Record which engine core a request went to (while it is in flight)."""
+    original = llm.engine_core.add_request
+
+    def add(request):
+        original(request)
+        seen[request.request_id] = llm.engine_core.engine_of(request.request_id)
+
+    llm.engine_core.add_request = add
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_dp2_local_processes_match_one_engine_and_spread_the_load(tiny_llama_dir, reference):
+    from tokenmill.engine.async_llm import AsyncLLM
+
+    async def main() -> None:
+        args = EngineArgs(model=tiny_llama_dir, data_parallel_size=2, **ENGINE_KWARGS)
+        llm = AsyncLLM(args.create_engine_config(), tokenizer=byte_level_tokenizer(), startup_timeout_s=240)
+        try:
+            assert llm.num_engines == 2 and len(llm.engine_core.engines) == 2
+            seen: dict[str, int] = {}
+            _engine_of(llm, "", seen)
+            outs = await asyncio.gather(*(_generate(llm, p, f"r{i}") for i, p in enumerate(PROMPTS)))
+            assert outs == reference
+            assert sorted(seen.values()).count(0) in (2, 3)  # 5 concurrent requests: 3 and 2
+            stats = await llm.refresh_stats()
+            assert stats.num_running_reqs == 0 and stats.kv_cache_usage == 0.0  # every block free when idle
+            assert llm.engine_core.balancer.in_flight == [0, 0]
+            assert await llm.reset_prefix_cache() is True
+        finally:
+            llm.shutdown()
+        assert not any(e.proc.is_alive() for e in llm.engine_core.engines)
+
+    asyncio.run(main())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_dp2_prefix_aware_routing_sends_a_prefix_to_one_engine(tiny_llama_dir):
+    from tokenmill.engine.async_llm import AsyncLLM
+
+    async def main() -> None:
+        args = EngineArgs(model=tiny_llama_dir, data_parallel_size=2, data_parallel_routing="prefix-aware",
+                          **ENGINE_KWARGS)
+        llm = AsyncLLM(args.create_engine_config(), tokenizer=byte_level_tokenizer(), startup_timeout_s=240)
+        hits: dict[int, int] = {0: 0, 1: 0}
+        llm.add_stats_listener(
+            lambda outputs, now: outputs.scheduler_stats is not None
+            and hits.__setitem__(outputs.engine_index, hits[outputs.engine_index]
+                                 + outputs.scheduler_stats.prefix_cache_hits)
+        )
+        try:
+            seen: dict[str, int] = {}
+            _engine_of(llm, "", seen)
+            shared = [list(range(30, 54)), list(range(60, 84))]  # 6 full blocks each
+            await asyncio.gather(_generate(llm, shared[0] + [5], "a0", 2), _generate(llm, shared[1] + [6], "b0", 2))
+            for i in range(1, 4):
+                await asyncio.gather(_generate(llm, shared[0] + [7, i], f"a{i}", 2),
+                                     _generate(llm, shared[1] + [8, i], f"b{i}", 2))
+            assert seen["a0"] != seen["b0"]
+            assert {seen[f"a{i}"] for i in range(4)} == {seen["a0"]}
+            assert {seen[f"b{i}"] for i in range(4)} == {seen["b0"]}
+            # each engine served its prefix from its cache three times (24 tokens each)
+            assert hits[seen["a0"]] >= 3 * 24 and hits[seen["b0"]] >= 3 * 24
+        finally:
+            llm.shutdown()
+
+    asyncio.run(main())
+
+
+def test_offline_engine_refuses_data_parallel(tiny_llama_dir):
+    from tokenmill.engine.llm_engine import LLMEngine
+
+    with pytest.raises(ValueError, match="data_parallel_size: the offline engine runs one engine core"):
+        LLMEngine(EngineArgs(model=tiny_llama_dir, data_parallel_size=2).create_engine_config(),
+                  tokenizer=byte_level_tokenizer())
