@@ -3,7 +3,7 @@
 * the portable ``TORCH_PAGED`` attention backend;
 * its own KV-cache sizing, stated as facts for the base class's formula: host memory is shared with the OS, so
   the cache takes a tenth of the memory available once the weights are loaded, at most 1 GiB;
-* its own device facts (read from ``os.sysconf``, without psutil);
+* its own device facts (read from ``/proc/meminfo`` and ``os.sysconf``, without psutil);
 * one custom op: RMSNorm through ``torch.nn.functional.rms_norm`` (``tokenmill_cpuref.ops``).
 """
 
@@ -48,6 +48,15 @@ class CpuRefPlatform(Platform):
 
     @classmethod
     def get_device_available_memory(cls, device_id: int = 0) -> int:
+        """The kernel's estimate of memory available without swapping (``MemAvailable``: free memory plus
+        reclaimable page cache); free pages only where ``/proc/meminfo`` is missing."""
+        try:
+            with open("/proc/meminfo", encoding="ascii") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
     @classmethod
