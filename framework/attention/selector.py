@@ -70,7 +70,12 @@ def select_attn_backend(platform: type[Platform], config: Any) -> AttentionBacke
     if ":" in name:
         cls, source = resolve_qualname(name), "path"
     else:
-        cls = AttentionBackendRegistry.resolve_backend_cls(name)
+        from tokenmill.attention.registry import UnknownAttentionBackendError
+
+        try:
+            cls = AttentionBackendRegistry.resolve_backend_cls(name)
+        except UnknownAttentionBackendError as exc:
+            raise UnknownAttentionBackendError(f"{exc} (the name came from {reason})") from None
         source = AttentionBackendRegistry.source_of(name)
         name = AttentionBackendRegistry._normalize(name)
     if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):

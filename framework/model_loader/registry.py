@@ -72,4 +72,7 @@ class ModelRegistry(HookFedRegistry):
             head = "the model's config lists no architectures (config.json 'architectures' is empty)"
         else:
             head = f"model architecture(s) {list(architectures)} are not supported by tokenmill"
-        raise UnknownArchitectureError(f"{head}. Known architectures: {known}. {_HOW_TO_REGISTER}")
+        from tokenmill.plugins.manager import get_plugin_warnings
+
+        hints = "".join(f" Plugin warning: {w}." for w in get_plugin_warnings() if "implements no tokenmill hook" in w)
+        raise UnknownArchitectureError(f"{head}. Known architectures: {known}. {_HOW_TO_REGISTER}{hints}")

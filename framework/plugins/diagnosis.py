@@ -67,10 +67,11 @@ def collect_diagnosis(model: str | None = None) -> dict[str, Any]:
         platform_cls = out["selection"].pop("_cls", None)
         out["attention_backends"], out["attention_backend"] = _attention(platform_cls)
         out["architectures"] = _architectures(model, out)
-        out["custom_ops"] = _custom_ops(platform_cls)
-        out["quantization_methods"] = _quant_methods(platform_cls)
+        out["custom_ops"] = _guarded(_custom_ops, platform_cls)
+        out["quantization_methods"] = _guarded(_quant_methods, platform_cls)
         out["tool_parsers"] = _tool_parsers()
         out["logits_processors"] = _logits_processors()
+        warnings.extend(_registry_warnings(out))
         if platform_cls is not None:
             try:
                 out["kernel_info"] = dict(platform_cls.kernel_info())
@@ -78,6 +79,35 @@ def collect_diagnosis(model: str | None = None) -> dict[str, Any]:
                 out["kernel_info"] = {"error": f"{type(exc).__name__}: {exc}"}
     out["warnings"] = warnings
     return out
+
+
+def _guarded(fn: Any, *args: Any) -> dict[str, Any]:
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - a plugin's hook raised: shown, not fatal
+        return {"error": _error(exc)}
+
+
+def _registry_warnings(out: dict[str, Any]) -> list[str]:
+    """A registration hook that raised (start-up stops on it) and names two plugins registered."""
+    from tokenmill.attention.registry import AttentionBackendRegistry
+    from tokenmill.layers.custom_op import CustomOpRegistry
+    from tokenmill.model_loader.registry import ModelRegistry
+    from tokenmill.worker.logits_processor import LogitsProcessorRegistry
+
+    found: list[str] = []
+    seen: set[str] = set()
+    for key in ("architectures", "attention_backends", "custom_ops", "quantization_methods", "logits_processors"):
+        error = out.get(key, {}).get("error") if isinstance(out.get(key), dict) else None
+        if isinstance(error, dict) and error["message"] not in seen:
+            seen.add(error["message"])
+            found.append(f"{error['message']} (start-up stops on it)")
+    for registry in (ModelRegistry, AttentionBackendRegistry, CustomOpRegistry, LogitsProcessorRegistry):
+        try:
+            found.extend(registry.get_conflicts())
+        except Exception:  # noqa: BLE001 - the hook's error is reported above
+            pass
+    return found
 
 
 def _platforms(warnings: list[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -269,6 +299,8 @@ def format_diagnosis(d: dict[str, Any]) -> str:
         if "unavailable" in entries:
             lines.append(f"  ({entries['unavailable']})")
             return
+        if not entries:
+            lines.append("  (none)")
         for name, info in sorted(entries.items()):
             if isinstance(info, dict):
                 target = info.get("target") or info.get("class")

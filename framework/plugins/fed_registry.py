@@ -34,6 +34,7 @@ class HookFedRegistry:
     _script: ClassVar[dict[str, Target]]
     _plugin: ClassVar[dict[str, Target]]
     _sources: ClassVar[dict[str, str]]  # name -> "script" / "plugin <pluggy plugin name>" (plugin entries)
+    _conflicts: ClassVar[list[str]]  # one line per plugin entry that replaced another plugin's
     _plugin_generation: ClassVar[int | None]
     _loading: ClassVar[str | None]  # the plugin whose hook is running, while one is
     _lock: ClassVar[threading.RLock]
@@ -43,6 +44,7 @@ class HookFedRegistry:
         cls._script = {}
         cls._plugin = {}
         cls._sources = {}
+        cls._conflicts = []
         cls._plugin_generation = None
         cls._loading = None
         cls._lock = threading.RLock()
@@ -70,8 +72,12 @@ class HookFedRegistry:
             table = cls._plugin if cls._loading is not None else cls._script
             previous = table.get(name)
             if previous is not None and previous != target:
-                logger.warning("%s %r re-registered by %s: %r replaces %r (from %s)", cls.kind, name,
-                               cls._loading or "the script", target, previous, cls._sources.get(name, "?"))
+                message = (f"{cls.kind} {name!r} registered twice: {target!r} (by "
+                           f"{f'plugin {cls._loading}' if cls._loading else 'the script'}) "
+                           f"replaces {previous!r} (by {cls._sources.get(name, 'the script')})")
+                logger.warning("%s", message)
+                if cls._loading is not None:
+                    cls._conflicts.append(message)
             table[name] = target
             if cls._loading is not None:
                 cls._sources[name] = f"plugin {cls._loading}"
@@ -86,6 +92,7 @@ class HookFedRegistry:
                 return
             cls._plugin.clear()
             cls._sources.clear()
+            cls._conflicts.clear()
             # Each plugin's hook separately, so that every entry knows its plugin and a hook that raises is named;
             # in load order (platform plugins, then general plugins, each by distribution name), so a plugin
             # loaded later replaces an earlier one's entry of the same name (with a warning): a general plugin can
@@ -128,6 +135,14 @@ class HookFedRegistry:
             return "builtin" if name in cls._builtin else ""
 
     @classmethod
+    def get_conflicts(cls) -> list[str]:
+        """One line per name that two plugins registered (the one loaded later won); ``tokenmill plugins``
+        shows them as warnings."""
+        cls._ensure_plugins()
+        with cls._lock:
+            return list(cls._conflicts)
+
+    @classmethod
     def _names(cls) -> list[str]:
         cls._ensure_plugins()
         with cls._lock:
@@ -156,4 +171,5 @@ class HookFedRegistry:
             cls._script.clear()
             cls._plugin.clear()
             cls._sources.clear()
+            cls._conflicts.clear()
             cls._plugin_generation = None

@@ -298,6 +298,7 @@ def _load(generation: int) -> _LoadedState:
     errors: list[PluginLoadError] = []
     warnings: list[str] = []
     platform_plugins: list[tuple[_Discovered, str]] = []
+    discovered: dict[str, _Discovered] = {}  # plugin name -> where it came from
     seen_names: set[str] = set()
 
     for group in (PLATFORM_GROUP, GENERAL_GROUP):
@@ -317,6 +318,7 @@ def _load(generation: int) -> _LoadedState:
                 statuses.append(dataclasses_replace(status, error=str(exc), traceback_tail=_traceback_tail(cause)))
                 continue
             statuses.append(dataclasses_replace(status, loaded=True, requires_api=requires, plugin_name=plugin_name))
+            discovered.setdefault(plugin_name, d)
             if group == PLATFORM_GROUP:
                 platform_plugins.append((d, plugin_name))
 
@@ -327,25 +329,59 @@ def _load(generation: int) -> _LoadedState:
                        f"(known: {', '.join(sorted(seen_names)) or 'none'})")
             logger.warning("%s", message)
             warnings.append(message)
-    try:
-        pm.check_pending()
-    except pluggy.PluginValidationError as exc:
-        errors.append(PluginLoadError(
-            f"plugin {exc.plugin!r} implements a hook tokenmill does not define: {exc}. "
-            "Check the hook name, or mark it @hookimpl(optionalhook=True)."
+    def fail(plugin_name: str, exc: PluginLoadError, group: str | None = None) -> None:
+        nonlocal statuses
+        errors.append(exc)
+        statuses = [dataclasses_replace(s, loaded=False, error=str(exc)) if s.plugin_name == plugin_name
+                    and (group is None or s.group == group) else s for s in statuses]
+
+    for plugin_name, d, unknown_hooks in _unknown_hooks(pm, discovered):
+        fail(plugin_name, PluginLoadError(
+            f"plugin {_where(d)} implements {', '.join(unknown_hooks)}, which tokenmill does not define (plugin "
+            f"API {PLUGIN_API_VERSION}). Check the hook name, or mark it @hookimpl(optionalhook=True)."
         ))
+        pm.unregister(name=plugin_name)
+        platform_plugins = [(pd, name) for pd, name in platform_plugins if name != plugin_name]
 
     specs: list[LoadedPlatformSpec] = []
     for d, plugin_name in platform_plugins:
         try:
-            specs.append(_platform_spec(pm, d, plugin_name))
+            spec = _platform_spec(pm, d, plugin_name)
         except PluginLoadError as exc:
-            errors.append(exc)
-            statuses = [dataclasses_replace(s, loaded=False, error=str(exc)) if s.plugin_name == plugin_name
-                        and s.group == PLATFORM_GROUP else s for s in statuses]
+            fail(plugin_name, exc, PLATFORM_GROUP)
+            continue
+        same = next((other for other in specs if other.name == spec.name), None)
+        if same is not None:
+            fail(plugin_name, PluginLoadError(
+                f"two platform plugins are both named {spec.name!r}: entry point {same.entry_point!r} of "
+                f"{same.distribution} and {_where(d)}. Uninstall one of them, or leave one out of {PLUGINS_ENV}."
+            ), PLATFORM_GROUP)
+            pm.unregister(name=plugin_name)
+            continue
+        specs.append(spec)
     warnings.extend(_warn_misplaced_platform_hooks(pm, {name for _, name in platform_plugins}))
+    warnings.extend(_warn_hookless(pm, discovered))
     logger.debug("loaded plugins (generation %d): %s", generation, [s for s in statuses if s.loaded])
     return _LoadedState(os.getpid(), generation, pm, specs, statuses, errors, warnings)
+
+
+def _unknown_hooks(pm: pluggy.PluginManager, discovered: dict[str, _Discovered]
+                   ) -> list[tuple[str, _Discovered, list[str]]]:
+    """Plugins implementing hooks without a spec (a typo, or a hook of another tokenmill version) that are not
+    marked ``optionalhook``: (plugin name, where it came from, the hook names)."""
+    found = []
+    for plugin_name, d in discovered.items():
+        plugin = pm.get_plugin(plugin_name)
+        if plugin is None:
+            continue
+        names = sorted(
+            caller.name for caller in pm.get_hookcallers(plugin) or []
+            if caller.spec is None
+            and any(i.plugin is plugin and not i.optionalhook for i in caller.get_hookimpls())
+        )
+        if names:
+            found.append((plugin_name, d, names))
+    return found
 
 
 def _register(pm: pluggy.PluginManager, d: _Discovered) -> tuple[str, str | None]:
@@ -404,6 +440,24 @@ def _platform_spec(pm: pluggy.PluginManager, d: _Discovered, plugin_name: str) -
             f"tokenmill_platform() of {_where(d)} returned {type(spec).__name__}, expected PlatformSpec"
         )
     return LoadedPlatformSpec(spec=spec, entry_point=d.entry_point.name, distribution=d.distribution)
+
+
+def _warn_hookless(pm: pluggy.PluginManager, discovered: dict[str, _Discovered]) -> list[str]:
+    """Entry points whose module implements no tokenmill hook: a missing ``@hookimpl``, or another module of
+    the same name (a directory in the working directory, say) shadowing the plugin's."""
+    found = []
+    for plugin_name, d in discovered.items():
+        plugin = pm.get_plugin(plugin_name)
+        if plugin is None or pm.get_hookcallers(plugin):
+            continue
+        paths = sorted(set(getattr(plugin, "__path__", []) or []))
+        where = getattr(plugin, "__file__", None) or ", ".join(paths) or "?"
+        message = (f"plugin {_where(d)} implements no tokenmill hook (its module was imported from {where}): "
+                   "decorate its hook functions with tokenmill.plugin_api.hookimpl, and check that no other "
+                   "module of that name shadows it")
+        logger.warning("%s", message)
+        found.append(message)
+    return found
 
 
 def _warn_misplaced_platform_hooks(pm: pluggy.PluginManager, platform_plugin_names: set[str]) -> list[str]:

@@ -147,3 +147,34 @@ def test_detect_item_names_what_the_detector_did_wrong(fake_site) -> None:  # no
     result = report.results[0]
     assert result.status == "fail"
     assert "returned 'yes'" in result.message and f"imported the Platform class's module '{platform_module}'" in result.message
+
+
+def test_memory_item_accepts_a_legitimately_small_kv_budget() -> None:
+    """A platform whose cache budget is small (here 100 MiB) conforms: the kit's heavier-weights / hotter-activations
+    probes scale with the budget instead of a fixed 256 MiB that would leave nothing."""
+    from tokenmill.plugin_api import Platform
+
+    class SmallBudget(Platform):
+        name = "small_budget"
+        device_type = "cpu"
+        memory_accounting = "available"
+        kv_cache_available_fraction = 0.1
+
+        @classmethod
+        def get_device_available_memory(cls, device_id: int = 0) -> int:
+            return 1000 << 20
+
+        @classmethod
+        def get_device_total_memory(cls, device_id: int = 0) -> int:
+            return 2 << 30
+
+        @classmethod
+        def get_device_name(cls, device_id: int = 0) -> str:
+            return "small"
+
+        @classmethod
+        def device_count(cls) -> int:
+            return 1
+
+    report = run_conformance(SmallBudget, device="real", items=["memory"])
+    assert report.ok, report.format()
