@@ -97,12 +97,20 @@ def _registry_warnings(out: dict[str, Any]) -> list[str]:
 
     found: list[str] = []
     seen: set[str] = set()
-    for key in ("architectures", "attention_backends", "custom_ops", "quantization_methods", "logits_processors"):
+    for key in ("architectures", "attention_backends", "custom_ops", "quantization_methods", "tool_parsers",
+                "logits_processors"):
         error = out.get(key, {}).get("error") if isinstance(out.get(key), dict) else None
         if isinstance(error, dict) and error["message"] not in seen:
             seen.add(error["message"])
             found.append(f"{error['message']} (start-up stops on it)")
-    for registry in (ModelRegistry, AttentionBackendRegistry, CustomOpRegistry, LogitsProcessorRegistry):
+    registries: list[Any] = [ModelRegistry, AttentionBackendRegistry, CustomOpRegistry, LogitsProcessorRegistry]
+    try:
+        from tokenmill.entrypoints.openai.tool_parsers.tool_parser_manager import ToolParserManager
+
+        registries.append(ToolParserManager)
+    except ImportError:
+        pass
+    for registry in registries:
         try:
             found.extend(registry.get_conflicts())
         except Exception:  # noqa: BLE001 - the hook's error is reported above
