@@ -78,7 +78,9 @@ def tokenmill_init_process(process: str) -> None:
     Args:
         process: what the process is: ``"api_server"`` (``tokenmill serve``), ``"engine_core"`` (an engine
             core in its own process), ``"worker"`` (a tensor-parallel worker process or Ray actor),
-            ``"offline"`` (a script using ``tokenmill.LLM``) or ``"cli"`` (other ``tokenmill`` commands).
+            ``"offline"`` (a script using ``tokenmill.LLM``), ``"compile_worker"`` (the background process of
+            ``--compile-mode background`` that compiles forward passes ahead of time) or ``"cli"`` (other
+            ``tokenmill`` commands).
     """
 
 
