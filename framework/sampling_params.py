@@ -145,6 +145,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         logprobs: number of top log-probabilities to return per generated token (``None``: none).
         prompt_logprobs: number of top log-probabilities to return per prompt token.
         detokenize: produce text (otherwise only token ids).
+        extra_args: free-form settings for plugins' logits processors (vLLM's ``extra_args``); tokenmill itself
+            ignores them.
         output_kind: what the front end yields while the request runs.
         logit_bias: token id -> bias added to its logit before sampling (OpenAI semantics; each value is
             clamped to [-100, 100]).
@@ -176,6 +178,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     detokenize: bool = True
+    extra_args: dict[str, Any] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None

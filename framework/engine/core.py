@@ -41,6 +41,9 @@ class EngineCore:
     """
 
     def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
+        from tokenmill.plugins import load_general_plugins
+
+        load_general_plugins("engine_core")  # no-op when this process already ran it (offline LLM, server)
         start = time.perf_counter()
         self.config = config
         self.executor = (executor_class or Executor.get_class(config))(config)

@@ -137,7 +137,13 @@ class EngineCoreProc:
             ctx.term()
             return 0
         except Exception as exc:
-            logger.error("engine core failed to start:\n%s", traceback.format_exc())
+            from tokenmill.platforms import PlatformError
+            from tokenmill.plugins import PluginLoadError
+
+            if isinstance(exc, (ValueError, OSError, PlatformError, PluginLoadError)):  # the user's input: the
+                logger.debug("engine core failed to start:\n%s", traceback.format_exc())  # front end says why
+            else:
+                logger.error("engine core failed to start:\n%s", traceback.format_exc())
             error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
             input_socket.setsockopt(zmq.LINGER, 2000)
             input_socket.send_multipart([READY_FRAME, msgspec.msgpack.encode(ReadyMessage(error=error))])

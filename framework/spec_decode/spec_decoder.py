@@ -22,7 +22,7 @@ from tokenmill.worker.input_batch import CachedRequestState, build_sampling_meta
 # SamplingParams attributes (present in some builds) under which a request is never speculated on: a grammar
 # or a custom logits processor decides each token from the ones before it, which the verification pass cannot
 # replay for unverified drafts.
-_NO_SPEC_FIELDS = ("structured_outputs", "guided_decoding", "logits_processors")
+_NO_SPEC_FIELDS = ("structured_outputs",)
 
 
 def supports_speculation(params: SamplingParams) -> bool:
@@ -87,7 +87,7 @@ class SpecDecoder:
         rows: list[int],
         drafts: list[list[int]],
         vocab_size: int,
-        constrain: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = None,
+        constrain: Callable[[torch.Tensor, list[int], list[CachedRequestState]], torch.Tensor] | None = None,
     ) -> RejectionSamplerOutput:
         """Sample the requests ``rows`` of the batch, verifying their drafts.
 
@@ -99,9 +99,11 @@ class SpecDecoder:
             rows: indices of the requests that sample this step.
             drafts: per entry of ``rows``, the scheduled draft ids (at the end of that request's tokens).
             vocab_size: V.
-            constrain: ``constrain(logits, rows_of_logits)`` masks the rows of structured-output requests (the
-                grammar bitmask; ``rows_of_logits[r]`` is the batch index of logits row ``r``). Constrained
-                requests never have drafts, so each has exactly one row.
+            constrain: ``constrain(logits, rows_of_logits, row_states)`` runs the logits processors and masks
+                the rows of structured-output requests (the grammar bitmask) before verification;
+                ``rows_of_logits[r]`` is the batch index of logits row ``r`` and ``row_states[r]`` its request
+                with the drafts before that position counted as outputs. Constrained requests never have
+                drafts, so each has exactly one row.
         """
         device = hidden.device
         hidden_rows: list[int] = []
@@ -119,7 +121,7 @@ class SpecDecoder:
             draft_probs.append(probs if probs is not None and k and probs.shape[0] >= k else None)
         logits = model.compute_logits(hidden[torch.tensor(hidden_rows, device=device)])
         if constrain is not None:
-            logits = constrain(logits, [i for i, d in zip(rows, drafts) for _ in range(len(d) + 1)])
+            logits = constrain(logits, [i for i, d in zip(rows, drafts) for _ in range(len(d) + 1)], expanded)
         md = build_sampling_metadata(expanded, vocab_size, device)
         return self.rejection_sampler(
             logits, md, drafts, draft_probs, [states[i].sampling_params.logprobs for i in rows]

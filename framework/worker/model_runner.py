@@ -17,6 +17,7 @@ from tokenmill.worker.compiled_runner import CompiledRunner
 from tokenmill.worker.grammar_bitmask import apply_grammar_bitmask
 from tokenmill.worker.graph_runner import GraphRunner
 from tokenmill.worker.input_batch import CachedRequestState, build_batch_inputs, build_sampling_metadata
+from tokenmill.worker.logits_processor import LogitsProcessorBatch, apply_logits_processors, build_logits_processors
 from tokenmill.worker.sampler import Sampler, gather_logprobs
 
 LogprobEntry = tuple[list[int], list[float], int]
@@ -55,6 +56,7 @@ class ModelRunner:
 
             self.spec_decoder = SpecDecoder(spec_config, self.block_size, device, self.attn_backend,
                                             config.model_config.max_model_len)
+        self.logits_processors = build_logits_processors(config, device)  # plugins' and --logits-processors
 
     def load_model(self) -> None:
         self.model = get_model(self.config.model_config, self.device)
@@ -74,6 +76,36 @@ class ModelRunner:
         if self.spec_decoder is not None:
             total += self.spec_decoder.model_memory_bytes()
         return total
+
+    @torch.inference_mode()
+    def profile_run(self) -> int:
+        """Peak activation bytes of the largest step: one forward pass over ``max_num_batched_tokens`` tokens
+        (as one causal sequence, without the KV cache) plus the logits and sampling probabilities of
+        ``max_num_seqs`` rows, measured with the platform's peak-memory statistics beyond what was allocated
+        before (the weights). Only called where ``Platform.supports_memory_profiling()``.
+        """
+        from tokenmill.platforms import get_current_platform
+
+        assert self.model is not None
+        platform = get_current_platform()
+        sched = self.config.scheduler_config
+        num_tokens = sched.max_num_batched_tokens
+        num_rows = max(1, min(sched.max_num_seqs, num_tokens))
+        platform.synchronize()
+        platform.empty_cache()
+        before = platform.get_current_memory_bytes()
+        platform.reset_peak_memory_stats()
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device) % max(1, self.config.model_config.max_model_len)
+        with set_forward_context(None):
+            hidden = self.model(input_ids, positions)
+        logits = self.model.compute_logits(hidden[:num_rows]).float()
+        torch.softmax(logits, dim=-1)
+        platform.synchronize()
+        peak = platform.get_peak_memory_bytes()
+        del hidden, logits
+        platform.empty_cache()
+        return max(0, peak - before)
 
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes one block takes across all attention layers of this rank."""
@@ -188,10 +220,15 @@ class ModelRunner:
         if sample_rows and drafts is not None:
             assert self.spec_decoder is not None
             constrain = None
-            if so.grammar_bitmask is not None:
-                def constrain(logits: torch.Tensor, batch_rows: list[int]) -> torch.Tensor:
-                    return apply_grammar_bitmask(logits, [req_ids[i] for i in batch_rows], so.grammar_bitmask,
-                                                 so.structured_output_request_ids)
+            if so.grammar_bitmask is not None or self.logits_processors:
+                def constrain(logits: torch.Tensor, batch_rows: list[int],
+                              row_states: list[CachedRequestState]) -> torch.Tensor:
+                    if self.logits_processors:
+                        logits = self._process_logits(logits, row_states)
+                    if so.grammar_bitmask is not None:
+                        logits = apply_grammar_bitmask(logits, [req_ids[i] for i in batch_rows],
+                                                       so.grammar_bitmask, so.structured_output_request_ids)
+                    return logits
             verified = self.spec_decoder.verify(
                 self.model, hidden, batch.attn_metadata.query_start_loc_cpu, states, sample_rows,
                 [drafts[i] for i in sample_rows], self.vocab_size, constrain,
@@ -207,6 +244,8 @@ class ModelRunner:
         elif sample_rows:
             rows = torch.tensor(sample_rows, device=self.device)
             logits = self.model.compute_logits(hidden[batch.logits_indices[rows]])
+            if self.logits_processors:
+                logits = self._process_logits(logits, [states[i] for i in sample_rows])
             if so.grammar_bitmask is not None:
                 logits = apply_grammar_bitmask(
                     logits, [req_ids[i] for i in sample_rows], so.grammar_bitmask, so.structured_output_request_ids
@@ -237,6 +276,16 @@ class ModelRunner:
             req_ids=req_ids, sampled_token_ids=sampled_ids, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             spec_token_ids=spec_token_ids,
         )
+
+    def _process_logits(self, logits: torch.Tensor, states: list[CachedRequestState]) -> torch.Tensor:
+        batch = LogitsProcessorBatch(
+            req_ids=[s.req_id for s in states],
+            sampling_params=[s.sampling_params for s in states],
+            prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] for s in states],
+            output_token_ids=[s.token_ids[s.num_prompt_tokens :] for s in states],
+        )
+        all_greedy = all(s.sampling_params.temperature < 1e-5 for s in states)
+        return apply_logits_processors(self.logits_processors, logits, batch, all_greedy)
 
     def _accumulate_prompt_logprobs(
         self,

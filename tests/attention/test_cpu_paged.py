@@ -99,7 +99,12 @@ def test_cpu_backend_mixed_batch_matches_fp64_reference(use_kernel):
 
 
 def test_cpu_platform_picks_the_kernel_backend():
-    assert CpuPlatform.get_attn_backend_cls(None) == "tokenmill_cpu.attention:CpuPagedAttentionBackend"
+    from tokenmill.attention.selector import select_attn_backend
+    from tokenmill_cpu.attention import CpuPagedAttentionBackend
+
+    assert CpuPlatform.get_attn_backend_cls(None) == "CPU_PAGED"
+    choice = select_attn_backend(CpuPlatform, None)  # the name goes through the registry
+    assert choice.backend_cls is CpuPagedAttentionBackend and choice.source == "plugin tokenmill.platforms:cpu"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
