@@ -161,3 +161,19 @@ def test_lower_isa_builds_match_the_fp64_reference(capability, isa):
          "-k", "16-gqa3 or w20-softcap-16 or strided"],
         env=env, cwd=root, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0 and " passed" in result.stdout, result.stdout[-3000:] + result.stderr[-2000:]
+
+
+def test_a_lock_file_left_by_a_killed_build_does_not_hang_the_next_start():
+    """torch's build lock (a plain file) survives a killed build; the next load must remove it, not wait."""
+    import os
+    import subprocess
+    import sys
+
+    _, build_dir = kernels.build_directory(torch.backends.cpu.get_cpu_capability())
+    (build_dir / "lock").write_text("")  # what a build killed by Ctrl-C leaves behind
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    check = "from tokenmill_cpu import kernels; assert kernels.load()"
+    result = subprocess.run([sys.executable, "-c", check], cwd=root, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "interrupted build" in result.stderr
+    assert not (build_dir / "lock").exists()

@@ -27,12 +27,15 @@ loaded library runs.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import platform
+import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -145,16 +148,18 @@ def _build() -> bool:
     start = time.perf_counter()
     logger.info("loading tokenmill-cpu's C++ kernels for %s (compiled on first use, 10-30 s; cached afterwards)", capability)
     try:
-        # One build directory per source location: checkouts sharing it would rebuild each other's copy.
-        where = hashlib.sha1(str(CSRC.resolve()).encode()).hexdigest()[:8]
-        load_extension(
-            name=f"tokenmill_cpu_kernels_{capability.lower()}_{where}",
-            sources=[str(CSRC / name) for name in SOURCES],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+        ext_name, build_dir = build_directory(capability)
+        build_dir.mkdir(parents=True, exist_ok=True)
+        with _build_dir_lock(build_dir):
+            load_extension(
+                name=ext_name,
+                sources=[str(CSRC / source) for source in SOURCES],
+                extra_cflags=flags,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, build error: fall back, never fail
         # The message starts with the compiler command line; its reason is at the end.
         reason = " | ".join(line.strip() for line in str(exc).strip().splitlines()[-3:])
@@ -165,6 +170,44 @@ def _build() -> bool:
     logger.info("tokenmill-cpu kernels ready in %.1f s (%s; quantized matmuls: %s)", time.perf_counter() - start,
                 capability, torch.ops.tokenmill_cpu.quant_linear_isa())
     return True
+
+
+def build_directory(capability: str) -> tuple[str, Path]:
+    """``(extension name, build directory)`` for ATen capability ``capability``: torch's own layout under
+    ``TORCH_EXTENSIONS_DIR`` (``py<version>_cpu/<name>``), one directory per source location (checkouts sharing
+    one would rebuild each other's copy)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    where = hashlib.sha1(str(CSRC.resolve()).encode()).hexdigest()[:8]
+    name = f"tokenmill_cpu_kernels_{capability.lower()}_{where}"
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
+    return name, Path(get_default_build_root()) / tag / name
+
+
+@contextlib.contextmanager
+def _build_dir_lock(build_dir: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on the build directory while torch builds or loads the extension.
+
+    torch serialises builds with a plain ``lock`` file that the builder deletes when done; a build that was
+    killed (Ctrl-C during a first start) leaves it behind, and every later start then waits for it forever.
+    Every tokenmill process builds under this ``flock``, which the kernel releases when its holder dies, so a
+    ``lock`` file found while holding it belongs to no running build: it is removed.
+    """
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's own lock file only
+        yield
+        return
+    with open(build_dir / "tokenmill.flock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                logger.warning("removing %s, left by an interrupted build of tokenmill-cpu's kernels", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _register_fake() -> None:
