@@ -20,6 +20,7 @@ from types import FrameType
 from typing import Any
 
 from tokenmill.entrypoints.openai.api_server import DEFAULT_HOST, DEFAULT_PORT, ServerState, build_app
+from tokenmill.entrypoints.openai.serving_models import parse_lora_modules
 from tokenmill.entrypoints.openai.chat_template import load_chat_template
 from tokenmill.entrypoints.openai.serving_engine import EngineClient
 from tokenmill.errors import ServerShuttingDownError
@@ -113,6 +114,7 @@ async def _serve(args: argparse.Namespace, engine_args: Any, sock: socket.socket
     try:
         app = build_app(engine, args)
         state: ServerState = app.state.server_state
+        await app.state.models.load_static_loras(engine, parse_lora_modules(getattr(args, "lora_modules", None)))
         config = uvicorn.Config(
             app,
             log_level=getattr(args, "uvicorn_log_level", None) or "info",

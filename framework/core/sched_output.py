@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -19,6 +20,7 @@ class NewRequestData:
         block_ids: its KV blocks, in order.
         num_computed_tokens: tokens already in the cache (prefix-cache hits) before this step.
         eos_token_id: the EOS id the sampler masks until ``min_tokens`` (``None``: none, or ``ignore_eos``).
+        lora_request: its LoRA adapter (``None``: the base model).
     """
 
     req_id: str
@@ -28,6 +30,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_id: int | None = None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass

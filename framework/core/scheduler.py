@@ -59,6 +59,8 @@ class Scheduler:
         self._sent_to_workers: set[str] = set()
         # PP: stages before the last never see sampled tokens, so cached requests carry their input tokens
         self._send_token_ids = config.parallel_config.pipeline_parallel_size > 1
+        lora_config = getattr(config, "lora_config", None)
+        self.max_loras = lora_config.max_loras if lora_config is not None else 0
 
     # ------------------------------------------------------------------ admission
 
@@ -172,8 +174,16 @@ class Scheduler:
                 new_reqs.append(self._new_request_data(request))
             i += 1
 
+        # LoRA: the running batch never uses more distinct adapters than the workers have slots; a waiting
+        # request whose adapter would exceed that is skipped this step (it keeps its place in the queue).
+        running_loras = {r.lora_int_id for r in self.running if r.lora_request is not None} if self.max_loras else set()
+        skipped: list[Request] = []
         while not preempted_any and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if (self.max_loras and request.lora_request is not None and request.lora_int_id not in running_loras
+                    and len(running_loras) >= self.max_loras):
+                skipped.append(self.waiting.popleft())
+                continue
             # Prompt logprobs need the hidden state of every prompt position, so such a request reads
             # nothing from the prefix cache (its blocks are still cached for others).
             wants_prompt_logprobs = request.sampling_params.prompt_logprobs is not None
@@ -204,6 +214,9 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             budget -= num_new
             new_reqs.append(self._new_request_data(request))
+            if request.lora_request is not None:
+                running_loras.add(request.lora_int_id)
+        self.waiting.extendleft(reversed(skipped))
 
         for request in self.running:
             n = num_scheduled.get(request.request_id)
@@ -246,6 +259,7 @@ class Scheduler:
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens,
             eos_token_id=None if request.sampling_params.ignore_eos else request.eos_token_id,
+            lora_request=request.lora_request,
         )
 
     def _pick_victim(self, first_unscheduled: int) -> Request:

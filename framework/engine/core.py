@@ -21,6 +21,7 @@ from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.input_processor import check_token_ids_in_vocab
 from tokenmill.engine.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from tokenmill.errors import InvalidRequestError
+from tokenmill.lora.request import LoRALoadError, LoRARequest
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.executor.base import Executor, FutureOutput
 
@@ -46,6 +47,7 @@ class EngineCore:
         self.max_concurrent_batches = max(1, getattr(self.executor, "max_concurrent_batches", 1))
         # in flight: (future, scheduler output, {req_id: preemption count when scheduled})
         self.batch_queue: deque[tuple[FutureOutput, SchedulerOutput, dict[str, int]]] = deque()
+        self.lora_requests: dict[int, LoRARequest] = {}  # adapters loaded on the workers, by id
         logger.info(
             "engine core ready in %.1f s: %d KV blocks of %d tokens (%d tokens)",
             time.perf_counter() - start,
@@ -69,11 +71,50 @@ class EngineCore:
         if any(t < 0 or t >= vocab for t in request.prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
         check_token_ids_in_vocab(request.sampling_params, vocab)
+        lora = request.lora_request
+        if lora is not None and self.lora_requests.get(lora.lora_int_id) != lora:
+            reason = self.add_lora(lora.lora_name, lora.lora_int_id, lora.lora_path)
+            if reason is not None:
+                raise LoRALoadError(reason)
         req = Request.from_engine_core_request(request, self.config.model_config.max_model_len)
         self.scheduler.add_request(req)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
+
+    # -- LoRA adapters (utility calls of the front end; plain arguments so they cross msgpack as they are) --
+
+    def add_lora(self, lora_name: str, lora_int_id: int, lora_path: str) -> str | None:
+        """Load an adapter on every worker (read, check, pack into the host cache).
+
+        Returns:
+            ``None`` when it is loaded, else why it cannot be used (nothing of it stays loaded).
+        """
+        if self.config.lora_config is None:
+            return "LoRA adapters are not enabled; start the engine with --enable-lora"
+        try:
+            lora = LoRARequest(lora_name, int(lora_int_id), lora_path)
+        except ValueError as exc:
+            return str(exc)
+        reasons = [r for r in self.executor.collective_rpc("add_lora", (lora,)) if r is not None]
+        if reasons:
+            self.executor.collective_rpc("remove_lora", (lora.lora_int_id,))
+            self.lora_requests.pop(lora.lora_int_id, None)
+            return reasons[0]
+        self.lora_requests[lora.lora_int_id] = lora
+        return None
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter from the workers. Requests already queued with it keep running (the workers read
+        it again from its path if they must). Returns whether it was loaded."""
+        known = self.lora_requests.pop(int(lora_int_id), None) is not None
+        if self.config.lora_config is not None:
+            self.executor.collective_rpc("remove_lora", (int(lora_int_id),))
+        return known
+
+    def list_loras(self) -> list[int]:
+        """Ids of the loaded adapters."""
+        return sorted(self.lora_requests)
 
     def step(self) -> EngineCoreOutputs:
         """Schedule, run and update once. Returns no outputs (only stats) when there is nothing to run.

@@ -81,6 +81,14 @@ class Platform:
         return "tokenmill.layers.fused_moe:TorchFusedMoEMethod"
 
     @classmethod
+    def get_lora_method_cls(cls) -> str:
+        """``"module:Class"`` of the :class:`tokenmill.lora.ops.LoRAMethod` that adds the batched LoRA update
+        (shrink/expand per adapter slot) to the outputs of LoRA layers here. The default is the portable torch
+        implementation (tokens grouped by adapter); a platform with a Punica-style kernel returns its class.
+        Read once per worker when ``--enable-lora`` wraps the model's layers."""
+        return "tokenmill.lora.ops:TorchLoRAMethod"
+
+    @classmethod
     def graph_capture_cls(cls) -> str | None:
         """``"module:Class"`` of the platform's device-graph capture (a
         :class:`tokenmill.worker.graph_runner.GraphCapture` subclass), or ``None`` (default): no graphs.
