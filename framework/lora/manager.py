@@ -19,7 +19,7 @@ from torch import nn
 from tokenmill.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear
 from tokenmill.lora.layers import LinearWithLoRA, LoRASlice, LoRAStepState
 from tokenmill.lora.ops import LoRABatchMapping, get_lora_method
-from tokenmill.lora.peft import PEFTAdapter, load_peft_adapter
+from tokenmill.lora.peft import PEFTAdapter, check_rank, load_peft_adapter
 from tokenmill.lora.request import LoRALoadError, LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -119,6 +119,7 @@ class LoRAModelManager:
                     f"linear layer for (supported target modules: {', '.join(self.supported_names)})")
             layer_name, part = hit
             per_layer.setdefault(layer_name, {})[part] = weights
+        check_rank(adapter, self.max_lora_rank)
         return {layer_name: self.layers[layer_name].pack(parts, layer_name) for layer_name, parts in per_layer.items()}
 
     def add_adapter(self, request: LoRARequest) -> None:
@@ -127,7 +128,7 @@ class LoRAModelManager:
         Raises:
             LoRALoadError: the adapter cannot be used (nothing is kept).
         """
-        packed = self._pack(load_peft_adapter(request.lora_path, self.max_lora_rank))
+        packed = self._pack(load_peft_adapter(request.lora_path))
         old = self.requests.get(request.lora_int_id)
         if old is not None and old != request:
             self._drop_slot(request.lora_int_id)  # same id, new adapter: the slot's copy is stale

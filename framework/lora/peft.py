@@ -72,7 +72,7 @@ def read_adapter_config(path: str) -> dict[str, Any]:
 
     Raises:
         LoRALoadError: no such directory or file, not JSON, not a LoRA adapter, or a PEFT option tokenmill
-            does not support (DoRA, ``modules_to_save``, trained biases).
+            does not support (DoRA, ``modules_to_save``, ``target_parameters``, trained biases).
     """
     if not path or not os.path.isdir(path):
         raise LoRALoadError(f"lora_path: {path!r} is not a directory (it must hold {CONFIG_FILE} and {WEIGHTS_FILE})")
@@ -94,6 +94,10 @@ def read_adapter_config(path: str) -> dict[str, Any]:
     if cfg.get("modules_to_save"):
         raise LoRALoadError(f"lora_path: {path!r} has modules_to_save {cfg['modules_to_save']}; adapters that "
                             "replace whole modules are not supported")
+    if cfg.get("target_parameters"):
+        raise LoRALoadError(f"lora_path: {path!r} adapts parameters {cfg['target_parameters']} directly "
+                            "(target_parameters, e.g. fused mixture-of-experts weights); only linear layers "
+                            "(target_modules) are supported")
     if cfg.get("bias", "none") not in ("none", None):
         raise LoRALoadError(f"lora_path: {path!r} trains biases (bias={cfg['bias']!r}); only bias='none' is supported")
     for key in ("r", "lora_alpha"):
@@ -103,13 +107,14 @@ def read_adapter_config(path: str) -> dict[str, Any]:
     return cfg
 
 
-def load_peft_adapter(path: str, max_lora_rank: int) -> PEFTAdapter:
-    """Read and check the adapter in directory ``path``.
+def load_peft_adapter(path: str) -> PEFTAdapter:
+    """Read and check the adapter in directory ``path`` (its rank is checked by :func:`check_rank`, after
+    its modules were matched to the model's).
 
     Raises:
         LoRALoadError: see :func:`read_adapter_config`; no ``adapter_model.safetensors`` (``.bin`` files are
             not read: they are pickles), a corrupt weights file, tensors that are not LoRA A/B pairs of
-            matching rank, non-finite values, or a rank above ``max_lora_rank``.
+            matching rank, or non-finite values.
     """
     cfg = read_adapter_config(path)
     weights_path = os.path.join(path, WEIGHTS_FILE)
@@ -144,9 +149,6 @@ def load_peft_adapter(path: str, max_lora_rank: int) -> PEFTAdapter:
             raise LoRALoadError(f"lora_path: module {module!r}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} "
                                 "are not a [r, in] / [out, r] pair")
         rank = int(a.shape[0])
-        if rank > max_lora_rank:
-            raise LoRALoadError(f"lora_path: adapter rank {rank} (module {module!r}) exceeds --max-lora-rank "
-                                f"{max_lora_rank}; restart with a larger --max-lora-rank")
         a, b = a.float(), b.float()
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise LoRALoadError(f"lora_path: module {module!r} has non-finite values (corrupt adapter)")
@@ -156,3 +158,11 @@ def load_peft_adapter(path: str, max_lora_rank: int) -> PEFTAdapter:
         adapter.modules[module] = LoRAModuleWeights(a.contiguous(), (b * scaling).contiguous())
         adapter.rank = max(adapter.rank, rank)
     return adapter
+
+
+def check_rank(adapter: PEFTAdapter, max_lora_rank: int) -> None:
+    """Raises LoRALoadError when a module's rank exceeds ``max_lora_rank``."""
+    for module, weights in adapter.modules.items():
+        if weights.rank > max_lora_rank:
+            raise LoRALoadError(f"lora_path: adapter rank {weights.rank} (module {module!r}) exceeds --max-lora-rank "
+                                f"{max_lora_rank}; restart the engine with a larger --max-lora-rank")
