@@ -149,3 +149,42 @@ def test_other_families_match_peft(name, targets, family_root, tmp_path):
     assert _tokens(outs) == with_lora + base
     assert with_lora != base
     _assert_no_leaks(llm)
+
+
+def _layer0_lora_shapes(worker) -> dict:
+    return {n: (tuple(m.lora_a.shape), tuple(m.lora_b.shape))
+            for n, m in worker.model_runner.lora_manager.layers.items() if n.startswith("model.layers.0.")}
+
+
+def test_tensor_parallel_2_shards_adapters_like_the_base_layers(lora_llama_dir, llama_adapters):
+    """TP 2 (multiproc, gloo): q/k/v heads and gate/up halves of lora_B follow the base rows on each rank,
+    lora_A of o_proj / down_proj is split by input columns; the tokens equal transformers + peft."""
+    from tokenmill.executor.multiproc import MultiprocExecutor
+
+    core = EngineCore(EngineArgs(model=lora_llama_dir, dtype="float32", tensor_parallel_size=2, enable_lora=True,
+                                 max_loras=2, max_lora_rank=8, block_size=4,
+                                 kv_cache_memory="512KiB").create_engine_config())
+    try:
+        assert isinstance(core.executor, MultiprocExecutor)
+        kinds = [LoRARequest("a1", 1, llama_adapters["a1"]), LoRARequest("a3", 3, llama_adapters["a3"]), None]
+        prompts = PROMPTS[:2]
+        for i, p in enumerate(prompts):
+            for j, lora in enumerate(kinds):
+                core.add_request(EngineCoreRequest(f"r{i}-{j}", p, GREEDY, lora_request=lora))
+        outs: dict[str, list[int]] = {}
+        while core.has_unfinished_requests():
+            for o in core.step().outputs:
+                outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+        pool = core.scheduler.kv_cache_manager.block_pool
+        assert pool.get_num_free_blocks() == pool.num_blocks
+        for j, lora in enumerate(kinds):
+            ref = peft_greedy(lora_llama_dir, lora.lora_path if lora else None, prompts, MAX_TOKENS)
+            assert [outs[f"r{i}-{j}"] for i in range(len(prompts))] == ref, lora
+        shapes = core.executor.collective_rpc(_layer0_lora_shapes)
+        assert shapes[0] == shapes[1]
+        # 2 slots; qkv: 3 x rank 8 packed, 64 inputs, (2 + 1 + 1) heads of 16 rows per rank; o_proj: 32 inputs
+        assert shapes[0]["model.layers.0.self_attn.qkv_proj"] == ((2, 24, 64), (2, 64, 24))
+        assert shapes[0]["model.layers.0.self_attn.o_proj"] == ((2, 8, 32), (2, 64, 8))
+        assert shapes[0]["model.layers.0.mlp.down_proj"] == ((2, 8, 64), (2, 64, 8))
+    finally:
+        core.shutdown()
