@@ -11,7 +11,8 @@ ALL_LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pr
 
 
 def make_peft_adapter(model_dir: str, out_dir: str, target_modules: Sequence[str] | str, *, r: int = 8,
-                      lora_alpha: float = 16, seed: int = 0, std: float = 0.2, **config) -> str:
+                      lora_alpha: float = 16, seed: int = 0, std: float = 0.2, load_kwargs: dict | None = None,
+                      **config) -> str:
     """Save a PEFT LoRA adapter for the model in ``model_dir`` under ``out_dir`` (safetensors).
 
     PEFT initialises ``lora_B`` to zeros (the adapter would change nothing), so every LoRA weight is drawn
@@ -20,7 +21,7 @@ def make_peft_adapter(model_dir: str, out_dir: str, target_modules: Sequence[str
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **(load_kwargs or {}))
     targets = target_modules if isinstance(target_modules, str) else list(target_modules)
     model = get_peft_model(base, LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=targets, lora_dropout=0.0,
                                             **config))
@@ -34,12 +35,13 @@ def make_peft_adapter(model_dir: str, out_dir: str, target_modules: Sequence[str
 
 
 def peft_greedy(model_dir: str, adapter_dir: str | None, prompts: Sequence[Sequence[int]],
-                max_new_tokens: int) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt, with the adapter applied by peft (``None``: base)."""
+                max_new_tokens: int, **load_kwargs) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, with the adapter applied by peft (``None``: base);
+    ``load_kwargs`` go to ``from_pretrained`` (e.g. ``gguf_file``)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **load_kwargs)
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(model, adapter_dir)
     model.eval()

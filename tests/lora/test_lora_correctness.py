@@ -188,3 +188,65 @@ def test_tensor_parallel_2_shards_adapters_like_the_base_layers(lora_llama_dir, 
         assert shapes[0]["model.layers.0.mlp.down_proj"] == ((2, 8, 64), (2, 64, 8))
     finally:
         core.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_default_model_with_adapters_matches_peft(default_model_path, tmp_path):
+    """The embedded SmolLM2-135M (GGUF, dequantized by both sides) with two adapters and the base model in one
+    batch. transformers dequantizes the GGUF once (slow); both adapters are made and run on that one copy."""
+    import os
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    folder, name = os.path.dirname(default_model_path), os.path.basename(default_model_path)
+    prompts = [[1, 504, 3458, 282, 260, 3575, 314, 4649, 47], [1, 19556, 253, 31901, 10060, 30]]
+    n = 8
+    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+
+    hf.generation_config.eos_token_id = None  # like ignore_eos: EOS is a token like any other (not masked)
+    hf.generation_config.pad_token_id = 0
+
+    def greedy(model) -> list[list[int]]:
+        out = []
+        for p in prompts:
+            ids = model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)
+            out.append(ids[0, len(p):].tolist())
+        return out
+
+    refs: dict[int, list[list[int]]] = {0: greedy(hf)}
+    specs = {1: (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 8, 0.05),
+             2: (["q_proj", "v_proj"], 16, 0.1)}
+    kinds: list[LoRARequest | None] = []
+    for lid, (targets, r, std) in specs.items():
+        peft_model = get_peft_model(hf, LoraConfig(r=r, lora_alpha=16, target_modules=targets, lora_dropout=0.0))
+        gen = torch.Generator().manual_seed(lid)
+        with torch.no_grad():
+            for pname, param in peft_model.named_parameters():
+                if "lora_" in pname:
+                    param.copy_(torch.randn(param.shape, generator=gen) * std)
+        path = str(tmp_path / f"a{lid}")
+        peft_model.save_pretrained(path)
+        refs[lid] = greedy(peft_model.eval())
+        hf = peft_model.unload()
+        kinds.append(LoRARequest(f"a{lid}", lid, path))
+    kinds.append(None)
+    del hf
+    core = EngineCore(EngineArgs(max_model_len=512, kv_cache_memory="64MiB", enable_lora=True, max_loras=2,
+                                 max_lora_rank=16).create_engine_config())
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        for j, lora in enumerate(kinds):
+            core.add_request(EngineCoreRequest(f"r{i}-{j}", p, params, lora_request=lora))
+    outs: dict[str, list[int]] = {}
+    while core.has_unfinished_requests():
+        for o in core.step().outputs:
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    pool = core.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_blocks
+    for j, lora in enumerate(kinds):
+        lid = 0 if lora is None else lora.lora_int_id
+        assert [outs[f"r{i}-{j}"] for i in range(len(prompts))] == refs[lid], lora
+    assert refs[1] != refs[0] and refs[2] != refs[0]
