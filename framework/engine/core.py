@@ -48,6 +48,7 @@ class EngineCore:
         # in flight: (future, scheduler output, {req_id: preemption count when scheduled})
         self.batch_queue: deque[tuple[FutureOutput, SchedulerOutput, dict[str, int]]] = deque()
         self.lora_requests: dict[int, LoRARequest] = {}  # adapters loaded on the workers, by id
+        self._lora_removals: set[int] = set()  # unloaded while requests still use them: dropped when they finish
         logger.info(
             "engine core ready in %.1f s: %d KV blocks of %d tokens (%d tokens)",
             time.perf_counter() - start,
@@ -105,12 +106,21 @@ class EngineCore:
         return None
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Unload an adapter from the workers. Requests already queued with it keep running (the workers read
-        it again from its path if they must). Returns whether it was loaded."""
-        known = self.lora_requests.pop(int(lora_int_id), None) is not None
+        """Unload an adapter. Requests already queued or running with it finish with it: the workers drop it
+        once none is left. Returns whether it was loaded."""
+        lora_int_id = int(lora_int_id)
+        known = self.lora_requests.pop(lora_int_id, None) is not None
         if self.config.lora_config is not None:
-            self.executor.collective_rpc("remove_lora", (int(lora_int_id),))
+            self._lora_removals.add(lora_int_id)
+            self._drop_unused_loras()
         return known
+
+    def _drop_unused_loras(self) -> None:
+        in_use = {r.lora_int_id for r in self.scheduler.requests.values() if r.lora_request is not None}
+        for lora_int_id in sorted(self._lora_removals - in_use):
+            if lora_int_id not in self.lora_requests:  # not loaded again meanwhile
+                self.executor.collective_rpc("remove_lora", (lora_int_id,))
+            self._lora_removals.discard(lora_int_id)
 
     def list_loras(self) -> list[int]:
         """Ids of the loaded adapters."""
@@ -121,6 +131,8 @@ class EngineCore:
 
         With more than one pipeline stage this is :meth:`step_with_batch_queue`.
         """
+        if self._lora_removals:
+            self._drop_unused_loras()
         if self.max_concurrent_batches > 1:
             return self.step_with_batch_queue()
         if not self.scheduler.has_unfinished_requests():

@@ -250,3 +250,22 @@ def test_default_model_with_adapters_matches_peft(default_model_path, tmp_path):
         lid = 0 if lora is None else lora.lora_int_id
         assert [outs[f"r{i}-{j}"] for i in range(len(prompts))] == refs[lid], lora
     assert refs[1] != refs[0] and refs[2] != refs[0]
+
+
+def test_unloading_an_adapter_in_use_lets_its_requests_finish(lora_llama_dir, llama_adapters, tmp_path):
+    import shutil
+
+    path = shutil.copytree(llama_adapters["a2"], str(tmp_path / "a2"))
+    core = EngineCore(EngineArgs(model=lora_llama_dir, dtype="float32", enable_lora=True, max_loras=1,
+                                 max_lora_rank=8, num_gpu_blocks_override=64).create_engine_config())
+    a2 = LoRARequest("a2", 2, path)
+    assert core.add_lora(a2.lora_name, a2.lora_int_id, a2.lora_path) is None
+    core.add_request(EngineCoreRequest("x", PROMPTS[0], GREEDY, lora_request=a2))
+    tokens = [t for o in core.step().outputs for t in o.new_token_ids]
+    assert core.remove_lora(2) and core.list_loras() == []
+    shutil.rmtree(path)  # the directory is gone: the running request must not need it
+    while core.has_unfinished_requests():
+        tokens += [t for o in core.step().outputs for t in o.new_token_ids]
+    assert tokens == peft_greedy(lora_llama_dir, llama_adapters["a2"], [PROMPTS[0]], MAX_TOKENS)[0]
+    core.step()
+    assert core.executor.worker.model_runner.lora_manager.list_adapters() == []
