@@ -97,3 +97,16 @@ def test_block_hashes_separate_adapters_and_base():
     assert hashes[0] != hashes[1] and hashes[1] != hashes[2] and hashes[0] != hashes[2]
     assert hashes[1] == hashes[3]
     assert not set(hashes[0]) & set(hashes[1]) and not set(hashes[1]) & set(hashes[2])
+
+
+def test_lora_modules_flag_forms():
+    import pytest
+
+    from tokenmill.entrypoints.openai.serving_models import LoRAModulePath, parse_lora_modules
+
+    assert parse_lora_modules(["sql=/a/b", '{"name": "chat", "path": "/c", "base_model_name": "m"}']) == [
+        LoRAModulePath("sql", "/a/b"), LoRAModulePath("chat", "/c", "m")]
+    assert parse_lora_modules(None) == []
+    for bad in ("noequals", "=/p", "name=", '{"name": "x"}'):
+        with pytest.raises(ValueError, match="lora_modules"):
+            LoRAModulePath.parse(bad)
