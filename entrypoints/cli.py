@@ -1,4 +1,9 @@
-"""The ``tokenmill`` command: ``tokenmill serve [MODEL] [flags]``, ``tokenmill --version``.
+"""The ``tokenmill`` command: ``tokenmill serve [MODEL] [flags]``, ``tokenmill plugins [check NAME]``,
+``tokenmill bench ...``, ``tokenmill --version``.
+
+A platform or plugin problem (no platform, two active ones, a detector that raised, a plugin that fails to load)
+ends any sub-command with ``tokenmill: error: <what and how to fix it>`` and exit status 1, not a traceback
+(``TOKENMILL_LOGGING_LEVEL=DEBUG`` logs the traceback too).
 
 Each sub-command is one sub-parser whose ``func`` runs it and returns the exit code; further sub-commands
 (``tokenmill bench ...``) are added in :func:`build_parser` the same way.
@@ -18,12 +23,13 @@ LOG_LEVEL_ENV = "TOKENMILL_LOGGING_LEVEL"
 
 
 def _add_plugin_cli_args(parser: argparse.ArgumentParser) -> None:
-    """Let installed plugins add their flags (hook ``tokenmill_add_cli_args``)."""
-    try:
-        from tokenmill.plugins.manager import get_plugin_manager
-    except ImportError:
-        return
-    get_plugin_manager().hook.tokenmill_add_cli_args(parser=parser)
+    """Let installed plugins add their flags (hook ``tokenmill_add_cli_args``). Leniently: a plugin that fails to
+    load must not break ``tokenmill plugins`` (which reports it) or ``--help``; commands that need the plugins
+    raise the load error when they use them."""
+    from tokenmill.plugins.manager import get_plugin_manager, lenient_loading
+
+    with lenient_loading():
+        get_plugin_manager().hook.tokenmill_add_cli_args(parser=parser)
 
 
 def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -49,12 +55,16 @@ def _run_serve(args: argparse.Namespace) -> int:
     from tokenmill.entrypoints.openai.launcher import run_server
     from tokenmill.model_loader.default_model import DefaultModelMissingError
 
+    from tokenmill.engine.core_client import EngineCoreStartError
+    from tokenmill.plugins import load_general_plugins
+
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
         raise SystemExit(f"tokenmill serve: error: MODEL {args.model_tag!r} and --model {args.model!r} differ")
     args.model = args.model_tag if args.model_tag is not None else args.model
     try:
+        load_general_plugins("api_server")
         return run_server(args)
-    except (OSError, ValueError, DefaultModelMissingError) as exc:
+    except (OSError, ValueError, DefaultModelMissingError, EngineCoreStartError) as exc:
         # Bad input from the user (model path, port in use, flag value): a message, not a traceback.
         logging.getLogger("tokenmill.serve").debug("startup failed", exc_info=True)
         print(f"tokenmill serve: error: {exc}", file=sys.stderr)
@@ -67,8 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_serve_parser(subparsers)
     from tokenmill.entrypoints.bench import add_bench_parser
+    from tokenmill.entrypoints.plugins_cli import add_plugins_parser
 
     add_bench_parser(subparsers, _add_plugin_cli_args)
+    add_plugins_parser(subparsers)
     return parser
 
 
@@ -81,15 +93,27 @@ def _configure_logging() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``tokenmill`` command line; returns the exit code."""
-    parser = build_parser()
+    from tokenmill.platforms import PlatformError
+    from tokenmill.plugins import PluginLoadError
+
     argv = list(argv) if argv is not None else sys.argv[1:]
-    args = parser.parse_args(argv)
-    args.command_argv = argv
-    if getattr(args, "func", None) is None:
-        parser.print_help()
-        return 2
-    _configure_logging()
-    return int(args.func(args) or 0)
+    try:
+        parser = build_parser()  # plugins add their flags here: a broken plugin is reported below
+        args = parser.parse_args(argv)
+        args.command_argv = argv
+        if getattr(args, "func", None) is None:
+            parser.print_help()
+            return 2
+        _configure_logging()
+        if args.command not in ("serve", "plugins"):  # serve initialises as "api_server"; plugins only reports
+            from tokenmill.plugins import load_general_plugins
+
+            load_general_plugins("cli")
+        return int(args.func(args) or 0)
+    except (PlatformError, PluginLoadError) as exc:
+        logging.getLogger("tokenmill.cli").debug("platform or plugin error", exc_info=True)
+        print(f"tokenmill: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -39,6 +39,9 @@ class LLM:
         unknown = sorted(set(engine_kwargs) - valid)
         if unknown:
             raise TypeError(f"LLM() got unknown engine arguments {unknown}; valid ones: {sorted(valid - {'model'})}")
+        from tokenmill.plugins import load_general_plugins
+
+        load_general_plugins("offline")
         engine_args = EngineArgs(model=model, **engine_kwargs)
         self._init(LLMEngine.from_engine_args(engine_args))
 

@@ -1,7 +1,8 @@
 """tokenmill: a fast, memory-efficient LLM inference and serving engine with a plugin core.
 
-Public API: :class:`LLM`, :class:`SamplingParams`, :class:`RequestOutput`, :class:`CompletionOutput`,
-:class:`ModelRegistry`, :class:`EngineArgs`, :class:`LoRARequest`, ``__version__``. Heavy modules are imported on first use.
+Public API: :class:`LLM`, :class:`SamplingParams`, :class:`StructuredOutputsParams`, :class:`RequestOutput`,
+:class:`CompletionOutput`, :class:`ModelRegistry`, :class:`EngineArgs`, :class:`LoRARequest`, ``__version__``. Heavy
+modules are imported on first use.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ __version__ = "0.1.0"
 __all__ = [
     "LLM",
     "SamplingParams",
+    "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",
     "ModelRegistry",
@@ -24,6 +26,7 @@ __all__ = [
 _LAZY = {
     "LLM": "tokenmill.entrypoints.llm",
     "SamplingParams": "tokenmill.sampling_params",
+    "StructuredOutputsParams": "tokenmill.sampling_params",
     "RequestOutput": "tokenmill.outputs",
     "CompletionOutput": "tokenmill.outputs",
     "ModelRegistry": "tokenmill.model_loader.registry",
@@ -37,7 +40,7 @@ if TYPE_CHECKING:
     from tokenmill.lora.request import LoRARequest
     from tokenmill.model_loader.registry import ModelRegistry
     from tokenmill.outputs import CompletionOutput, RequestOutput
-    from tokenmill.sampling_params import SamplingParams
+    from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

@@ -188,8 +188,28 @@ class LoRAConfig:
 
 
 @dataclass
+class StructuredOutputsConfig:
+    """Constrained decoding (JSON schemas, regexes, grammars; see docs/structured_outputs.md).
+
+    Attributes:
+        backend: ``"auto"`` (xgrammar, or llguidance for what xgrammar cannot compile, chosen per request),
+            ``"xgrammar"`` or ``"guidance"``.
+    """
+
+    backend: str = "auto"
+
+
+@dataclass
 class EngineConfig:
-    """Everything the engine core, executor and workers need; picklable (sent to engine-core processes)."""
+    """Everything the engine core, executor and workers need; picklable (sent to engine-core processes).
+
+    Attributes:
+        enforce_eager: no device graphs and no ``torch.compile`` (every step eager).
+        attention_backend: registered attention-backend name the user asked for (``--attention-backend``), or
+            ``None``: the platform chooses (see :mod:`tokenmill.attention.selector`).
+        logits_processors: ``"module:Class"`` paths (or classes, in-process) of logits processors run besides
+            the ones plugins register (see :mod:`tokenmill.worker.logits_processor`).
+    """
 
     model_config: ModelConfig
     cache_config: CacheConfig = field(default_factory=CacheConfig)
@@ -197,6 +217,11 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     enforce_eager: bool = False
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    attention_backend: str | None = None
+    logits_processors: list[Any] = field(default_factory=list)
     # "blocking": compile before serving; "background": serve eagerly and swap compiled graphs in when ready.
     compile_mode: str = "blocking"
     lora_config: LoRAConfig | None = None  # None: LoRA adapters are off
+    # speculative decoding (tokenmill.spec_decode.config.SpeculativeConfig), or None
+    speculative_config: Any = None

@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import logging
+
 from tokenmill.config import (
     COMPILE_MODES,
     DATA_PARALLEL_BACKENDS,
@@ -25,7 +27,10 @@ from tokenmill.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
 )
+
+logger = logging.getLogger(__name__)
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
@@ -80,12 +85,16 @@ class EngineArgs:
     enforce_eager: bool = False
     compile_mode: str | None = None
     platform: str | None = None
+    attention_backend: str | None = None
+    logits_processors: list[Any] | None = None
     trust_remote_code: bool = False
     quantization: str | None = None
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    speculative_config: dict[str, Any] | str | None = None
+    structured_outputs_backend: str = "auto"
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -138,6 +147,11 @@ class EngineArgs:
                             "(TOKENMILL_CACHE_DIR), so later starts load them.")
         g.add_argument("--platform", default=d.platform,
                        help="Platform plugin to use (skips detection); also TOKENMILL_PLATFORM.")
+        g.add_argument("--attention-backend", default=d.attention_backend,
+                       help="Registered attention backend to use instead of the platform's choice (e.g. "
+                            "TORCH_PAGED); also TOKENMILL_ATTENTION_BACKEND. `tokenmill plugins` lists them.")
+        g.add_argument("--logits-processors", nargs="+", default=d.logits_processors, metavar="MODULE:CLASS",
+                       help="Logits processors to run besides those plugins register (see docs/plugins.md).")
         g.add_argument("--trust-remote-code", action="store_true", default=d.trust_remote_code)
         g.add_argument("--quantization", "-q", default=d.quantization, choices=list(QUANTIZATION_METHODS),
                        help="Quantized weights used for small batches (faster decode): int8 or int4 (CPU: GGUF Q8_0 / "
@@ -151,6 +165,15 @@ class EngineArgs:
                        help="Largest adapter rank accepted (slots are sized for it).")
         g.add_argument("--max-cpu-loras", type=int, default=d.max_cpu_loras,
                        help="Adapters kept loaded in host memory, LRU (default: --max-loras).")
+        g.add_argument("--speculative-config", default=d.speculative_config,
+                       help='Speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                            '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": PATH, '
+                            '"num_speculative_tokens": 4}\' (see docs/speculative_decoding.md).')
+        g.add_argument("--structured-outputs-backend", default=d.structured_outputs_backend,
+                       choices=["auto", "xgrammar", "guidance"],
+                       help="Library that compiles JSON schemas, regexes and grammars for constrained decoding: "
+                            "xgrammar, guidance (llguidance), or auto (xgrammar, and guidance for what xgrammar "
+                            "cannot compile; chosen per request).")
         return parser
 
     @classmethod
@@ -195,7 +218,7 @@ class EngineArgs:
             ValueError: an argument is out of range (the message starts with the field name).
             tokenmill.platforms.PlatformError: no usable platform, or a conflict between platform plugins.
         """
-        from tokenmill.platforms import set_current_platform
+        from tokenmill.platforms import get_platform_selection, set_current_platform
 
         if self.platform or os.environ.get("TOKENMILL_PLATFORM"):
             platform = set_current_platform(self.platform or os.environ["TOKENMILL_PLATFORM"])
@@ -203,6 +226,20 @@ class EngineArgs:
             from tokenmill.platforms import get_current_platform
 
             platform = get_current_platform()
+        if self.structured_outputs_backend not in ("auto", "xgrammar", "guidance"):
+            raise ValueError(
+                "structured_outputs_backend: must be auto, xgrammar or guidance, got "
+                f"{self.structured_outputs_backend!r}"
+            )
+        logger.info("platform: %s", get_platform_selection().describe())
+        attention_backend = self.attention_backend or os.environ.get("TOKENMILL_ATTENTION_BACKEND") or None
+        if attention_backend is not None and ":" not in attention_backend:
+            from tokenmill.attention.registry import AttentionBackendRegistry
+
+            if not AttentionBackendRegistry.is_registered(attention_backend):
+                known = ", ".join(AttentionBackendRegistry.get_backend_names())
+                raise ValueError(f"attention_backend: unknown attention backend {attention_backend!r}; "
+                                 f"registered: {known}")
         for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "pipeline_parallel_size",
                      "data_parallel_size"):
             if getattr(self, name) < 1:
@@ -234,6 +271,9 @@ class EngineArgs:
             parallel_config=parallel_config,
             device_config=DeviceConfig(platform=platform.name, device_type=platform.device_type),
             enforce_eager=self.enforce_eager,
+            structured_outputs_config=StructuredOutputsConfig(backend=self.structured_outputs_backend),
+            attention_backend=attention_backend,
+            logits_processors=list(self.logits_processors or []),
             compile_mode=self.compile_mode or "blocking",
             lora_config=self._create_lora_config(),
         )
@@ -244,6 +284,10 @@ class EngineArgs:
                 f"{num_layers} layers (each stage needs at least one)"
             )
         platform.check_and_update_config(config)
+        if self.speculative_config is not None:
+            from tokenmill.spec_decode.setup import create_speculative_config
+
+            config.speculative_config = create_speculative_config(self.speculative_config, config)
         return config
 
     def _create_parallel_config(self) -> ParallelConfig:

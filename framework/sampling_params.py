@@ -8,6 +8,7 @@ with the field's name; the OpenAI server turns that into a 400 with ``param`` se
 from __future__ import annotations
 
 from enum import IntEnum
+from typing import Any
 
 import msgspec
 
@@ -39,6 +40,85 @@ class SamplingParamsError(InvalidRequestError):
         super().__init__(f"{param}: {message}", param=param)
 
 
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """A constraint on the generated text, enforced by the engine while sampling (vLLM's names).
+
+    Exactly one of ``json``, ``regex``, ``choice``, ``grammar``, ``json_object`` and ``structural_tag`` is set.
+    The engine compiles it into a grammar (see docs/structured_outputs.md) and masks, at every step, the
+    tokens that would leave the language of the grammar; the request stops when the grammar is complete and
+    EOS is sampled.
+
+    Attributes:
+        json: a JSON schema (an object, or its JSON text): the output is a JSON value valid against it.
+        regex: a regular expression the whole output matches.
+        choice: the output is exactly one of these strings.
+        grammar: a context-free grammar: EBNF (GBNF, as llama.cpp and xgrammar write it) or Lark (llguidance).
+        json_object: the output is any JSON object (OpenAI's ``response_format: {"type": "json_object"}``).
+        structural_tag: a JSON text: xgrammar's structural tag (free text in which ``begin`` ... ``end``
+            segments that start at a trigger follow a JSON schema), as vLLM accepts it.
+        disable_any_whitespace: JSON without whitespace outside strings (compact output; fewer tokens).
+        disable_additional_properties: a schema object without ``additionalProperties`` allows no keys other
+            than its ``properties`` (instead of JSON Schema's default of allowing any).
+        backend: the backend that compiles this constraint (``"xgrammar"`` or ``"guidance"``); ``None``: the
+            engine's ``--structured-outputs-backend``. The front end fills it in when that is ``auto``.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    backend: str | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self, param: str = "structured_outputs") -> None:
+        """Check the shape (one constraint, right types); the grammar itself is checked by the backend.
+
+        Raises:
+            SamplingParamsError: ``param`` (default ``structured_outputs``) names the field.
+        """
+        given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            what = "none was given" if not given else f"got {', '.join(given)}"
+            raise SamplingParamsError(param, f"exactly one of {', '.join(_CONSTRAINTS)} must be set; {what}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise SamplingParamsError(param, f"json must be a JSON schema object or its JSON text, got "
+                                             f"{type(self.json).__name__}")
+        for name in ("regex", "grammar", "structural_tag"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise SamplingParamsError(param, f"{name} must be a non-empty string")
+        if self.choice is not None:
+            if not isinstance(self.choice, list) or not self.choice:
+                raise SamplingParamsError(param, "choice must be a non-empty list of strings")
+            for c in self.choice:
+                if not isinstance(c, str) or not c:
+                    raise SamplingParamsError(param, f"choice entries must be non-empty strings, got {c!r}")
+        if self.backend is not None and self.backend not in STRUCTURED_OUTPUT_BACKENDS:
+            raise SamplingParamsError(
+                param, f"backend must be one of {', '.join(STRUCTURED_OUTPUT_BACKENDS)}, got {self.backend!r}"
+            )
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: ``"json"``, ``"regex"``, ``"choice"``, ``"grammar"``, ``"json_object"`` or
+        ``"structural_tag"``."""
+        for name in _CONSTRAINTS:
+            if getattr(self, name) not in (None, False):
+                return name
+        raise SamplingParamsError("structured_outputs", "no constraint is set")
+
+
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+# The concrete backends a request can name (the engine flag also takes "auto").
+STRUCTURED_OUTPUT_BACKENDS = ("xgrammar", "guidance")
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Parameters of one request's generation.
 
@@ -65,6 +145,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         logprobs: number of top log-probabilities to return per generated token (``None``: none).
         prompt_logprobs: number of top log-probabilities to return per prompt token.
         detokenize: produce text (otherwise only token ids).
+        extra_args: free-form settings for plugins' logits processors (vLLM's ``extra_args``); tokenmill itself
+            ignores them.
         output_kind: what the front end yields while the request runs.
         logit_bias: token id -> bias added to its logit before sampling (OpenAI semantics; each value is
             clamped to [-100, 100]).
@@ -72,6 +154,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         bad_words: words never to generate (tokenized by the front end into ``bad_words_token_ids``).
         bad_words_token_ids: token sequences never to generate: the last token of a sequence is banned
             whenever the output ends with the sequence's other tokens.
+        structured_outputs: a constraint the output must follow (JSON schema, regex, choice, grammar), see
+            :class:`StructuredOutputsParams`; ``None``: unconstrained.
     """
 
     n: int = 1
@@ -94,11 +178,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     detokenize: bool = True
+    extra_args: dict[str, Any] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -147,6 +233,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 if value > MAX_LOGPROBS:
                     raise SamplingParamsError(name, f"must be at most {MAX_LOGPROBS}, got {value}")
         self._validate_token_controls()
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise SamplingParamsError(
+                    "structured_outputs", f"must be a StructuredOutputsParams, got {self.structured_outputs!r}"
+                )
+            self.structured_outputs.validate()
 
     def _validate_token_controls(self) -> None:
         """``logit_bias``, ``allowed_token_ids``, ``bad_words`` and ``bad_words_token_ids``.

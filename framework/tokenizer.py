@@ -2,24 +2,23 @@
 
 A GGUF file's tokenizer is rebuilt by transformers from the file's metadata, which takes seconds (tens of
 seconds on a small busy CPU: every vocabulary entry and merge is parsed one by one); the result is saved in
-Hugging Face layout under ``$TOKENMILL_CACHE_DIR/tokenizers/<key>/`` (key: the file's path, size and
-modification time, and the transformers version) and loaded from there on later starts, in well under a
-second. Deleting the directory is always safe.
+Hugging Face layout under ``$TOKENMILL_CACHE_DIR/gguf/<key>/tokenizer/`` (key: the file's path, size and
+modification time, and the gguf and transformers versions; :mod:`tokenmill.model_loader.gguf_cache`) and
+loaded from there on later starts, in well under a second. Deleting the directory is always safe.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from tokenmill.config import ModelConfig
+from tokenmill.model_loader.gguf_cache import save_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -29,17 +28,10 @@ _LOCK = threading.Lock()
 
 def _gguf_cache_dir(directory: str, gguf_file: str) -> Path | None:
     """Where the converted tokenizer of this GGUF file is (or will be) saved; ``None`` if the file is missing."""
-    import transformers
+    from tokenmill.model_loader.gguf_cache import gguf_cache_dir
 
-    from tokenmill.worker.compile_cache import cache_root
-
-    path = os.path.abspath(os.path.join(directory, gguf_file))
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}".encode()).hexdigest()
-    return cache_root() / "tokenizers" / key[:20]
+    entry = gguf_cache_dir(os.path.join(directory, gguf_file))
+    return None if entry is None else entry / "tokenizer"
 
 
 def _load_gguf_tokenizer(directory: str, gguf_file: str, trust_remote_code: bool) -> Any:
@@ -51,20 +43,12 @@ def _load_gguf_tokenizer(directory: str, gguf_file: str, trust_remote_code: bool
             return AutoTokenizer.from_pretrained(str(saved), trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as exc:  # a damaged cache entry: convert again
             logger.warning("ignoring the cached tokenizer in %s (%s)", saved, exc)
+            shutil.rmtree(saved, ignore_errors=True)
     start = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file, trust_remote_code=trust_remote_code)
     logger.info("tokenizer converted from %s in %.1f s", gguf_file, time.perf_counter() - start)
     if saved is not None:
-        try:
-            saved.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=saved.name + ".", dir=saved.parent))
-            tokenizer.save_pretrained(str(tmp))
-            try:
-                os.replace(tmp, saved)
-            except OSError:  # another process saved it first
-                shutil.rmtree(tmp, ignore_errors=True)
-        except OSError as exc:
-            logger.warning("could not cache the converted tokenizer in %s (%s)", saved, exc)
+        save_atomically(saved, lambda tmp: tokenizer.save_pretrained(str(tmp)))
     return tokenizer
 
 

@@ -4,6 +4,12 @@ Each run sends one random prompt of exactly I tokens and generates exactly O tok
 TTFT is the time from submitting the request to the first generated token (seconds); the decode rate is
 ``(O - 1) / (t_last - t_first)`` tokens per second. Figures are medians over ``--num-iters`` runs after
 ``--num-iters-warmup`` untimed ones; every run uses a fresh prompt, so the prefix cache never helps.
+
+``--dataset-name quote`` uses prompts of about I tokens that ask the model to repeat a passage (a copying task,
+where n-gram speculation proposes well) instead of random tokens. With ``--speculative-config`` the table adds
+the draft acceptance of the timed runs; ``--baseline no-spec`` runs the same engine without speculation on the
+same prompts in the same process, the two engines alternating prompt by prompt (so load changes on a shared
+machine hit both alike), and reports the speed-up and whether the outputs were identical.
 """
 
 from __future__ import annotations
@@ -45,8 +51,12 @@ def add_parser(subparsers: argparse._SubParsersAction, add_extra_args: AddArgs |
     parser.add_argument("--num-iters", type=int, default=5, help="Timed runs; medians are reported (default 5).")
     parser.add_argument("--num-iters-warmup", type=int, default=1, help="Untimed runs first (default 1).")
     parser.add_argument("--disable-detokenize", action="store_true", help="Token ids only, no text.")
-    parser.add_argument("--baseline", choices=["hf", "llamacpp"], default=None,
-                        help="hf: transformers generate(); llamacpp: llama-cpp-python on the same GGUF file.")
+    parser.add_argument("--baseline", choices=["hf", "llamacpp", "no-spec"], default=None,
+                        help="hf: transformers generate(); llamacpp: llama-cpp-python on the same GGUF file; "
+                             "no-spec: tokenmill without --speculative-config (alternating with it).")
+    parser.add_argument("--dataset-name", choices=["random", "quote"], default="random",
+                        help="random: random tokens, exactly I per prompt; quote: prompts of about I tokens asking "
+                             "to repeat a passage word for word (default random).")
     parser.add_argument("--hf-dtypes", default="float32,bfloat16",
                         help="dtypes for --baseline hf; the fastest decode counts (default float32,bfloat16).")
     parser.add_argument("--json", default=None, metavar="FILE", help="Write every figure to this JSON file.")
@@ -56,11 +66,20 @@ def add_parser(subparsers: argparse._SubParsersAction, add_extra_args: AddArgs |
 
 def measure(run_one: Run, prompts: Sequence[Sequence[int]], warmup: int) -> dict[str, Any]:
     """Run ``run_one`` on each prompt; the first ``warmup`` runs are not counted. Returns medians and runs."""
-    runs = [run_one(p) for p in prompts]
-    timed = runs[warmup:]
+    return summarize_runs([run_one(p) for p in prompts], warmup, len(prompts[0]))
+
+
+def summarize_runs(runs: Sequence[dict[str, Any]], warmup: int, input_len: int) -> dict[str, Any]:
+    """Medians over ``runs[warmup:]`` (and summed speculative-decoding counters when the runs have them)."""
+    timed = list(runs[warmup:])
     ttft = statistics.median(r["ttft_s"] for r in timed)
     rates = [r["decode_tokens_per_s"] for r in timed if r["decode_tokens_per_s"] is not None]
-    input_len = len(prompts[0])
+    spec = None
+    if timed and "spec" in timed[0]:
+        spec = {key: sum(r["spec"][key] for r in timed) for key in timed[0]["spec"]}
+        spec["acceptance_rate"] = (spec["num_accepted_tokens"] / spec["num_draft_tokens"]
+                                   if spec["num_draft_tokens"] else None)
+        spec["mean_acceptance_length"] = 1 + spec["num_accepted_tokens"] / spec["num_drafts"] if spec["num_drafts"] else None
     return {
         "ttft_s": ttft,
         "prefill_tokens_per_s": input_len / ttft,
@@ -68,6 +87,7 @@ def measure(run_one: Run, prompts: Sequence[Sequence[int]], warmup: int) -> dict
         "e2e_s": statistics.median(r["e2e_s"] for r in timed),
         "num_iters": len(timed),
         "runs": timed,
+        **({"spec_decode": spec} if spec is not None else {}),
     }
 
 
@@ -81,6 +101,9 @@ def tokenmill_run(engine: Any, output_len: int, detokenize: bool) -> Run:
 
     def run_one(prompt: Sequence[int]) -> dict[str, Any]:
         times: list[float] = []
+        token_ids: list[int] = []
+        spec = getattr(engine, "spec_decoding_stats", None)
+        before = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens) if spec is not None else None
         start = time.perf_counter()
         engine.add_request(f"latency-{next(counter)}", list(prompt), params)
         while engine.has_unfinished_requests():
@@ -89,29 +112,74 @@ def tokenmill_run(engine: Any, output_len: int, detokenize: bool) -> Run:
                 if new:
                     now = time.perf_counter()
                     times.extend([now] * new)
-        return latency_from_times(start, times, output_len)
+                    token_ids.extend(t for c in output.outputs for t in c.token_ids)
+        result = latency_from_times(start, times, output_len)
+        result["token_ids"] = token_ids
+        if spec is not None and before is not None:
+            result["spec"] = {"num_drafts": spec.num_drafts - before[0],
+                              "num_draft_tokens": spec.num_draft_tokens - before[1],
+                              "num_accepted_tokens": spec.num_accepted_tokens - before[2]}
+        return result
 
     return run_one
 
 
-def _run_tokenmill(args: argparse.Namespace) -> tuple[dict[str, Any], list[list[int]], dict[str, Any]]:
+def _make_prompts(args: argparse.Namespace, engine: Any) -> list[list[int]]:
+    mc = engine.model_config
+    num = args.num_iters_warmup + args.num_iters
+    if args.dataset_name == "quote":
+        from tokenmill.entrypoints.bench.quote_prompts import quote_prompts
+
+        prompts = quote_prompts(engine.get_tokenizer(), num, args.input_len, seed=args.seed)
+    else:
+        prompts = random_prompts(engine.get_tokenizer(), num, args.input_len, seed=args.seed,
+                                 vocab_size=mc.vocab_size)
+    check_lengths(max(len(p) for p in prompts), args.output_len, mc.max_model_len)
+    return prompts
+
+
+def _run_tokenmill(
+    args: argparse.Namespace,
+) -> tuple[dict[str, Any], list[list[int]], dict[str, Any], dict[str, Any] | None]:
+    """tokenmill's figures, the prompts, engine facts and (``--baseline no-spec``) the no-speculation figures."""
     from tokenmill.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine.from_engine_args(engine_args_from(args))
+    engine_args = engine_args_from(args)
+    if args.baseline == "no-spec" and engine_args.speculative_config is None:
+        raise SystemExit("tokenmill bench latency: error: --baseline no-spec needs --speculative-config")
+    engine = LLMEngine.from_engine_args(engine_args)
+    baseline_engine = None
     try:
         mc = engine.model_config
-        check_lengths(args.input_len, args.output_len, mc.max_model_len)
-        prompts = random_prompts(engine.get_tokenizer(), args.num_iters_warmup + args.num_iters, args.input_len,
-                                 seed=args.seed, vocab_size=mc.vocab_size)
-        figures = measure(tokenmill_run(engine, args.output_len, not args.disable_detokenize), prompts,
-                          args.num_iters_warmup)
+        prompts = _make_prompts(args, engine)
+        run_one = tokenmill_run(engine, args.output_len, not args.disable_detokenize)
+        no_spec = None
+        if args.baseline == "no-spec":
+            baseline_engine = LLMEngine.from_engine_args(engine_args.replace(speculative_config=None))
+            run_base = tokenmill_run(baseline_engine, args.output_len, not args.disable_detokenize)
+            runs, base_runs = [], []
+            for p in prompts:  # alternate, so a change of load on the machine affects both alike
+                runs.append(run_one(p))
+                base_runs.append(run_base(p))
+            figures = summarize_runs(runs, args.num_iters_warmup, len(prompts[0]))
+            no_spec = {"name": "tokenmill without speculation", "available": True,
+                       **summarize_runs(base_runs, args.num_iters_warmup, len(prompts[0]))}
+            same = sum(a["token_ids"] == b["token_ids"] for a, b in zip(runs, base_runs))
+            no_spec["identical_outputs"] = f"{same}/{len(runs)}"
+        else:
+            figures = measure(run_one, prompts, args.num_iters_warmup)
+        spec = engine.engine_config.speculative_config
         info = {"model": mc.model, "served_model_name": mc.served_model_name, "gguf_file": mc.gguf_file,
                 "dtype": mc.dtype, "max_model_len": mc.max_model_len,
-                "platform": engine.engine_config.device_config.platform}
-        return figures, prompts, info
+                "platform": engine.engine_config.device_config.platform,
+                "speculative_config": spec.summary() if spec is not None else None,
+                "prompt_lens": [len(p) for p in prompts]}
+        return figures, prompts, info, no_spec
     finally:
         engine.shutdown()
-        del engine
+        if baseline_engine is not None:
+            baseline_engine.shutdown()
+        del engine, baseline_engine
         gc.collect()
 
 
@@ -151,24 +219,35 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of ``tokenmill bench latency``; returns the exit code."""
     if args.num_iters < 1 or args.num_iters_warmup < 0:
         raise SystemExit("tokenmill bench latency: error: --num-iters must be >= 1 and --num-iters-warmup >= 0")
-    figures, prompts, info = _run_tokenmill(args)
+    figures, prompts, info, no_spec = _run_tokenmill(args)
     kernels = kernel_info()
     rss = peak_rss_bytes()
     rows: list[tuple[str, Any]] = [
         ("Model", info["served_model_name"]),
         ("dtype", info["dtype"]),
-        ("Input x output tokens", f"{args.input_len} x {args.output_len}"),
+        ("Input x output tokens", f"{statistics.median(info['prompt_lens']):g} x {args.output_len}"
+                                  + (" (quote task)" if args.dataset_name == "quote" else "")),
         ("Runs (after warm-up)", figures["num_iters"]),
         ("TTFT, median (s)", figures["ttft_s"]),
         ("Prefill tokens/s (I / TTFT)", figures["prefill_tokens_per_s"]),
         ("Decode tokens/s, median", figures["decode_tokens_per_s"]),
         ("Peak RSS (MiB)", rss / 2**20),
     ]
+    spec = figures.get("spec_decode")
+    if spec is not None:
+        rows[1:1] = [("Speculative decoding", info["speculative_config"])]
+        rows += [("Draft tokens proposed / accepted", f"{spec['num_draft_tokens']} / {spec['num_accepted_tokens']}"),
+                 ("Draft acceptance rate", spec["acceptance_rate"]),
+                 ("Mean acceptance length (tokens/step)", spec["mean_acceptance_length"])]
     record = base_record("latency", args)
     record.update({"model": info["served_model_name"], "dtype": info["dtype"], "engine": info,
                    "tokenmill": figures, "peak_rss_bytes": rss})
     if args.baseline is not None:
-        baseline = _run_hf(args, prompts) if args.baseline == "hf" else _run_llamacpp(args, prompts)
+        if args.baseline == "no-spec":
+            baseline = no_spec
+        else:
+            baseline = _run_hf(args, prompts) if args.baseline == "hf" else _run_llamacpp(args, prompts)
+        assert baseline is not None
         record["baseline"] = baseline
         label = baseline["name"] + (f" {baseline['best_dtype']}" if "best_dtype" in baseline else "")
         if not baseline["available"]:
@@ -183,6 +262,10 @@ def run(args: argparse.Namespace) -> int:
                 record["ratio_ttft"] = baseline["ttft_s"] / figures["ttft_s"]
                 rows += [(f"Ratio tokenmill / {baseline['name']} (decode tok/s)", ratio),
                          (f"Ratio {baseline['name']} / tokenmill (TTFT)", record["ratio_ttft"])]
+            if "identical_outputs" in baseline:
+                record["ratio_e2e"] = baseline["e2e_s"] / figures["e2e_s"]
+                rows += [(f"Ratio {baseline['name']} / tokenmill (end-to-end time)", record["ratio_e2e"]),
+                         ("Identical outputs with and without speculation", baseline["identical_outputs"])]
     rows += isa_rows(record, kernels)
     print_table("tokenmill bench latency", rows)
     if args.json:

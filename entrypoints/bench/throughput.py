@@ -94,6 +94,8 @@ def run_tokenmill(args: argparse.Namespace) -> tuple[dict[str, Any], list[list[i
             llm.generate(warm, warm_params, use_tqdm=False)
         params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
                                 detokenize=detokenize)
+        spec = engine.spec_decoding_stats
+        before = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens) if spec is not None else None
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=not args.disable_tqdm)
         elapsed = time.perf_counter() - start
@@ -113,7 +115,16 @@ def run_tokenmill(args: argparse.Namespace) -> tuple[dict[str, Any], list[list[i
             "num_kv_blocks": getattr(engine.engine_config.cache_config, "num_gpu_blocks", None),
             "load_s": load_s,
         }
-        return _figures(len(outputs), input_tokens, output_tokens, elapsed), prompts, info
+        figures = _figures(len(outputs), input_tokens, output_tokens, elapsed)
+        if spec is not None and before is not None:
+            drafts, drafted, accepted = (spec.num_drafts - before[0], spec.num_draft_tokens - before[1],
+                                         spec.num_accepted_tokens - before[2])
+            figures["spec_decode"] = {
+                "num_drafts": drafts, "num_draft_tokens": drafted, "num_accepted_tokens": accepted,
+                "acceptance_rate": accepted / drafted if drafted else None,
+                "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+            }
+        return figures, prompts, info
     finally:
         engine.shutdown()
         del engine
@@ -156,6 +167,11 @@ def run(args: argparse.Namespace) -> int:
         ("Total tokens/s", figures["total_tokens_per_s"]),
         ("Peak RSS (MiB)", tokenmill_rss / 2**20),
     ]
+    spec = figures.get("spec_decode")
+    if spec is not None:
+        rows += [("Draft tokens proposed / accepted", f"{spec['num_draft_tokens']} / {spec['num_accepted_tokens']}"),
+                 ("Draft acceptance rate", spec["acceptance_rate"]),
+                 ("Mean acceptance length (tokens/step)", spec["mean_acceptance_length"])]
     record = base_record("throughput", args)
     record.update({"model": info["served_model_name"], "dtype": info["dtype"], "engine": info,
                    "tokenmill": figures, "peak_rss_bytes": tokenmill_rss})

@@ -61,6 +61,7 @@ from tokenmill.entrypoints.openai.serving_engine import EngineClient, Tokenizati
 from tokenmill.entrypoints.openai.serving_models import OpenAIServingModels
 from tokenmill.entrypoints.openai.serving_responses import OpenAIServingResponses
 from tokenmill.entrypoints.openai.serving_tokenization import OpenAIServingTokenization, parse_tokenize_request
+from tokenmill.entrypoints.openai.tool_choice import resolve_tool_parser
 from tokenmill.errors import EngineDeadError
 from tokenmill.metrics.prometheus import CONTENT_TYPE, PrometheusStatLogger
 from tokenmill.metrics.stats import RequestStatsTracker
@@ -143,10 +144,12 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
         args: parsed CLI arguments; read (missing ones take their defaults): ``api_key`` (else
             ``$TOKENMILL_API_KEY``), ``chat_template`` (file or inline template), ``allowed_origins``,
             ``allowed_methods``, ``allowed_headers``, ``allow_credentials`` (CORS; off without origins),
-            ``max_request_body_bytes``, ``return_tokens_as_token_ids``.
+            ``max_request_body_bytes``, ``return_tokens_as_token_ids``, ``enable_auto_tool_choice`` and
+            ``tool_call_parser``.
 
     Raises:
         FileNotFoundError: ``chat_template`` is neither a file nor a template.
+        ValueError: ``enable_auto_tool_choice`` without a known ``tool_call_parser``.
     """
     model_config = engine.model_config
     served_name = getattr(model_config, "served_model_name", None) or str(getattr(model_config, "model", "model"))
@@ -163,10 +166,12 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
         add_listener(stats.on_engine_outputs)
     common = (engine, models, tokenization, state.mark_engine_dead)
     token_ids = bool(getattr(args, "return_tokens_as_token_ids", False))
-    serving_chat = OpenAIServingChat(*common, renderer=renderer, stats=stats, return_tokens_as_token_ids=token_ids)
+    tool_parser_cls = resolve_tool_parser(args)
+    serving_chat = OpenAIServingChat(*common, renderer=renderer, stats=stats, return_tokens_as_token_ids=token_ids,
+                                     tool_parser_cls=tool_parser_cls)
     serving_completion = OpenAIServingCompletion(*common, stats=stats, return_tokens_as_token_ids=token_ids)
     serving_responses = OpenAIServingResponses(*common, renderer=renderer, stats=stats,
-                                               return_tokens_as_token_ids=token_ids)
+                                               return_tokens_as_token_ids=token_ids, tool_parser_cls=tool_parser_cls)
     serving_tokenization = OpenAIServingTokenization(*common, renderer=renderer)
     api_key = getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None
 

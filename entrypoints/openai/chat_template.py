@@ -53,8 +53,9 @@ class ChatRenderer:
         self._reserved = _reserved_template_kwargs(tokenizer)
 
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool, continue_final_message: bool,
-               template_kwargs: dict[str, Any] | None = None) -> str:
-        """The prompt text of ``messages``.
+               template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt text of ``messages``; ``tools`` (OpenAI tool objects) go to the template's own tool
+        rendering (``tools`` variable, as transformers passes it).
 
         Raises:
             InvalidRequestError: reserved keys in ``template_kwargs`` (``param="chat_template_kwargs"``), or
@@ -76,6 +77,7 @@ class ChatRenderer:
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 chat_template=self.chat_template,
+                tools=tools,
                 **extra,
             )
         except _TEMPLATE_ERRORS as exc:

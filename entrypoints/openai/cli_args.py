@@ -36,6 +36,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="CORS: allow credentials (cookies, Authorization) in cross-origin requests.")
     server.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
                         help=f"Refuse larger request bodies with 413 (default {DEFAULT_MAX_BODY_BYTES}, 32 MiB).")
+    server.add_argument("--enable-auto-tool-choice", action="store_true", default=False,
+                        help='Allow tool_choice "auto": the model\'s text is read for tool calls with '
+                             "--tool-call-parser.")
+    server.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                        help="How the model writes tool calls (built in: hermes, llama3_json, mistral, pythonic; "
+                             "plugins add more through the tokenmill_register_tool_parsers hook).")
     server.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS,
                         help="uvicorn's log level (default info).")
     server.add_argument("--disable-uvicorn-access-log", action="store_true", default=False,

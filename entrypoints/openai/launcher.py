@@ -22,6 +22,7 @@ from typing import Any
 from tokenmill.entrypoints.openai.api_server import DEFAULT_HOST, DEFAULT_PORT, ServerState, build_app
 from tokenmill.entrypoints.openai.serving_models import parse_lora_modules
 from tokenmill.entrypoints.openai.chat_template import load_chat_template
+from tokenmill.entrypoints.openai.tool_choice import resolve_tool_parser
 from tokenmill.entrypoints.openai.serving_engine import EngineClient
 from tokenmill.errors import ServerShuttingDownError
 
@@ -77,6 +78,7 @@ def run_server(args: argparse.Namespace) -> int:
     Raises:
         OSError: the address cannot be bound.
         FileNotFoundError: the model or ``--chat-template`` does not exist.
+        ValueError: ``--enable-auto-tool-choice`` without a known ``--tool-call-parser``.
     """
     import uvicorn
     from tokenmill.engine_args import EngineArgs
@@ -85,6 +87,7 @@ def run_server(args: argparse.Namespace) -> int:
     previous = {sig: signal.signal(sig, signals.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         load_chat_template(getattr(args, "chat_template", None))
+        resolve_tool_parser(args)
         host = getattr(args, "host", None) or DEFAULT_HOST
         port = DEFAULT_PORT if getattr(args, "port", None) is None else int(args.port)
         sock = _bind(host, port)

@@ -21,8 +21,9 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from tokenmill.entrypoints.openai.request_fields import FieldPolicy, Refused, check_request_fields
+from tokenmill.entrypoints.openai.protocol_tools import ChatCompletionToolParam, StructuredOutputsField, ToolChoice
 from tokenmill.errors import InvalidRequestError
-from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 # Defaults applied when a request leaves a sampling field out (vLLM's, which are OpenAI's where both exist).
 DEFAULT_TEMPERATURE = 1.0
@@ -88,8 +89,6 @@ _IGNORED_HINTS = {
     "safety_identifier": "an end-user id for OpenAI's abuse monitoring",
 }
 _NOT_IMPLEMENTED = "not supported by this server"
-_STRUCTURED = "constrained decoding (structured outputs) is not supported by this server yet"
-_GUIDED = "vLLM's removed guided-decoding fields are not supported; use structured_outputs"
 # vLLM's extras that tokenmill does not implement (shared by chat and completions).
 _VLLM_REFUSED = {
     "use_beam_search": Refused("beam search is " + _NOT_IMPLEMENTED, (False,)),
@@ -101,9 +100,9 @@ _VLLM_REFUSED = {
     "request_id": Refused("send the X-Request-Id header instead (echoed in the response headers and logged)"),
     "return_token_ids": Refused(_NOT_IMPLEMENTED + "; use logprobs with return_tokens_as_token_ids", (False,)),
     "mm_processor_kwargs": Refused("multimodal inputs are " + _NOT_IMPLEMENTED, ({},)),
-    "structured_outputs": Refused(_STRUCTURED),
-    **{name: Refused(_GUIDED) for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                                          "guided_decoding_backend", "guided_whitespace_pattern")},
+    "guided_decoding_backend": Refused("the backend is chosen per server (--structured-outputs-backend)"),
+    "guided_whitespace_pattern": Refused("a custom whitespace pattern is " + _NOT_IMPLEMENTED
+                                         + "; use structured_outputs.disable_any_whitespace"),
 }
 
 
@@ -191,6 +190,43 @@ class _SamplingRequest(RequestModel):
     return_tokens_as_token_ids: bool | None = None
     truncate_prompt_tokens: int | None = None
     priority: int = 0
+    # structured outputs (see structured_outputs.py): OpenAI's response_format, vLLM's structured_outputs and
+    # its older guided_* fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The request's constraint and the field its errors name (``(None, None)``: unconstrained):
+        ``response_format.json_schema.schema`` for a schema given in ``response_format``, else the field.
+
+        Raises:
+            InvalidRequestError: several sources at once, or an ill-formed one (``param`` names the field).
+        """
+        from tokenmill.entrypoints.openai import structured_outputs as so
+
+        found: list[tuple[StructuredOutputsParams, str, str]] = []  # (constraint, field, param of its errors)
+        rf = so.response_format_to_structured_outputs(self.response_format)
+        if rf is not None:
+            schema_given = (self.response_format or {}).get("type") == "json_schema"
+            found.append((rf, "response_format", "response_format.json_schema.schema" if schema_given
+                          else "response_format"))
+        if self.structured_outputs is not None:
+            found.append((so.structured_outputs_from_field(self.structured_outputs), "structured_outputs",
+                          "structured_outputs"))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                found.append((so._params(name, **{kind: value}), name, name))
+        if len(found) > 1:
+            first, second = found[0][1], found[1][1]
+            raise InvalidRequestError(f"{second}: cannot be combined with {first} (give one constraint)",
+                                      param=second)
+        return (found[0][0], found[0][2]) if found else (None, None)
 
     def check(self) -> None:
         """Checks across fields, and the OpenAI ranges that are narrower than ``SamplingParams``' own.
@@ -391,7 +427,6 @@ class ChatCompletionRequest(_ChatTemplateFields, _SamplingRequest):
         ignored={
             **_IGNORED_HINTS,
             "prediction": "predicted outputs only make OpenAI faster; the output is the same without them",
-            "parallel_tool_calls": "only has a meaning together with tools",
         },
         refused={
             **_VLLM_REFUSED,
@@ -417,9 +452,9 @@ class ChatCompletionRequest(_ChatTemplateFields, _SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ChatCompletionToolParam] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def check(self) -> None:
         super().check()
@@ -432,13 +467,6 @@ class ChatCompletionRequest(_ChatTemplateFields, _SamplingRequest):
                     param="top_logprobs",
                 )
         self.check_template_fields()
-        if self.tools:
-            raise InvalidRequestError("tools: tool calling is not supported by this server yet", param="tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise InvalidRequestError(
-                f"response_format: type {self.response_format.get('type')!r} is not supported (only 'text')",
-                param="response_format",
-            )
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -463,7 +491,6 @@ class CompletionRequest(_SamplingRequest):
         refused={
             **_VLLM_REFUSED,
             "prompt_embeds": Refused("prompt embeddings are " + _NOT_IMPLEMENTED),
-            "response_format": Refused(_STRUCTURED, ({"type": "text"},)),
         },
     )
 

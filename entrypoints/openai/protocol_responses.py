@@ -7,8 +7,8 @@ items), ``instructions``, ``max_output_tokens``, ``temperature``, ``top_p``, ``s
 and the typed stream events (``response.created`` ... ``response.completed``, each with its
 ``sequence_number``).
 
-``tools``, ``tool_choice`` and ``text.format`` are parsed and validated here; whether the server can honour
-them is decided by the seams in :mod:`tokenmill.entrypoints.openai.serving_responses`.
+``tools``, ``tool_choice`` and ``text.format`` are parsed and validated here; they become tool calling and
+structured outputs in :mod:`tokenmill.entrypoints.openai.serving_responses`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from tokenmill.entrypoints.openai.protocol import (
 )
 from tokenmill.entrypoints.openai.request_fields import FieldPolicy, Refused
 from tokenmill.errors import InvalidRequestError
-from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 # ``include`` values of the OpenAI API. Only the logprobs one adds anything here: the others ask for data of
 # output items (web search results, reasoning, images, ...) this server never produces.
@@ -131,7 +131,9 @@ class ResponsesRequest(RequestModel):
             "context_management": Refused("not supported by this server", ([],)),
             "moderation": Refused("moderation is not supported by this server"),
             "background_options": Refused("background responses are not supported"),
-            "structured_outputs": Refused("use text.format"),
+            "structured_outputs": Refused("the Responses API constrains the output with text.format (json_schema "
+                                          "or json_object); vLLM's structured_outputs object is for chat and "
+                                          "completions"),
         },
     )
 
@@ -246,11 +248,24 @@ class ResponsesRequest(RequestModel):
             _append_item(messages, item, f"input.[{i}]")
         return messages
 
-    def to_sampling_params(self, max_tokens: int | None, output_kind: RequestOutputKind,
-                           vocab_size: int) -> SamplingParams:
-        """Raises :class:`~tokenmill.sampling_params.SamplingParamsError` for an out-of-range value."""
+    def to_sampling_params(self, max_tokens: int | None, output_kind: RequestOutputKind, vocab_size: int, *,
+                           structured_outputs: StructuredOutputsParams | None = None,
+                           skip_special_tokens: bool | None = None) -> SamplingParams:
+        """The engine's parameters.
+
+        Args:
+            structured_outputs: the constraint of ``text.format`` or of a forced tool call (checked by the
+                serving class).
+            skip_special_tokens: ``False`` when the tool parser's markers are special tokens (``None``: the
+                default, skip them).
+
+        Raises:
+            SamplingParamsError: an out-of-range value.
+        """
         top_k = self.top_k if self.top_k is not None else 0
         return SamplingParams(
+            structured_outputs=structured_outputs,
+            skip_special_tokens=True if skip_special_tokens is None else skip_special_tokens,
             temperature=self.effective_temperature,
             top_p=self.effective_top_p,
             top_k=min(top_k, vocab_size),

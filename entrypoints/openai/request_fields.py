@@ -8,8 +8,8 @@ A JSON body is checked against its request model before validation (:func:`check
 * a field listed in ``refused_fields`` is a 400 naming it, unless its value is one that asks for nothing
   (e.g. ``"use_beam_search": false``);
 * any other field is a 400 naming it (the OpenAI API refuses unrecognized arguments the same way; vLLM
-  logs and ignores them, which can silently change the meaning of a request, e.g. an older vLLM's
-  ``guided_json``).
+  logs and ignores them, which can silently change the meaning of a request, e.g. a misspelt
+  constraint field served unconstrained).
 
 A ``null`` value always means "not given" and is accepted for any field. All offending fields of a body are
 named in one error; ``param`` is the first of them.

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_serializer
 from tokenmill.entrypoints.openai.protocol import OpenAIBaseModel, UsageInfo, now_s
+from tokenmill.entrypoints.openai.protocol_tools import DeltaToolCall, ToolCall
 
 
 def _is_none(value: Any) -> bool:
@@ -47,8 +48,11 @@ class ChatChoiceLogprobs(OpenAIBaseModel):
 
 
 class ChatResponseMessage(OpenAIBaseModel):
+    """``tool_calls`` is left out of the JSON when the model called no tool."""
+
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=_is_none)
 
 
 class ChatCompletionChoice(OpenAIBaseModel):
@@ -75,10 +79,14 @@ class DeltaMessage(OpenAIBaseModel):
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="plain")
     def _drop_none(self) -> dict[str, Any]:
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        out: dict[str, Any] = {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        if self.tool_calls is not None:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        return out
 
 
 class ChatCompletionStreamChoice(OpenAIBaseModel):

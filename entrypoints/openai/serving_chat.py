@@ -5,6 +5,10 @@ then one chunk with an empty delta and the ``finish_reason``; with ``n > 1`` eve
 ``index``. With ``stream_options.include_usage`` every chunk has ``"usage": null`` and one last chunk with
 ``choices: []`` carries the usage; without it no chunk has a ``usage`` key. An error after the stream started
 is sent as ``data: {"error": ...}`` followed by ``data: [DONE]``.
+
+Structured outputs (``response_format``, ``structured_outputs``) and tools are resolved by
+:meth:`OpenAIServingChat.resolve_constraints`; with tools, text is turned into ``message.tool_calls`` (whole) or
+``delta.tool_calls`` pieces (streamed) by a :class:`~tokenmill.entrypoints.openai.tool_choice.ToolCalling`.
 """
 
 from __future__ import annotations
@@ -15,11 +19,13 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import Response
 from tokenmill.entrypoints.openai.chat_template import ChatRenderer
 from tokenmill.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_json
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, UsageInfo, random_id
+from tokenmill.entrypoints.openai.protocol_tools import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 from tokenmill.entrypoints.openai.responses import (
     ChatCompletionChoice,
     ChatCompletionResponse,
@@ -38,10 +44,13 @@ from tokenmill.entrypoints.openai.streaming import (
     sse_event,
     sse_response,
 )
-from tokenmill.errors import EngineGenerateError
+from tokenmill.entrypoints.openai.structured_outputs import check_structured_outputs
+from tokenmill.entrypoints.openai.tool_choice import ToolCalling, resolve_tool_calling, template_messages
+from tokenmill.entrypoints.openai.tool_parsers import ToolCallDelta, ToolParser, random_tool_call_id
+from tokenmill.errors import EngineGenerateError, InvalidRequestError
 from tokenmill.metrics.stats import RequestStatsTracker
 from tokenmill.outputs import CompletionOutput, RequestOutput
-from tokenmill.sampling_params import RequestOutputKind
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -53,13 +62,16 @@ class OpenAIServingChat(OpenAIServing):
 
     Args:
         renderer: turns messages into prompt text (the chat template).
+        tool_parser_cls: the ``--tool-call-parser`` class when ``--enable-auto-tool-choice`` is on, else ``None``
+            (``tool_choice="auto"`` is then refused).
     """
 
     def __init__(self, engine: EngineClient, models: OpenAIServingModels, tokenization: Tokenization,
                  on_engine_dead: Any, renderer: ChatRenderer, stats: RequestStatsTracker | None = None,
-                 **options: Any) -> None:
+                 tool_parser_cls: type[ToolParser] | None = None, **options: Any) -> None:
         super().__init__(engine, models, tokenization, on_engine_dead, stats, **options)
         self.renderer = renderer
+        self.tool_parser_cls = tool_parser_cls
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         """Run one chat request.
@@ -75,6 +87,7 @@ class OpenAIServingChat(OpenAIServing):
         self.check_priority(request.priority)
         for param, ids in request.token_id_fields().items():
             self.check_token_ids(ids, param)
+        tool_calling, constraint = await self.resolve_constraints(request)
         prompt_ids = request.truncated(await self.tokenization.run(self._render_and_encode, request),
                                        self.max_model_len)
         max_tokens = self.resolve_max_tokens(
@@ -84,29 +97,64 @@ class OpenAIServingChat(OpenAIServing):
         params = self.make_sampling_params(
             lambda: request.to_sampling_params(max_tokens, kind, self.vocab_size), request.max_tokens_param
         )
+        params = apply_constraints(params, tool_calling, constraint)
         request_id = random_id("chatcmpl")
         echo = request.messages[-1].text() if request.echo and request.messages[-1].role == "assistant" else ""
         logger.info("request %s (X-Request-Id %s): %d prompt tokens, max_tokens %s", request_id,
                     getattr(raw_request.state, "request_id", "-"), len(prompt_ids), max_tokens)
         gen = self.generate(prompt_ids, params, request_id, arrival, request.priority, model_name=model_name)
         if request.stream:
-            return await self._stream(request, raw_request, gen, request_id, model_name, len(prompt_ids), echo)
-        return await self._full(request, raw_request, gen, request_id, model_name, len(prompt_ids), echo)
+            return await self._stream(request, raw_request, gen, request_id, model_name, len(prompt_ids), echo,
+                                      tool_calling)
+        return await self._full(request, raw_request, gen, request_id, model_name, len(prompt_ids), echo,
+                                tool_calling)
 
     def _render_and_encode(self, request: ChatCompletionRequest) -> list[int]:
         """Apply the chat template and tokenize (runs in the tokenizer thread)."""
         text = self.renderer.render(
-            [m.to_template_dict() for m in request.messages],
+            template_messages([m.to_template_dict() for m in request.messages]),
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
             template_kwargs=request.chat_template_kwargs,
+            tools=[t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None,
         )
         return self.tokenization.encode(text, add_special_tokens=request.add_special_tokens)
+
+    # ----------------------------------------------------------------------- tools and structured outputs
+
+    async def resolve_constraints(self, request: ChatCompletionRequest
+                                  ) -> tuple[ToolCalling | None, StructuredOutputsParams | None]:
+        """The request's tool handling and its structured-output constraint, compile-checked off the event loop
+        (in the tokenizer thread: the first check imports the grammar library).
+
+        Raises:
+            InvalidRequestError: a bad ``tools`` / ``tool_choice`` (``auto`` without the server flags), two
+                constraints at once, or a constraint that does not compile (``param`` names the field).
+        """
+        parser_factory = None
+        if self.tool_parser_cls is not None:
+            parser_cls = self.tool_parser_cls
+            parser_factory = lambda: parser_cls(self.tokenization.tokenizer)  # noqa: E731
+        tool_calling = resolve_tool_calling(request.tools, request.tool_choice, request.parallel_tool_calls,
+                                            parser_factory)
+        constraint, source = request.structured_outputs_params()
+        if tool_calling is not None and tool_calling.structured_outputs is not None:
+            if source is not None:
+                field = source.split(".", 1)[0]
+                raise InvalidRequestError(
+                    f"{field}: cannot be combined with tool_choice 'required' or a named function", param=field
+                )
+            constraint, source = tool_calling.structured_outputs, "tool_choice"
+        if constraint is None or source is None:
+            return tool_calling, None
+        checked = await self.tokenization.run(check_structured_outputs, constraint, self.structured_outputs_backend,
+                                              source)
+        return tool_calling, checked
 
     # ------------------------------------------------------------------------------------ non-streaming
 
     async def _full(self, request: ChatCompletionRequest, raw_request: Request, gen: Gen, request_id: str,
-                    model_name: str, prompt_len: int, echo: str) -> Response:
+                    model_name: str, prompt_len: int, echo: str, tool_calling: ToolCalling | None) -> Response:
         async def collect() -> tuple[RequestOutput | None, dict[int, CompletionOutput]]:
             last: RequestOutput | None = None
             by_index: dict[int, CompletionOutput] = {}
@@ -131,11 +179,12 @@ class OpenAIServingChat(OpenAIServing):
         for index in sorted(by_index):
             o = by_index[index]
             logprobs = chat_logprobs(tokenizer, o.token_ids, o.logprobs, k, as_ids) if request.logprobs else None
+            message, finish_reason = tool_message(tool_calling, echo, o.text, o.finish_reason)
             choices.append(ChatCompletionChoice(
                 index=index,
-                message=ChatResponseMessage(role="assistant", content=echo + o.text),
+                message=message,
                 logprobs=logprobs,
-                finish_reason=o.finish_reason,
+                finish_reason=finish_reason,
                 stop_reason=o.stop_reason,
             ))
         usage = UsageInfo.of(
@@ -153,7 +202,7 @@ class OpenAIServingChat(OpenAIServing):
     # ---------------------------------------------------------------------------------------- streaming
 
     async def _stream(self, request: ChatCompletionRequest, raw_request: Request, gen: Gen, request_id: str,
-                      model_name: str, prompt_len: int, echo: str) -> Response:
+                      model_name: str, prompt_len: int, echo: str, tool_calling: ToolCalling | None) -> Response:
         # The first output is awaited before answering, so that a request the engine rejects gets a
         # plain 400 rather than a stream that starts and then fails.
         async def first_output() -> RequestOutput | None:
@@ -168,10 +217,12 @@ class OpenAIServingChat(OpenAIServing):
             await close_quietly(gen)
             logger.info("request %s: client disconnected, aborted", request_id)
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return sse_response(self._chunks(request, gen, first, request_id, model_name, prompt_len, echo))
+        return sse_response(self._chunks(request, gen, first, request_id, model_name, prompt_len, echo,
+                                         tool_calling))
 
     async def _chunks(self, request: ChatCompletionRequest, gen: Gen, first: RequestOutput | None,
-                      request_id: str, model_name: str, prompt_len: int, echo: str) -> AsyncGenerator[str, None]:
+                      request_id: str, model_name: str, prompt_len: int, echo: str,
+                      tool_calling: ToolCalling | None = None) -> AsyncGenerator[str, None]:
         created = int(time.time())
         include_usage = request.include_usage
         continuous = include_usage and request.continuous_usage
@@ -189,6 +240,7 @@ class OpenAIServingChat(OpenAIServing):
             ), exclude)
 
         finished: set[int] = set()
+        tools = StreamedToolCalls(tool_calling) if tool_calling is not None else None
         try:
             try:
                 for i in range(request.n):
@@ -207,14 +259,15 @@ class OpenAIServingChat(OpenAIServing):
                         logprobs = None
                         if request.logprobs and o.logprobs:
                             logprobs = chat_logprobs(tokenizer, o.token_ids, o.logprobs, k, as_ids)
-                        if o.text or logprobs is not None:
-                            yield chunk([ChatCompletionStreamChoice(
-                                index=o.index, delta=DeltaMessage(content=o.text), logprobs=logprobs
-                            )])
+                        delta = (DeltaMessage(content=o.text) if tools is None
+                                 else tools.delta(o.index, o.text, o.finish_reason is not None))
+                        if delta.content or delta.tool_calls or logprobs is not None:
+                            yield chunk([ChatCompletionStreamChoice(index=o.index, delta=delta, logprobs=logprobs)])
                         if o.finish_reason is not None:
                             finished.add(o.index)
+                            reason = o.finish_reason if tools is None else tools.finish_reason(o.index, o.finish_reason)
                             yield chunk([ChatCompletionStreamChoice(
-                                index=o.index, delta=DeltaMessage(), finish_reason=o.finish_reason,
+                                index=o.index, delta=DeltaMessage(), finish_reason=reason,
                                 stop_reason=o.stop_reason,
                             )])
                     output = await anext(gen, None)
@@ -225,3 +278,61 @@ class OpenAIServingChat(OpenAIServing):
             yield SSE_DONE
         finally:
             await close_quietly(gen)
+
+
+# ------------------------------------------------------------------------------------------ tool output
+
+
+def apply_constraints(params: SamplingParams, tool_calling: ToolCalling | None,
+                      constraint: StructuredOutputsParams | None) -> SamplingParams:
+    """``params`` with the request's constraint and the tool parser's special-token setting."""
+    changes: dict[str, Any] = {}
+    if constraint is not None:
+        changes["structured_outputs"] = constraint
+    if tool_calling is not None and tool_calling.skip_special_tokens is not None:
+        changes["skip_special_tokens"] = tool_calling.skip_special_tokens
+    return msgspec.structs.replace(params, **changes) if changes else params
+
+
+def tool_message(tool_calling: ToolCalling | None, echo: str, text: str, finish_reason: str | None
+                 ) -> tuple[ChatResponseMessage, str | None]:
+    """The assistant message of a finished choice (with ``tool_calls`` when the text holds calls)."""
+    if tool_calling is None:
+        return ChatResponseMessage(role="assistant", content=echo + text), finish_reason
+    extracted = tool_calling.extract(text)
+    calls = [ToolCall(id=random_tool_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
+             for c in extracted.tool_calls]
+    content = extracted.content
+    if echo:
+        content = echo + (content or "")
+    message = ChatResponseMessage(role="assistant", content=content, tool_calls=calls or None)
+    return message, tool_calling.finish_reason(finish_reason, bool(calls))
+
+
+class StreamedToolCalls:
+    """Per choice: the text so far and its :class:`ToolCallStreamer`, giving each chunk's delta."""
+
+    def __init__(self, tool_calling: ToolCalling) -> None:
+        self.tool_calling = tool_calling
+        self.texts: dict[int, str] = {}
+        self.streamers: dict[int, Any] = {}
+
+    def delta(self, index: int, new_text: str, final: bool) -> DeltaMessage:
+        text = self.texts.get(index, "") + new_text
+        self.texts[index] = text
+        streamer = self.streamers.get(index)
+        if streamer is None:
+            streamer = self.streamers[index] = self.tool_calling.streamer()
+        content, pieces = streamer.update(text, final)
+        return DeltaMessage(content=content or None, tool_calls=[_delta_tool_call(p) for p in pieces] or None)
+
+    def finish_reason(self, index: int, engine_reason: str | None) -> str | None:
+        streamer = self.streamers.get(index)
+        return self.tool_calling.finish_reason(engine_reason, streamer is not None and streamer.tools_called)
+
+
+def _delta_tool_call(piece: ToolCallDelta) -> DeltaToolCall:
+    if piece.id is not None:
+        return DeltaToolCall(index=piece.index, id=piece.id, type="function",
+                             function=DeltaFunctionCall(name=piece.name, arguments=piece.arguments))
+    return DeltaToolCall(index=piece.index, function=DeltaFunctionCall(arguments=piece.arguments))

@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator, Awaitable
 from contextlib import aclosing
 from typing import TypeVar
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import Response
 from tokenmill.entrypoints.openai.logprobs import (
@@ -32,6 +33,7 @@ from tokenmill.entrypoints.openai.responses import (
     CompletionStreamResponse,
 )
 from tokenmill.entrypoints.openai.serving_engine import OpenAIServing
+from tokenmill.entrypoints.openai.structured_outputs import check_structured_outputs
 from tokenmill.entrypoints.openai.streaming import (
     CLIENT_CLOSED_REQUEST,
     SSE_DONE,
@@ -43,7 +45,7 @@ from tokenmill.entrypoints.openai.streaming import (
 )
 from tokenmill.errors import EngineGenerateError
 from tokenmill.outputs import CompletionOutput, RequestOutput
-from tokenmill.sampling_params import RequestOutputKind
+from tokenmill.sampling_params import RequestOutputKind, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +102,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_priority(request.priority)
         for param, ids in request.token_id_fields().items():
             self.check_token_ids(ids, param)
+        constraint = await self.resolve_constraint(request)
         prompts = request.prompts()
         encoded = await self.tokenization.run(self._encode_all, prompts, request.add_special_tokens)
         prompt_ids = [request.truncated(ids, self.max_model_len) for ids in encoded]
@@ -113,6 +116,8 @@ class OpenAIServingCompletion(OpenAIServing):
             params.append(self.make_sampling_params(
                 lambda m=max_tokens: request.to_sampling_params(m, kind, self.vocab_size), "max_tokens"
             ))
+        if constraint is not None:
+            params = [msgspec.structs.replace(p, structured_outputs=constraint) for p in params]
         echoes = [""] * len(prompts)
         if request.echo:
             echoes = await self.tokenization.run(self._prompt_texts, prompts)
@@ -127,6 +132,19 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.stream:
             return await self._stream(request, raw_request, gens, request_id, model_name, prompt_ids, echoes)
         return await self._full(request, raw_request, gens, request_id, model_name, prompt_ids, echoes)
+
+    async def resolve_constraint(self, request: CompletionRequest) -> StructuredOutputsParams | None:
+        """The request's structured-output constraint (``structured_outputs``, ``response_format`` or
+        ``guided_*``), checked with the server's backend in the tokenizer thread.
+
+        Raises:
+            InvalidRequestError: two constraints, or one that does not compile (``param`` names the field).
+        """
+        constraint, source = request.structured_outputs_params()
+        if constraint is None or source is None:
+            return None
+        return await self.tokenization.run(check_structured_outputs, constraint, self.structured_outputs_backend,
+                                           source)
 
     def _encode_all(self, prompts: list[str | list[int]], add_special_tokens: bool) -> list[list[int]]:
         return [self.tokenization.encode(p, add_special_tokens) if isinstance(p, str) else list(p)

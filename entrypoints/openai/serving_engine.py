@@ -126,6 +126,9 @@ class OpenAIServing:
         self.return_tokens_as_token_ids = return_tokens_as_token_ids
         self.max_model_len = int(engine.model_config.max_model_len)
         self.vocab_size = int(engine.model_config.vocab_size)
+        # --structured-outputs-backend, used to check constraints before a request is queued.
+        so_config = getattr(getattr(engine, "engine_config", None), "structured_outputs_config", None)
+        self.structured_outputs_backend = str(getattr(so_config, "backend", "auto"))
         scheduler_config = getattr(getattr(engine, "engine_config", None), "scheduler_config", None)
         self.scheduling_policy = str(getattr(scheduler_config, "policy", "fcfs"))
 

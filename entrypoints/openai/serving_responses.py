@@ -10,16 +10,20 @@ the length limit ended it). Streaming (``stream: true``) sends the typed events 
 ``response.completed`` (``response.incomplete`` when the length limit ended it). A failure after the stream
 started is an ``error`` event followed by ``response.failed``.
 
-Two seams are left for tool calling and structured outputs (see their docstrings): :func:`check_tool_calling`
-with :func:`extract_tool_calls`, and :func:`structured_outputs_for`. Until they are wired, a request that needs
-them is refused with a 400 naming ``tools`` / ``tool_choice`` / ``text.format``.
+With function ``tools`` the text goes through the tool calling of chat completions
+(:mod:`tokenmill.entrypoints.openai.tool_choice`): ``tool_choice`` ``required`` / a named function constrain the
+output to valid calls, ``auto`` parses it with the server's ``--tool-call-parser``. Each call is a
+``function_call`` output item (streamed as ``response.output_item.added``,
+``response.function_call_arguments.delta`` / ``.done`` and ``response.output_item.done``); call markup never
+reaches the text. ``text.format`` ``json_object`` / ``json_schema`` constrain the output through structured
+outputs (:func:`structured_outputs_for`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -54,6 +58,11 @@ from tokenmill.entrypoints.openai.protocol_responses import (
     ResponseUsage,
     response_id,
 )
+from tokenmill.entrypoints.openai.protocol_tools import (
+    ChatCompletionNamedToolChoiceParam,
+    ChatCompletionToolParam,
+    NamedToolChoiceFunction,
+)
 from tokenmill.entrypoints.openai.serving_engine import EngineClient, OpenAIServing, Tokenization
 from tokenmill.entrypoints.openai.serving_models import OpenAIServingModels
 from tokenmill.entrypoints.openai.streaming import (
@@ -62,17 +71,23 @@ from tokenmill.entrypoints.openai.streaming import (
     run_unless_disconnected,
     sse_response,
 )
+from tokenmill.entrypoints.openai.structured_outputs import (
+    check_structured_outputs,
+    json_schema_to_structured_outputs,
+)
+from tokenmill.entrypoints.openai.tool_choice import ToolCalling, resolve_tool_calling, template_messages
+from tokenmill.entrypoints.openai.tool_parsers import ToolParser
 from tokenmill.errors import EngineDeadError, EngineGenerateError, InvalidRequestError, ServerShuttingDownError
 from tokenmill.metrics.stats import RequestStatsTracker
 from tokenmill.outputs import CompletionOutput, RequestOutput
-from tokenmill.sampling_params import RequestOutputKind
+from tokenmill.sampling_params import RequestOutputKind, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
 Gen = AsyncGenerator[RequestOutput, None]
 
 
-# ------------------------------------------------------------------------------------------------ seams
+# ------------------------------------------------------------------------------- tools and text.format
 
 
 @dataclass
@@ -88,55 +103,57 @@ class ToolCall:
             self.call_id = response_id("call")
 
 
-def check_tool_calling(request: ResponsesRequest) -> None:
-    """Seam for function tools: accept the request's ``tools`` / ``tool_choice`` or refuse them.
+def check_tool_calling(request: ResponsesRequest, parser_factory: Callable[[], ToolParser] | None
+                       ) -> ToolCalling | None:
+    """The request's function tools as Chat Completions' tool handling (``None``: no tool calls).
 
-    Wiring tool calling in replaces this refusal: pass ``[t.to_chat_tool() for t in request.tools]`` to the
-    chat template (see ``_render_and_encode``), constrain ``tool_choice`` ``required`` / named through the
-    structured-output engine (its constraint goes where :func:`structured_outputs_for` puts one), and make
-    :func:`extract_tool_calls` run the server's tool parser. ``parallel_tool_calls`` and ``max_tool_calls``
-    only matter once there are tools.
-
-    Raises:
-        InvalidRequestError: ``tools`` given (``param="tools"``), or a ``tool_choice`` that needs a tool call
-            (``param="tool_choice"``).
-    """
-    if request.tools:
-        raise InvalidRequestError("tools: function tools are not supported by this server yet", param="tools")
-    if request.tool_choice not in (None, "none", "auto"):
-        raise InvalidRequestError("tool_choice: needs tools, which are not supported by this server yet",
-                                  param="tool_choice")
-
-
-def extract_tool_calls(request: ResponsesRequest, text: str) -> tuple[str, list[ToolCall]]:
-    """Seam for function tools: split the model's finished text into content and tool calls.
-
-    Without tool calling nothing is a call: returns ``(text, [])``. Each call returned becomes a
-    ``function_call`` output item after the message (streamed as ``response.output_item.added``,
-    ``response.function_call_arguments.delta`` / ``.done`` and ``response.output_item.done``); the message
-    item is left out of a whole response when the content is empty and there are calls. In a stream the text
-    deltas go out as they come: a streaming tool parser must also hold the call markup back there
-    (``OpenAIServingResponses._events``).
-    """
-    return text, []
-
-
-def structured_outputs_for(request: ResponsesRequest) -> Any:
-    """Seam for structured outputs: the constraint for ``text.format`` (``None``: unconstrained).
-
-    Wiring structured outputs in returns the engine's constraint for ``json_schema`` / ``json_object``
-    (``request.text.format.to_response_format()`` gives Chat Completions' ``response_format`` for it), and
-    ``to_sampling_params`` puts it into the request's ``SamplingParams``.
+    ``tool_choice`` ``required`` / a named function constrain the output through the structured-output
+    engine (valid calls of the given tools); ``auto`` (the default when tools are given) parses the model's
+    text with the server's ``--tool-call-parser``. ``parallel_tool_calls: false`` keeps one call,
+    ``max_tool_calls`` at most that many.
 
     Raises:
-        InvalidRequestError: ``text.format`` other than ``text`` (``param="text.format"``).
+        InvalidRequestError: ``tool_choice`` ``auto`` without ``--enable-auto-tool-choice --tool-call-parser``
+            (the message names the flags), ``required`` / named without tools, duplicate tool names
+            (``param`` is ``tool_choice`` or ``tools``).
+    """
+    tools = [ChatCompletionToolParam.model_validate(t.to_chat_tool()) for t in request.tools or []]
+    choice: Any = request.tool_choice
+    if isinstance(choice, dict):  # the Responses API's flat {"type": "function", "name": ...}
+        choice = ChatCompletionNamedToolChoiceParam(function=NamedToolChoiceFunction(name=choice["name"]))
+    parallel = request.parallel_tool_calls is not False
+    return resolve_tool_calling(tools or None, choice, parallel, parser_factory, max_calls=request.max_tool_calls)
+
+
+def extract_tool_calls(tool_calling: ToolCalling | None, text: str) -> tuple[str, list[ToolCall]]:
+    """Split the model's finished text into content and tool calls (``(text, [])`` without tools).
+
+    Each call becomes a ``function_call`` output item after the message; the message item is left out of
+    a whole response when the content is empty and there are calls.
+    """
+    if tool_calling is None:
+        return text, []
+    extracted = tool_calling.extract(text)
+    return extracted.content or "", [ToolCall(c.name, c.arguments) for c in extracted.tool_calls]
+
+
+def structured_outputs_for(request: ResponsesRequest) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The constraint for ``text.format`` and the field its errors name (``(None, None)``: unconstrained).
+
+    ``json_object``: any JSON object; ``json_schema``: JSON valid against ``text.format.schema`` (``strict``
+    also closes every object to properties its schema does not list, as in Chat Completions).
+
+    Raises:
+        InvalidRequestError: a schema that is not a JSON object (``param="text.format.schema"``).
     """
     fmt = request.text.format if request.text is not None else None
     if fmt is None or fmt.type == "text":
-        return None
-    raise InvalidRequestError(
-        f"text.format: type {fmt.type!r} is not supported by this server yet (only 'text')", param="text.format"
-    )
+        return None, None
+    if fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True), "text.format"
+    assert fmt.schema_ is not None  # ResponsesRequest.check() refuses a json_schema format without one
+    return json_schema_to_structured_outputs(fmt.schema_, strict=fmt.strict, param="text.format.schema"), \
+        "text.format.schema"
 
 
 # --------------------------------------------------------------------------------------------- serving
@@ -162,55 +179,90 @@ class OpenAIServingResponses(OpenAIServing):
 
     Args:
         renderer: turns the input items into prompt text (the chat template, as for chat completions).
+        tool_parser_cls: the ``--tool-call-parser`` class when ``--enable-auto-tool-choice`` is on, else ``None``
+            (``tool_choice`` ``auto`` with tools is then refused).
     """
 
     def __init__(self, engine: EngineClient, models: OpenAIServingModels, tokenization: Tokenization,
                  on_engine_dead: Any, renderer: ChatRenderer, stats: RequestStatsTracker | None = None,
-                 **options: Any) -> None:
+                 tool_parser_cls: type[ToolParser] | None = None, **options: Any) -> None:
         super().__init__(engine, models, tokenization, on_engine_dead, stats, **options)
         self.renderer = renderer
+        self.tool_parser_cls = tool_parser_cls
 
     async def create_response(self, request: ResponsesRequest, raw_request: Request) -> Response:
         """Run one Responses API request.
 
         Raises:
             ModelNotFoundError: unknown ``model``.
-            InvalidRequestError: invalid fields or input items, template failure, input too long, tools or a
-                ``text.format`` the server cannot honour (``param`` set).
+            InvalidRequestError: invalid fields or input items, template failure, input too long, a bad
+                ``tools`` / ``tool_choice`` or a ``text.format`` schema that does not compile (``param`` set).
             EngineDeadError, EngineGenerateError: from the engine (non-streaming, or before the first token).
         """
         arrival = time.time()
         model_name = self.models.resolve(request.model)
         request.check()
-        check_tool_calling(request)
-        structured_outputs_for(request)
         self.check_priority(request.priority)
+        tool_calling, constraint = await self.resolve_constraints(request)
         messages = request.input_messages()
         prompt_ids = await self.tokenization.run(self._render_and_encode, messages, request)
         max_tokens = self.resolve_max_tokens(len(prompt_ids), request.max_output_tokens, "input",
                                              "max_output_tokens")
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+        skip_special = tool_calling.skip_special_tokens if tool_calling is not None else None
         params = self.make_sampling_params(
-            lambda: request.to_sampling_params(max_tokens, kind, self.vocab_size), "max_output_tokens"
+            lambda: request.to_sampling_params(max_tokens, kind, self.vocab_size, structured_outputs=constraint,
+                                               skip_special_tokens=skip_special),
+            "max_output_tokens",
         )
         resp_id = response_id("resp")
         logger.info("request %s (X-Request-Id %s): %d input tokens, max_output_tokens %s", resp_id,
                     getattr(raw_request.state, "request_id", "-"), len(prompt_ids), max_tokens)
         gen = self.generate(prompt_ids, params, resp_id, arrival, request.priority, model_name=model_name)
-        state = _ResponseState(self, request, resp_id, model_name, len(prompt_ids))
+        state = _ResponseState(self, request, resp_id, model_name, len(prompt_ids), tool_calling)
         if request.stream:
             return await self._stream(raw_request, gen, state)
         return await self._full(raw_request, gen, state)
 
+    async def resolve_constraints(self, request: ResponsesRequest
+                                  ) -> tuple[ToolCalling | None, StructuredOutputsParams | None]:
+        """The request's tool handling and its constraint (``text.format``, or ``tool_choice`` ``required`` /
+        named), compile-checked in the tokenizer thread before anything is queued.
+
+        Raises:
+            InvalidRequestError: see :func:`check_tool_calling`; ``text.format`` together with a forced tool
+                call; a schema the backend cannot compile (``param="text.format.schema"``).
+        """
+        parser_factory = None
+        if self.tool_parser_cls is not None:
+            parser_cls = self.tool_parser_cls
+            parser_factory = lambda: parser_cls(self.tokenization.tokenizer)  # noqa: E731
+        tool_calling = check_tool_calling(request, parser_factory)
+        constraint, source = structured_outputs_for(request)
+        if tool_calling is not None and tool_calling.structured_outputs is not None:
+            if source is not None:
+                raise InvalidRequestError(
+                    "text.format: cannot be combined with tool_choice 'required' or a named function",
+                    param="text.format")
+            constraint, source = tool_calling.structured_outputs, "tool_choice"
+        if constraint is None or source is None:
+            return tool_calling, None
+        checked = await self.tokenization.run(check_structured_outputs, constraint, self.structured_outputs_backend,
+                                              source)
+        return tool_calling, checked
+
     def _render_and_encode(self, messages: list[dict[str, Any]], request: ResponsesRequest) -> list[int]:
-        """Apply the chat template and tokenize (runs in the tokenizer thread).
+        """Apply the chat template (with the request's function tools) and tokenize (runs in the tokenizer
+        thread).
 
         Raises:
             InvalidRequestError: the template failed (``param="input"``) or reserved ``chat_template_kwargs``.
         """
+        tools = [t.to_chat_tool() for t in request.tools] if request.tools else None
         try:
-            text = self.renderer.render(messages, add_generation_prompt=True, continue_final_message=False,
-                                        template_kwargs=request.chat_template_kwargs)
+            text = self.renderer.render(template_messages(messages), add_generation_prompt=True,
+                                        continue_final_message=False, template_kwargs=request.chat_template_kwargs,
+                                        tools=tools)
         except InvalidRequestError as exc:
             if exc.param != "messages":
                 raise
@@ -262,43 +314,25 @@ class OpenAIServingResponses(OpenAIServing):
             seq += 1
             return text
 
-        message = OutputMessage(id=state.message_id, status="in_progress")
+        items = _StreamedItems(state, event)
         try:
             try:
                 yield event(ResponseLifecycleEvent, type="response.created", response=state.snapshot("in_progress"))
                 yield event(ResponseLifecycleEvent, type="response.in_progress",
                             response=state.snapshot("in_progress"))
-                yield event(OutputItemEvent, type="response.output_item.added", output_index=0, item=message)
-                yield event(ContentPartEvent, type="response.content_part.added", item_id=state.message_id,
-                            output_index=0, content_index=0, part=OutputText(text=""))
+                for text in items.start():
+                    yield text
                 output = first
                 while output is not None:
                     if output.outputs:
                         o = output.outputs[0]
                         new_logprobs = state.add(output, o)
-                        if o.text or new_logprobs:
-                            yield event(OutputTextDeltaEvent, item_id=state.message_id, output_index=0,
-                                        content_index=0, delta=o.text, logprobs=_to_delta_logprobs(new_logprobs))
+                        for text in items.update(o.text, new_logprobs, o.finish_reason is not None):
+                            yield text
                     output = await anext(gen, None)
-                content, calls = state.result()
-                part = OutputText(text=content, logprobs=_to_output_logprobs(state.logprobs))
-                yield event(OutputTextDoneEvent, item_id=state.message_id, output_index=0, content_index=0,
-                            text=content, logprobs=_to_delta_logprobs(state.logprobs))
-                yield event(ContentPartEvent, type="response.content_part.done", item_id=state.message_id,
-                            output_index=0, content_index=0, part=part)
-                done_message = OutputMessage(id=state.message_id, status=state.item_status, content=[part])
-                yield event(OutputItemEvent, type="response.output_item.done", output_index=0, item=done_message)
-                for index, (item_id, call) in enumerate(calls, start=1):
-                    item = FunctionCallItem(id=item_id, status="in_progress", call_id=call.call_id,
-                                            name=call.name, arguments="")
-                    yield event(OutputItemEvent, type="response.output_item.added", output_index=index, item=item)
-                    yield event(FunctionCallArgumentsDeltaEvent, item_id=item.id, output_index=index,
-                                delta=call.arguments)
-                    yield event(FunctionCallArgumentsDoneEvent, item_id=item.id, output_index=index,
-                                name=call.name, arguments=call.arguments)
-                    done = item.model_copy(update={"status": "completed", "arguments": call.arguments})
-                    yield event(OutputItemEvent, type="response.output_item.done", output_index=index, item=done)
-                final = state.final_response(streamed_message=True)
+                for text in items.finish():
+                    yield text
+                final = state.final_response(items=items.output_items())
                 kind = "response.incomplete" if final.status == "incomplete" else "response.completed"
                 yield event(ResponseLifecycleEvent, type=kind, response=final)
             except Exception as exc:  # noqa: BLE001 - any failure must reach the client as error events
@@ -327,9 +361,10 @@ class _ResponseState:
     """What one response has produced so far: text, logprobs, token counts, finish reason."""
 
     def __init__(self, serving: OpenAIServingResponses, request: ResponsesRequest, resp_id: str, model: str,
-                 prompt_len: int) -> None:
+                 prompt_len: int, tool_calling: ToolCalling | None = None) -> None:
         self.serving = serving
         self.request = request
+        self.tool_calling = tool_calling
         self.resp_id = resp_id
         self.model = model
         self.message_id = response_id("msg")
@@ -345,7 +380,7 @@ class _ResponseState:
     def result(self) -> tuple[str, list[tuple[str, ToolCall]]]:
         """The finished text split into content and ``(item id, call)`` pairs (computed once)."""
         if self._result is None:
-            content, calls = extract_tool_calls(self.request, self.text)
+            content, calls = extract_tool_calls(self.tool_calling, self.text)
             self._result = content, [(response_id("fc"), call) for call in calls]
         return self._result
 
@@ -384,18 +419,20 @@ class _ResponseState:
             total_tokens=self.input_tokens + self.output_tokens,
         )
 
-    def final_response(self, streamed_message: bool = False) -> ResponsesResponse:
-        """The finished response object (the ``message`` item first, then any ``function_call`` items).
-
-        ``streamed_message``: the message item was announced in the stream, so it stays even when empty.
+    def final_response(self, items: list[OutputItem] | None = None) -> ResponsesResponse:
+        """The finished response object: ``items`` (a stream's items, as they were streamed), or the
+        ``message`` item (left out when it is empty and there are calls) followed by any ``function_call``
+        items.
         """
-        content, calls = self.result()
-        output: list[OutputItem] = []
-        if content or not calls or streamed_message:
-            part = OutputText(text=content, logprobs=_to_output_logprobs(self.logprobs))
-            output.append(OutputMessage(id=self.message_id, status=self.item_status, content=[part]))
-        output.extend(FunctionCallItem(id=item_id, call_id=c.call_id, name=c.name, arguments=c.arguments)
-                      for item_id, c in calls)
+        if items is None:
+            content, calls = self.result()
+            items = []
+            if content or not calls:
+                part = OutputText(text=content, logprobs=_to_output_logprobs(self.logprobs))
+                items.append(OutputMessage(id=self.message_id, status=self.item_status, content=[part]))
+            items.extend(FunctionCallItem(id=item_id, call_id=c.call_id, name=c.name, arguments=c.arguments)
+                         for item_id, c in calls)
+        output: list[OutputItem] = list(items)
         response = self.snapshot(self.status)
         response.output = output
         response.usage = self.usage()
@@ -403,3 +440,124 @@ class _ResponseState:
         if self.status == "incomplete":
             response.incomplete_details = IncompleteDetails(reason="max_output_tokens")
         return response
+
+
+class _StreamedItems:
+    """The output items of a streamed response, announced as the text reveals them.
+
+    Without tools: one ``message`` item, announced first; every piece of text is a
+    ``response.output_text.delta``. With tools the text goes through the tool calling's
+    :class:`~tokenmill.entrypoints.openai.tool_parsers.ToolCallStreamer`, so call markup never reaches the
+    text: the message item is announced with the first piece of content, and each call as a ``function_call``
+    item (``response.output_item.added``) once its name is known, its arguments following as
+    ``response.function_call_arguments.delta`` events. ``output_index`` counts items in the order they were
+    announced; :meth:`finish` closes them all in that order.
+
+    Args:
+        state: the response's state.
+        event: ``event(model, **fields)`` -> one SSE event (numbers it).
+    """
+
+    def __init__(self, state: _ResponseState, event: Callable[..., str]) -> None:
+        self.state = state
+        self.event = event
+        self.streamer = state.tool_calling.streamer() if state.tool_calling is not None else None
+        self.final_seen = False
+        self.message_index: int | None = None
+        self.content = ""
+        self.calls: list[tuple[int, str, ToolCall]] = []  # (output_index, item id, call so far)
+        self.num_items = 0
+        self.pending_logprobs: list[Any] = []
+        self._items: list[tuple[int, OutputItem]] = []
+
+    def start(self) -> list[str]:
+        return self._open_message() if self.streamer is None else []
+
+    def update(self, new_text: str, new_logprobs: list[Any], final: bool) -> list[str]:
+        """Events for the next piece of generated text (``final``: the last piece)."""
+        if self.streamer is None:
+            return self._text_delta(new_text, new_logprobs) if new_text or new_logprobs else []
+        self.final_seen = self.final_seen or final
+        self.pending_logprobs.extend(new_logprobs)
+        content, pieces = self.streamer.update(self.state.text, final)
+        events: list[str] = []
+        if content:
+            events += self._text_delta(content, self.pending_logprobs)
+            self.pending_logprobs = []
+        for piece in pieces:
+            if piece.id is not None:
+                index, item_id = self._next_index(), response_id("fc")
+                self.calls.append((index, item_id, ToolCall(piece.name or "", "", piece.id)))
+                item = FunctionCallItem(id=item_id, status="in_progress", call_id=piece.id, name=piece.name or "",
+                                        arguments="")
+                events.append(self.event(OutputItemEvent, type="response.output_item.added", output_index=index,
+                                         item=item))
+            index, item_id, call = self.calls[piece.index]
+            if piece.arguments:
+                call.arguments += piece.arguments
+                events.append(self.event(FunctionCallArgumentsDeltaEvent, item_id=item_id, output_index=index,
+                                         delta=piece.arguments))
+        return events
+
+    def finish(self) -> list[str]:
+        """Close every item, in output order (a response with neither content nor calls gets an empty
+        message, as a whole response does)."""
+        events: list[str] = []
+        if self.streamer is not None and not self.final_seen:
+            events += self.update("", [], True)
+        if self.message_index is None and not self.calls:
+            events += self._open_message()
+        status = self.state.item_status
+        closing: list[tuple[int, str]] = []
+        if self.message_index is not None:
+            part = OutputText(text=self.content, logprobs=_to_output_logprobs(self.state.logprobs))
+            done = OutputMessage(id=self.state.message_id, status=status, content=[part])
+            self._items.append((self.message_index, done))
+            closing.append((self.message_index, "message"))
+        for index, item_id, call in self.calls:
+            self._items.append((index, FunctionCallItem(id=item_id, status=status, call_id=call.call_id,
+                                                        name=call.name, arguments=call.arguments)))
+            closing.append((index, "call"))
+        self._items.sort(key=lambda pair: pair[0])
+        items = dict(self._items)
+        for index, kind in sorted(closing):
+            item = items[index]
+            if kind == "message":
+                part = item.content[0]
+                events.append(self.event(OutputTextDoneEvent, item_id=item.id, output_index=index, content_index=0,
+                                         text=part.text, logprobs=_to_delta_logprobs(self.state.logprobs)))
+                events.append(self.event(ContentPartEvent, type="response.content_part.done", item_id=item.id,
+                                         output_index=index, content_index=0, part=part))
+            else:
+                events.append(self.event(FunctionCallArgumentsDoneEvent, item_id=item.id, output_index=index,
+                                         name=item.name, arguments=item.arguments))
+            events.append(self.event(OutputItemEvent, type="response.output_item.done", output_index=index,
+                                     item=item))
+        return events
+
+    def output_items(self) -> list[OutputItem]:
+        """The closed items in output order (after :meth:`finish`)."""
+        return [item for _, item in self._items]
+
+    def _next_index(self) -> int:
+        index = self.num_items
+        self.num_items += 1
+        return index
+
+    def _open_message(self) -> list[str]:
+        self.message_index = self._next_index()
+        message = OutputMessage(id=self.state.message_id, status="in_progress")
+        return [
+            self.event(OutputItemEvent, type="response.output_item.added", output_index=self.message_index,
+                       item=message),
+            self.event(ContentPartEvent, type="response.content_part.added", item_id=self.state.message_id,
+                       output_index=self.message_index, content_index=0, part=OutputText(text="")),
+        ]
+
+    def _text_delta(self, text: str, logprobs: list[Any]) -> list[str]:
+        events = self._open_message() if self.message_index is None else []
+        self.content += text
+        events.append(self.event(OutputTextDeltaEvent, item_id=self.state.message_id,
+                                 output_index=self.message_index, content_index=0, delta=text,
+                                 logprobs=_to_delta_logprobs(logprobs)))
+        return events

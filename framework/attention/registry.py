@@ -1,7 +1,10 @@
-"""AttentionBackendRegistry: backend name -> attention backend class.
+"""AttentionBackendRegistry: backend name -> attention backend class; what the engine consults.
 
-Plugins add backends through ``tokenmill_register_attention_backends(registry)`` (entry-point group
-``tokenmill.plugins``); platforms name the one to use with ``Platform.get_attn_backend_cls``.
+Plugins add backends, or replace one under an existing name, through the hook
+``tokenmill_register_attention_backends(registry)`` (a module of entry-point group ``tokenmill.plugins`` or
+``tokenmill.platforms``); a platform names the one to use with ``Platform.get_attn_backend_cls(config)``, and
+``--attention-backend NAME`` overrides the platform's choice (:func:`tokenmill.attention.selector.
+select_attn_backend`). Names compare case-insensitively and are stored upper-case, as vLLM's are.
 """
 
 from __future__ import annotations
@@ -21,8 +24,13 @@ class AttentionBackendRegistry(HookFedRegistry):
     hook_name: ClassVar[str] = "tokenmill_register_attention_backends"
     kind: ClassVar[str] = "attention backend"
     _builtin: ClassVar[dict[str, Target]] = {
-        "torch_paged": "tokenmill.attention.backends.torch_paged:TorchPagedAttentionBackend",
+        "TORCH_PAGED": "tokenmill.attention.backends.torch_paged:TorchPagedAttentionBackend",
+        "TRITON_PAGED": "tokenmill.attention.backends.triton_paged:TritonPagedAttentionBackend",
     }
+
+    @classmethod
+    def _normalize(cls, name: str) -> str:
+        return name.strip().upper() if isinstance(name, str) else name
 
     @classmethod
     def register_backend(cls, name: str, backend_cls: Target) -> None:

@@ -92,8 +92,12 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None = None,
         num_new_computed_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
         """Make room for ``num_new_tokens`` more tokens after the request's computed (and cache-hit) tokens.
+
+        ``num_lookahead_tokens`` more slots are reserved after those (a draft model's KV for tokens not yet
+        scheduled); they are never hashed for prefix caching, which covers only ``request.all_token_ids``.
 
         Returns:
             the newly allocated blocks, or ``None`` (nothing changed) when not enough blocks are free.
@@ -101,7 +105,7 @@ class KVCacheManager:
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         total_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_required = cdiv(total_tokens, self.block_size)
+        num_required = cdiv(total_tokens + num_lookahead_tokens, self.block_size)
         num_new_blocks = num_required - len(blocks) - len(new_computed_blocks)
         # Cache hits that are currently free come out of the free queue too.
         num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)

@@ -7,6 +7,7 @@ import time
 from typing import TYPE_CHECKING
 
 from tokenmill.engine.messages import EngineCoreEvent, EngineCoreEventType, FinishReason
+from tokenmill.structured_output.request import StructuredOutputRequest
 
 if TYPE_CHECKING:
     from tokenmill.engine.messages import EngineCoreRequest
@@ -15,15 +16,20 @@ if TYPE_CHECKING:
 
 
 class RequestStatus(enum.IntEnum):
-    """Lifecycle of a request; every status above PREEMPTED is final."""
+    """Lifecycle of a request; every status above PREEMPTED is final.
+
+    ``WAITING_FOR_GRAMMAR``: in the waiting queue, but its structured-output grammar is still compiling; the
+    scheduler passes over it (keeping its place) until the grammar is ready.
+    """
 
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH_CAPPED = 4
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6
+    WAITING_FOR_GRAMMAR = 1
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
 
     @property
     def is_finished(self) -> bool:
@@ -54,6 +60,9 @@ class Request:
         num_cached_tokens: prompt tokens served by the prefix cache on first admission (-1 before).
         block_hashes: hashes of this request's full blocks, in order (filled by the KV cache manager).
         lora_request: its LoRA adapter (``None``: the base model).
+        spec_token_ids: draft tokens to verify in the next step (speculative decoding; not yet outputs).
+        structured_output_request: the constraint and its matcher, for a constrained request (else ``None``).
+        error: why the engine failed the request (with ``FINISHED_ERROR``).
     """
 
     def __init__(
@@ -86,8 +95,15 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
+        # speculative decoding: draft tokens proposed for the next step (never part of all_token_ids)
+        self.spec_token_ids: list[int] = []
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
         self.events: list[EngineCoreEvent] = []
+        self.error: str | None = None
+        so_params = sampling_params.structured_outputs
+        self.structured_output_request = StructuredOutputRequest(so_params) if so_params is not None else None
+        if self.structured_output_request is not None:
+            self.status = RequestStatus.WAITING_FOR_GRAMMAR
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, max_model_len: int) -> Request:
@@ -135,6 +151,10 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def use_structured_output(self) -> bool:
+        return self.structured_output_request is not None
 
     def record_event(self, event_type: EngineCoreEventType, timestamp: float | None = None) -> None:
         """Note a lifecycle event (``timestamp``: ``time.time()`` seconds, default now) for the next output."""

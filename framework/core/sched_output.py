@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 
@@ -62,6 +64,13 @@ class SchedulerOutput:
         num_scheduled_tokens: tokens to compute this step, per request id.
         total_num_scheduled_tokens: their sum (within ``max_num_batched_tokens``).
         finished_req_ids: requests the workers should forget (finished, aborted or preempted since the last step).
+        scheduled_spec_decode_tokens: speculative decoding: per request id, the draft tokens scheduled after its
+            known tokens (counted in ``num_scheduled_tokens``); requests without drafts are absent.
+        structured_output_request_ids: the constrained requests that sample this step, in the order of the
+            rows of ``grammar_bitmask`` (requests in the middle of a prefill are not among them).
+        grammar_bitmask: ``[len(structured_output_request_ids), ceil(vocab_size / 32)]`` int32, row ``i`` the
+            tokens allowed next for ``structured_output_request_ids[i]`` (bit ``t % 32`` of word ``t // 32``);
+            ``None`` when no constrained request samples this step.
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -69,6 +78,9 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     finished_req_ids: set[str] = field(default_factory=set)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: np.ndarray | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -87,9 +99,13 @@ class ModelRunnerOutput:
         prompt_logprobs: per request, ``None`` or, once its prefill is complete (with its first sampled
             token), per prompt token from the second on ``(token_ids, logprobs, rank)``: the actual prompt
             token then the top ``prompt_logprobs`` candidates.
+        spec_token_ids: speculative decoding: per request, draft tokens proposed for the next step (``None``
+            without speculation). With drafts scheduled, ``sampled_token_ids`` holds the accepted drafts then one
+            more token (1 to K + 1 tokens).
     """
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: list[list[tuple[list[int], list[float], int]] | None] | None = None
     prompt_logprobs: list[list[tuple[list[int], list[float], int]] | None] | None = None
+    spec_token_ids: list[list[int]] | None = None

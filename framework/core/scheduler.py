@@ -5,6 +5,13 @@ decode, the next chunk for a partial prefill), then waiting requests while the t
 and free KV blocks last. When a running request cannot get a block, the lowest-priority running request
 (the newest, under FCFS) is preempted: its blocks are freed and it goes back to the front of the waiting
 queue, to be recomputed from its prompt and outputs so far.
+
+Structured outputs (vLLM V1's flow): a constrained request waits in ``WAITING_FOR_GRAMMAR``, passed over while
+its grammar compiles on the manager's threads; each step the scheduler sends the token bitmask of every
+scheduled constrained request that samples (not those in the middle of a prefill), and
+:meth:`Scheduler.update_from_output` advances each matcher with the sampled token. The request stops when the
+grammar is terminated. Preemption by recompute keeps every output token, so a preempted request's matcher
+state stays valid as it is.
 """
 
 from __future__ import annotations
@@ -13,6 +20,8 @@ import bisect
 import time
 from collections import deque
 from collections.abc import Iterable
+
+import numpy as np
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
@@ -23,8 +32,16 @@ from tokenmill.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
-from tokenmill.engine.messages import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from tokenmill.engine.messages import (
+    EngineCoreEventType,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    FinishReason,
+    SchedulerStats,
+)
 from tokenmill.errors import InvalidRequestError
+from tokenmill.spec_decode.metrics import SpecDecodingStats
+from tokenmill.structured_output.manager import StructuredOutputManager
 
 
 class Scheduler:
@@ -32,9 +49,12 @@ class Scheduler:
 
     Args:
         config: the engine configuration (``cache_config.num_gpu_blocks`` must be set).
+        structured_output_manager: compiles constraints and builds bitmasks (default: a new one for
+            ``config``; it loads nothing until a constrained request arrives).
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig,
+                 structured_output_manager: StructuredOutputManager | None = None) -> None:
         sc = config.scheduler_config
         self.max_num_seqs = sc.max_num_seqs
         self.max_num_batched_tokens = sc.max_num_batched_tokens
@@ -61,6 +81,13 @@ class Scheduler:
         self._send_token_ids = config.parallel_config.pipeline_parallel_size > 1
         lora_config = getattr(config, "lora_config", None)
         self.max_loras = lora_config.max_loras if lora_config is not None else 0
+        spec = getattr(config, "speculative_config", None)
+        self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
+        self.num_lookahead_tokens = spec.num_lookahead_tokens if spec is not None else 0
+        self.spec_decoding_stats = SpecDecodingStats.new(self.num_spec_tokens)
+        self.structured_output_manager = structured_output_manager or StructuredOutputManager(config)
+        # Outputs of requests failed outside a model step (a grammar that did not compile), sent with the next.
+        self._pending_outputs: list[EngineCoreOutput] = []
 
     # ------------------------------------------------------------------ admission
 
@@ -99,6 +126,8 @@ class Scheduler:
         self.requests[request.request_id] = request
         request.record_event(EngineCoreEventType.QUEUED)
         self._enqueue(request)
+        if request.use_structured_output:
+            self.structured_output_manager.grammar_init(request)
 
     def _enqueue(self, request: Request, front: bool = False) -> None:
         if self.policy == "priority":
@@ -128,6 +157,8 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        if request.use_structured_output:
+            self.structured_output_manager.free(request)
         del self.requests[request.request_id]
         if request.request_id in self._sent_to_workers:
             self._sent_to_workers.discard(request.request_id)
@@ -142,6 +173,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
         preempted_any = False
+        spec_tokens: dict[str, list[int]] = {}
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -150,8 +182,11 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
+            num_drafts = num_new - (request.num_tokens - request.num_computed_tokens)
             while True:
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+                new_blocks = self.kv_cache_manager.allocate_slots(
+                    request, num_new, num_lookahead_tokens=self._lookahead(request, num_new)
+                )
                 if new_blocks is not None:
                     break
                 victim = self._pick_victim(i)
@@ -163,6 +198,8 @@ class Scheduler:
                 break  # the request preempted itself; nothing after it in `running` can fit either
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+            if num_drafts > 0:
+                spec_tokens[request.request_id] = request.spec_token_ids[:num_drafts]
             if request.request_id in self._sent_to_workers:
                 cached.req_ids.append(request.request_id)
                 cached.new_block_ids.append([b.block_id for b in new_blocks])
@@ -174,12 +211,16 @@ class Scheduler:
                 new_reqs.append(self._new_request_data(request))
             i += 1
 
-        # LoRA: the running batch never uses more distinct adapters than the workers have slots; a waiting
-        # request whose adapter would exceed that is skipped this step (it keeps its place in the queue).
+        # Skipped requests keep their place in the queue: one waiting for its grammar, and (LoRA) one whose
+        # adapter would make the running batch use more distinct adapters than the workers have slots.
         running_loras = {r.lora_int_id for r in self.running if r.lora_request is not None} if self.max_loras else set()
         skipped: list[Request] = []
         while not preempted_any and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if request.status == RequestStatus.WAITING_FOR_GRAMMAR and not self._grammar_ready(request):
+                if not request.is_finished:  # a failed grammar has already left the queue
+                    skipped.append(self.waiting.popleft())
+                continue
             if (self.max_loras and request.lora_request is not None and request.lora_int_id not in running_loras
                     and len(running_loras) >= self.max_loras):
                 skipped.append(self.waiting.popleft())
@@ -198,7 +239,10 @@ class Scheduler:
             num_new = min(remaining, budget)
             if self.long_prefill_token_threshold > 0:
                 num_new = min(num_new, self.long_prefill_token_threshold)
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, hits, num_hit_tokens)
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, num_new, hits, num_hit_tokens,
+                num_lookahead_tokens=self._lookahead(request, num_hit_tokens + num_new),
+            )
             if new_blocks is None:
                 break
             self.waiting.popleft()
@@ -216,12 +260,15 @@ class Scheduler:
             new_reqs.append(self._new_request_data(request))
             if request.lora_request is not None:
                 running_loras.add(request.lora_int_id)
-        self.waiting.extendleft(reversed(skipped))
+
+        if skipped:
+            self.waiting.extendleft(reversed(skipped))
 
         for request in self.running:
             n = num_scheduled.get(request.request_id)
             if n is not None:
                 request.num_computed_tokens += n
+        so_request_ids, bitmask = self._grammar_bitmask(num_scheduled)
         finished = self.finished_req_ids
         self.finished_req_ids = set()
         return SchedulerOutput(
@@ -230,7 +277,64 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=finished,
+            structured_output_request_ids=so_request_ids,
+            grammar_bitmask=bitmask,
+            scheduled_spec_decode_tokens=spec_tokens,
         )
+
+    def _lookahead(self, request: Request, num_new: int) -> int:
+        """KV slots a draft model writes past this step's tokens, capped where the request must end anyway
+        (its longest possible sequence was checked to fit the cache at admission)."""
+        if not self.num_lookahead_tokens:
+            return 0
+        longest = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+        return max(0, min(self.num_lookahead_tokens, longest - request.num_computed_tokens - num_new))
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """For a ``WAITING_FOR_GRAMMAR`` request: True (status now WAITING) once its grammar compiled; False
+        while it compiles, or when compilation failed (the request is then finished with the error)."""
+        so_request = request.structured_output_request
+        assert so_request is not None
+        if so_request.check_ready():
+            request.status = RequestStatus.WAITING
+            return True
+        if so_request.error is not None:
+            self._fail_request(request, f"structured_outputs: the grammar did not compile: {so_request.error}")
+        return False
+
+    def _fail_request(self, request: Request, message: str) -> None:
+        """Finish a request that is not running with an error; its output goes out with the next step's."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED_ERROR
+        request.error = message
+        self._free_request(request)
+        self._pending_outputs.append(EngineCoreOutput(
+            request_id=request.request_id, new_token_ids=[], finish_reason=FinishReason.ERROR, error=message,
+            events=request.take_events(),
+        ))
+
+    def _grammar_bitmask(self, num_scheduled: dict[str, int]) -> tuple[list[str], np.ndarray | None]:
+        """The constrained requests that sample this step (their computed tokens reach their known tokens),
+        in batch order, and their bitmask rows."""
+        ids: list[str] = []
+        requests: list[Request] = []
+        for req_id in num_scheduled:
+            request = self.requests[req_id]
+            so_request = request.structured_output_request
+            if so_request is not None and so_request.grammar is not None \
+                    and request.num_computed_tokens >= request.num_tokens:
+                ids.append(req_id)
+                requests.append(request)
+        if not requests:
+            return ids, None
+        return ids, self.structured_output_manager.grammar_bitmask(requests)
+
+    def has_requests_waiting_for_grammar(self) -> bool:
+        return any(r.status == RequestStatus.WAITING_FOR_GRAMMAR for r in self.waiting)
+
+    def requests_waiting_for_grammar(self) -> list[Request]:
+        return [r for r in self.waiting if r.status == RequestStatus.WAITING_FOR_GRAMMAR]
 
     def _add_running(self, request: Request) -> None:
         """Append to ``running``; under the ``priority`` policy keep it ordered by (priority, arrival).
@@ -244,7 +348,8 @@ class Scheduler:
             self.running.append(request)
 
     def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
-        num_new = request.num_tokens - request.num_computed_tokens
+        # known tokens not yet computed, plus the draft tokens to verify (speculative decoding)
+        num_new = request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens
         if self.long_prefill_token_threshold > 0:
             num_new = min(num_new, self.long_prefill_token_threshold)
         return max(0, min(num_new, budget))
@@ -275,6 +380,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.record_event(EngineCoreEventType.PREEMPTED)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self._num_preemptions += 1
         if request.request_id in self._sent_to_workers:
@@ -288,7 +394,7 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> EngineCoreOutputs:
         """Append sampled tokens, apply stop conditions, free finished requests and build the outputs."""
-        outputs: list[EngineCoreOutput] = []
+        outputs, self._pending_outputs = self._pending_outputs, []
         logprobs = runner_output.logprobs
         prompt_logprobs = runner_output.prompt_logprobs
         for idx, req_id in enumerate(runner_output.req_ids):
@@ -296,17 +402,31 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
             sampled = runner_output.sampled_token_ids[idx]
+            request.spec_token_ids = []
             if not sampled:
                 continue  # partial prefill: nothing to emit yet
+            num_drafts = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
+            if num_drafts:
+                # rejected drafts: their KV slots are rolled back (overwritten by later tokens); prefix-cache
+                # hashes only ever cover request.all_token_ids, which holds verified tokens only
+                num_accepted = len(sampled) - 1
+                request.num_computed_tokens -= num_drafts - num_accepted
+                self.spec_decoding_stats.observe_draft(num_drafts, num_accepted)
             # Only the first output carries prompt logprobs (a request resumed after preemption has outputs).
             req_prompt_lps = None
             if prompt_logprobs is not None and not request.output_token_ids:
                 req_prompt_lps = prompt_logprobs[idx]
             new_ids: list[int] = []
+            so_request = request.structured_output_request
             for token_id in sampled:
                 request.append_output_token_id(token_id)
                 new_ids.append(token_id)
+                if so_request is not None and not self._advance_grammar(request, token_id):
+                    break
                 if request.check_stop(self.max_model_len):
+                    break
+                if so_request is not None and so_request.grammar is not None and so_request.grammar.is_terminated():
+                    request.status = RequestStatus.FINISHED_STOPPED
                     break
             req_logprobs = logprobs[idx] if logprobs is not None else None
             out = EngineCoreOutput(
@@ -318,12 +438,30 @@ class Scheduler:
                 new_logprobs=req_logprobs[: len(new_ids)] if req_logprobs else None,
                 prompt_logprobs=req_prompt_lps,
                 events=request.take_events(),
+                error=request.error,
             )
             outputs.append(out)
             if request.is_finished:
                 self.running.remove(request)
                 self._free_request(request)
+            elif runner_output.spec_token_ids is not None:
+                room = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens)
+                request.spec_token_ids = runner_output.spec_token_ids[idx][: max(0, room - 1)]
         return EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic(), scheduler_stats=self.make_stats())
+
+    def _advance_grammar(self, request: Request, token_id: int) -> bool:
+        """Feed a sampled token to the request's matcher; a token the grammar refuses fails the request."""
+        so_request = request.structured_output_request
+        assert so_request is not None and so_request.grammar is not None
+        if so_request.grammar.accept_tokens(request.request_id, [token_id]):
+            return True
+        request.status = RequestStatus.FINISHED_ERROR
+        request.error = (
+            f"structured_outputs: token {token_id} sampled at output position {request.num_output_tokens - 1} "
+            "is not allowed by the grammar (other constraints of the request, e.g. min_tokens, "
+            "allowed_token_ids or bad_words, left no token the grammar allows)"
+        )
+        return False
 
     def make_stats(self) -> SchedulerStats:
         queries, hits = self.kv_cache_manager.take_prefix_cache_stats()
@@ -335,10 +473,11 @@ class Scheduler:
             prefix_cache_queries=queries,
             prefix_cache_hits=hits,
             num_preemptions=preemptions,
+            spec_decoding_stats=self.spec_decoding_stats.take() if self.num_spec_tokens else None,
         )
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self._pending_outputs)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.running) + len(self.waiting)

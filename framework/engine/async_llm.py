@@ -64,7 +64,9 @@ class AsyncLLM:
             self.engine_core.shutdown()
             raise
         self.tokenizer = tokenizer
-        self.input_processor = InputProcessor(self.model_config, tokenizer, engine_config.cache_config)
+        self.input_processor = InputProcessor(
+            self.model_config, tokenizer, engine_config.cache_config, engine_config.structured_outputs_config
+        )
         self.output_processor = OutputProcessor(tokenizer)
         self._output_handler: asyncio.Task[None] | None = None
         self._dead_error: EngineDeadError | None = None

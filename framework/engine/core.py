@@ -24,8 +24,13 @@ from tokenmill.errors import InvalidRequestError
 from tokenmill.lora.request import LoRALoadError, LoRARequest
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.executor.base import Executor, FutureOutput
+from tokenmill.structured_output.manager import StructuredOutputManager
+from tokenmill.structured_output.validation import resolve_structured_outputs
 
 logger = logging.getLogger(__name__)
+
+# Longest wait (seconds) for a compiling grammar when a step has nothing else to run.
+_GRAMMAR_WAIT_S = 0.01
 
 
 class EngineCore:
@@ -37,13 +42,18 @@ class EngineCore:
     """
 
     def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
+        from tokenmill.plugins import load_general_plugins
+
+        load_general_plugins("engine_core")  # no-op when this process already ran it (offline LLM, server)
         start = time.perf_counter()
         self.config = config
         self.executor = (executor_class or Executor.get_class(config))(config)
         num_blocks = self.executor.determine_num_available_blocks()
         self.executor.initialize_cache(num_blocks)
         config.cache_config.num_gpu_blocks = num_blocks
-        self.scheduler = Scheduler(config)
+        # One per engine core (each data-parallel rank has its own): grammars, matchers and their cache.
+        self.structured_output_manager = StructuredOutputManager(config)
+        self.scheduler = Scheduler(config, self.structured_output_manager)
         self.max_concurrent_batches = max(1, getattr(self.executor, "max_concurrent_batches", 1))
         # in flight: (future, scheduler output, {req_id: preemption count when scheduled})
         self.batch_queue: deque[tuple[FutureOutput, SchedulerOutput, dict[str, int]]] = deque()
@@ -63,8 +73,10 @@ class EngineCore:
         Raises:
             InvalidRequestError: ``n != 1``, a token id outside the vocabulary (prompt, ``logit_bias``,
                 ``allowed_token_ids``, ``stop_token_ids``, ``bad_words_token_ids``; the front end checks these
-                first, this is the backstop for requests that bypass it), or the request can never run (see
+                first, this is the backstop for requests that bypass it), an invalid structured-output
+                constraint (``param="structured_outputs"``), or the request can never run (see
                 ``Scheduler.add_request``).
+            LoRALoadError: its LoRA adapter is not loaded and cannot be (see :meth:`add_lora`).
         """
         if request.sampling_params.n != 1:
             raise InvalidRequestError("the engine core takes n == 1 requests (the front end fans out n)", "n")
@@ -72,6 +84,12 @@ class EngineCore:
         if any(t < 0 or t >= vocab for t in request.prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
         check_token_ids_in_vocab(request.sampling_params, vocab)
+        so_params = request.sampling_params.structured_outputs
+        if so_params is not None:
+            # The front end resolved and checked it already; this is a cached look-up then.
+            resolved = resolve_structured_outputs(so_params, self.config.structured_outputs_config.backend)
+            if resolved is not so_params:
+                request.sampling_params.structured_outputs = resolved
         lora = request.lora_request
         if lora is not None and self.lora_requests.get(lora.lora_int_id) != lora:
             reason = self.add_lora(lora.lora_name, lora.lora_int_id, lora.lora_path)
@@ -139,7 +157,13 @@ class EngineCore:
             return EngineCoreOutputs(timestamp=time.monotonic(), scheduler_stats=self.scheduler.make_stats())
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if scheduler_output.is_empty and not outputs.outputs:
+            # Only requests whose grammars still compile: wait for one instead of spinning.
+            self.structured_output_manager.wait_for_grammars(
+                self.scheduler.requests_waiting_for_grammar(), _GRAMMAR_WAIT_S
+            )
+        return outputs
 
     def step_with_batch_queue(self) -> EngineCoreOutputs:
         """Submit the next micro-batch while the queue has room; otherwise finish the oldest one.
@@ -159,7 +183,16 @@ class EngineCore:
                 if scheduler_output.total_num_scheduled_tokens > 0 and len(self.batch_queue) < self.max_concurrent_batches:
                     return EngineCoreOutputs(timestamp=time.monotonic())  # room for another micro-batch
         if not self.batch_queue:
-            return EngineCoreOutputs(timestamp=time.monotonic(), scheduler_stats=scheduler.make_stats())
+            if not scheduler.has_unfinished_requests():
+                return EngineCoreOutputs(timestamp=time.monotonic(), scheduler_stats=scheduler.make_stats())
+            # Nothing could run: send the outputs of requests failed outside a step (a grammar that did not
+            # compile), or wait briefly for a compiling grammar instead of spinning.
+            outputs = scheduler.update_from_output(scheduler_output, ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
+            if not outputs.outputs:
+                self.structured_output_manager.wait_for_grammars(
+                    scheduler.requests_waiting_for_grammar(), _GRAMMAR_WAIT_S
+                )
+            return outputs
         future, scheduler_output, preemptions = self.batch_queue.popleft()
         runner_output = future.result()
         return scheduler.update_from_output(scheduler_output, self._drop_stale(runner_output, preemptions))
@@ -193,4 +226,5 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.batch_queue.clear()
+        self.structured_output_manager.shutdown()
         self.executor.shutdown()

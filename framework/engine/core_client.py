@@ -64,6 +64,10 @@ def resolve_engine_core_cls(spec: str | type | None) -> type:
     return spec
 
 
+
+class EngineCoreStartError(RuntimeError):
+    """The engine core reported an error while starting (a bad model, plugin or setting); the message carries it."""
+
 class EngineCoreClient:
     """Interface of the front end's link to the engine core.
 
@@ -307,7 +311,7 @@ class AsyncMPClient(EngineCoreClient):
                         if proc is not None:
                             proc.join(5)
                         which = f" (engine core {rank})" if self.num_engines > 1 else ""
-                        raise RuntimeError(f"Engine core failed to start{which}: {ready.error}")
+                        raise EngineCoreStartError(f"Engine core failed to start{which}: {ready.error}")
                     self._identities[rank] = frames[0]
                     if ready.num_gpu_blocks is not None:
                         blocks.append(ready.num_gpu_blocks)

@@ -137,7 +137,13 @@ class EngineCoreProc:
             ctx.term()
             return 0
         except Exception as exc:
-            logger.error("engine core failed to start:\n%s", traceback.format_exc())
+            from tokenmill.platforms import PlatformError
+            from tokenmill.plugins import PluginLoadError
+
+            if isinstance(exc, (ValueError, OSError, PlatformError, PluginLoadError)):  # the user's input: the
+                logger.debug("engine core failed to start:\n%s", traceback.format_exc())  # front end says why
+            else:
+                logger.error("engine core failed to start:\n%s", traceback.format_exc())
             error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
             input_socket.setsockopt(zmq.LINGER, 2000)
             input_socket.send_multipart([READY_FRAME, msgspec.msgpack.encode(ReadyMessage(error=error))])
@@ -317,4 +323,7 @@ def _share_cores_between_engines(config: EngineConfig) -> None:
 def _has_counters(stats: SchedulerStats | None) -> bool:
     """Whether a step's stats carry counts the front end would otherwise lose (prefix-cache lookups,
     preemptions); gauges alone are not worth a message."""
-    return stats is not None and bool(stats.prefix_cache_queries or stats.num_preemptions)
+    if stats is None:
+        return False
+    spec = stats.spec_decoding_stats
+    return bool(stats.prefix_cache_queries or stats.num_preemptions or (spec is not None and spec.num_drafts))

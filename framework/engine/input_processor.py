@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 
-from tokenmill.config import CacheConfig, ModelConfig
+from tokenmill.config import CacheConfig, ModelConfig, StructuredOutputsConfig
 from tokenmill.engine.messages import EngineCoreRequest
 from tokenmill.errors import InvalidRequestError
 from tokenmill.lora.request import LoRARequest
@@ -51,10 +51,14 @@ class InputProcessor:
         tokenizer: a ``transformers`` tokenizer.
         cache_config: when ``num_gpu_blocks`` is known, requests larger than the whole KV cache are rejected
             up front instead of failing inside the engine core.
+        structured_outputs_config: the engine's structured-output backend (constraints are checked, and
+            ``auto`` resolved, here; default ``auto``).
     """
 
-    def __init__(self, model_config: ModelConfig, tokenizer: Any, cache_config: CacheConfig | None = None) -> None:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any, cache_config: CacheConfig | None = None,
+                 structured_outputs_config: StructuredOutputsConfig | None = None) -> None:
         self.model_config = model_config
+        self.structured_outputs_backend = (structured_outputs_config or StructuredOutputsConfig()).backend
         self.tokenizer = tokenizer
         self.cache_config = cache_config
         eos = getattr(tokenizer, "eos_token_id", None)
@@ -91,7 +95,7 @@ class InputProcessor:
             InvalidRequestError: empty prompt, token id outside the vocabulary (in the prompt, ``logit_bias``,
                 ``allowed_token_ids``, ``stop_token_ids``, ``bad_words_token_ids`` or tokenized ``bad_words``),
                 prompt + ``max_tokens`` longer than the context or than the whole KV cache, stop strings
-                without detokenization.
+                without detokenization, an invalid structured-output constraint (``param`` names the field).
         """
         arrival = time.time() if arrival_time is None else arrival_time
         if isinstance(prompt, str):
@@ -148,11 +152,16 @@ class InputProcessor:
                 f"min_tokens: only {max_tokens} tokens fit after the prompt, but min_tokens is {params.min_tokens}",
                 param="min_tokens",
             )
+        changes: dict[str, Any] = {"max_tokens": max_tokens}
         if params.bad_words:
-            return msgspec.structs.replace(
-                params, max_tokens=max_tokens, bad_words_token_ids=self._bad_words_token_ids(params)
+            changes["bad_words_token_ids"] = self._bad_words_token_ids(params)
+        if params.structured_outputs is not None:
+            from tokenmill.structured_output.validation import resolve_structured_outputs
+
+            changes["structured_outputs"] = resolve_structured_outputs(
+                params.structured_outputs, self.structured_outputs_backend
             )
-        return msgspec.structs.replace(params, max_tokens=max_tokens)
+        return msgspec.structs.replace(params, **changes)
 
     def _bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
         """``bad_words`` tokenized (alone and after a space, so both spellings are banned), plus any

@@ -14,6 +14,7 @@ from tokenmill.engine_args import EngineArgs
 from tokenmill.lora.request import LoRALoadError, LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec_decode.metrics import SpecDecodingStats
 
 
 class LLMEngine:
@@ -47,8 +48,13 @@ class LLMEngine:
             tokenizer = get_tokenizer(self.model_config)
         self.tokenizer = tokenizer
         self.engine_core = InprocClient(engine_config, engine_core_cls)
-        self.input_processor = InputProcessor(self.model_config, tokenizer, engine_config.cache_config)
+        self.input_processor = InputProcessor(
+            self.model_config, tokenizer, engine_config.cache_config, engine_config.structured_outputs_config
+        )
         self.output_processor = OutputProcessor(tokenizer)
+        spec = engine_config.speculative_config
+        # speculative decoding counters summed over every step so far (None without speculation)
+        self.spec_decoding_stats = SpecDecodingStats.new(spec.num_speculative_tokens) if spec is not None else None
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> LLMEngine:
@@ -137,6 +143,9 @@ class LLMEngine:
                 )
             return []
         outputs = self.engine_core.get_output()
+        stats = outputs.scheduler_stats
+        if self.spec_decoding_stats is not None and stats is not None and stats.spec_decoding_stats is not None:
+            self.spec_decoding_stats.add(stats.spec_decoding_stats)
         result = self.output_processor.process_outputs(outputs.outputs)
         self.engine_core.abort_requests(result.reqs_to_abort)
         return result.request_outputs

@@ -12,6 +12,7 @@ import msgspec
 
 from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec_decode.metrics import SpecDecodingStats
 
 
 class FinishReason(enum.IntEnum):
@@ -123,6 +124,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
         prefix_cache_queries: prompt tokens looked up in the prefix cache since the last stats.
         prefix_cache_hits: of those, tokens found.
         num_preemptions: requests preempted since the last stats.
+        spec_decoding_stats: speculative decoding counters since the last stats (``None`` without it).
     """
 
     num_running_reqs: int = 0
@@ -131,6 +133,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    spec_decoding_stats: SpecDecodingStats | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

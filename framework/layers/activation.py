@@ -6,17 +6,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.layers.custom_op import CustomOp
 
-class SiluAndMul(nn.Module):
-    """``silu(x[..., :d]) * x[..., d:]`` for input ``[..., 2d]`` (SwiGLU, Shazeer 2020)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+class SiluAndMul(CustomOp):
+    """``silu(x[..., :d]) * x[..., d:]`` for input ``[..., 2d]`` (SwiGLU, Shazeer 2020). Custom op
+    ``silu_and_mul``."""
+
+    op_name = "silu_and_mul"
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
 
 
-class GeluAndMul(nn.Module):
-    """``gelu(x[..., :d]) * x[..., d:]`` (GeGLU, Shazeer 2020).
+class GeluAndMul(CustomOp):
+    """``gelu(x[..., :d]) * x[..., d:]`` (GeGLU, Shazeer 2020). Custom op ``gelu_and_mul``.
 
     Args:
         approximate: ``"tanh"`` (Gemma's ``gelu_pytorch_tanh``) or ``"none"`` (exact erf GELU).
@@ -28,7 +33,9 @@ class GeluAndMul(nn.Module):
             raise ValueError(f"GeluAndMul: approximate must be 'tanh' or 'none', got {approximate!r}")
         self.approximate = approximate
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    op_name = "gelu_and_mul"
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1] // 2
         return F.gelu(x[..., :d], approximate=self.approximate) * x[..., d:]
 

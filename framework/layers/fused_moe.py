@@ -130,11 +130,16 @@ def _method_instance(path: str) -> FusedMoEMethod:
 
 
 def get_fused_moe_method_path() -> str:
-    """``"module:Class"`` of the current platform's :class:`FusedMoEMethod`."""
+    """``"module:Class"`` of the :class:`FusedMoEMethod` to use: a ``fused_moe`` custom op registered by the
+    script or a plugin, else the current platform's ``get_fused_moe_cls()`` (see
+    :mod:`tokenmill.layers.custom_op`)."""
+    from tokenmill.layers.custom_op import CustomOpRegistry
     from tokenmill.platforms import get_current_platform
 
-    getter = getattr(get_current_platform(), "get_fused_moe_cls", None)
-    return (getter() if getter is not None else None) or DEFAULT_FUSED_MOE
+    target = CustomOpRegistry.lookup("fused_moe")
+    if target is not None:
+        return target if isinstance(target, str) else f"{target.__module__}:{target.__qualname__}"
+    return get_current_platform().get_fused_moe_cls() or DEFAULT_FUSED_MOE
 
 
 @torch.library.custom_op("tokenmill::fused_moe", mutates_args=())

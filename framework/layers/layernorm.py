@@ -15,10 +15,14 @@ import torch
 from torch import nn
 
 from tokenmill.distributed import get_tp_size, tp_all_reduce
+from tokenmill.layers.custom_op import CustomOp
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(CustomOp):
     """``y = x / sqrt(mean(x^2) + eps) * (offset + weight)`` over the last dimension.
+
+    Custom op ``rms_norm`` (a platform or plugin may replace it, see :mod:`tokenmill.layers.custom_op`): a
+    replacement keeps the constructor, the ``weight`` parameter and the call forms of :meth:`forward_native`.
 
     Args:
         hidden_size: size of the last dimension.
@@ -51,17 +55,21 @@ class RMSNorm(nn.Module):
         w = self.weight + self.offset if self.offset else self.weight
         return w * h.to(dtype)
 
-    def forward(
+    op_name = "rms_norm"
+
+    def forward_native(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """With ``residual``: returns ``(norm(x + residual), x + residual)``; else ``norm(x)``. Shapes ``[..., H]``."""
+        """``norm(x)``, or with ``residual`` (the fused residual add of pre-norm decoder layers) the pair
+        ``(norm(x + residual), x + residual)``. ``x``, ``residual``: ``[..., H]`` in the model dtype; the
+        normalisation runs in float32 and the result has ``x``'s dtype."""
         if residual is not None:
             x = x + residual
             return self._norm(x), x
         return self._norm(x)
 
 
-class ShardedRMSNorm(RMSNorm):
+class ShardedRMSNorm(RMSNorm):  # its own op: a replacement of rms_norm does not replace it
     """RMSNorm over a dimension split across tensor-parallel ranks (OLMo 2's norm of the whole query/key
     projection): each rank holds ``local_size`` columns and the mean square is summed over ranks.
 

@@ -92,21 +92,30 @@ class Int8WeightOnly(QuantizedWeight):
 
 
 def get_quantized_weight_cls(method: str) -> type[QuantizedWeight]:
-    """The current platform's class for ``method``.
+    """The class implementing ``method``: a ``quant_linear.<method>`` custom op registered by the script or a
+    plugin (see :mod:`tokenmill.layers.custom_op`), else the current platform's ``get_quant_method_cls``.
 
     Raises:
         ValueError: unknown method, or the platform does not support it (the message names ``quantization``).
+        TypeError: the class found is not a :class:`QuantizedWeight`.
     """
+    from tokenmill.layers.custom_op import CustomOpRegistry
     from tokenmill.platforms import get_current_platform
     from tokenmill.plugins import resolve_qualname
 
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization: unknown method {method!r} (choose from {', '.join(QUANTIZATION_METHODS)})")
-    platform = get_current_platform()
-    path = platform.get_quant_method_cls(method)
-    if path is None:
-        raise ValueError(f"quantization: {method!r} is not supported on the {platform.name} platform")
-    return resolve_qualname(path)
+    op = f"quant_linear.{method}"
+    target = CustomOpRegistry.lookup(op)
+    if target is None:
+        platform = get_current_platform()
+        target = platform.get_quant_method_cls(method)
+        if target is None:
+            raise ValueError(f"quantization: {method!r} is not supported on the {platform.name} platform")
+    cls = resolve_qualname(target) if isinstance(target, str) else target
+    if not (isinstance(cls, type) and issubclass(cls, QuantizedWeight)):
+        raise TypeError(f"quantization: {target!r} (for {method!r}) is not a QuantizedWeight subclass")
+    return cls
 
 
 def quantize_model(model: nn.Module, method: str, max_tokens: int = DEFAULT_MAX_TOKENS) -> int:

@@ -34,7 +34,7 @@ import math
 from typing import Any
 
 import torch
-from torch import nn
+from tokenmill.layers.custom_op import CustomOp, resolve_custom_op
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
@@ -164,8 +164,10 @@ def rotary_cos_sin(
     return (freqs.cos() * attention).float(), (freqs.sin() * attention).float()
 
 
-class RotaryEmbedding(nn.Module):
-    """Applies RoPE to query and key tensors of a flattened batch.
+class RotaryEmbedding(CustomOp):
+    """Applies RoPE to query and key tensors of a flattened batch. Custom op ``rotary_embedding``: a
+    replacement keeps the constructor, the ``cos_cache`` / ``sin_cache`` buffers and :meth:`lookup` (the
+    per-step rows), and overrides ``forward``.
 
     Args:
         head_size: D.
@@ -199,15 +201,22 @@ class RotaryEmbedding(nn.Module):
     def end_step(self) -> None:
         self._step = None
 
-    def forward(
+    op_name = "rotary_embedding"
+
+    def step_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's cos/sin rows for ``positions`` (looked up once per forward pass, see
+        :meth:`begin_step`): ``[T, 1, rotary_dim // 2]`` float32 each."""
+        if torch.compiler.is_compiling():  # traced: the compiler fuses the lookup into the rotation
+            return self.lookup(positions)
+        step = self._step
+        return (step[1], step[2]) if step is not None and step[0] is positions else self.lookup(positions)
+
+    def forward_native(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``positions`` ``[T]`` int; ``query`` ``[T, Hq*D]``, ``key`` ``[T, Hkv*D]``; returns rotated copies."""
-        if torch.compiler.is_compiling():  # traced: the compiler fuses the lookup into the rotation
-            cos, sin = self.lookup(positions)
-        else:
-            step = self._step
-            cos, sin = (step[1], step[2]) if step is not None and step[0] is positions else self.lookup(positions)
+        """``positions`` ``[T]`` int64; ``query`` ``[T, Hq*D]``, ``key`` ``[T, Hkv*D]`` (model dtype); returns
+        rotated copies (same shapes and dtype; the rotation runs in float32)."""
+        cos, sin = self.step_cos_sin(positions)
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -254,7 +263,8 @@ def get_rope(
     theta = float(base if base is not None else params.get("rope_theta") or 10000.0)
     if rotary_dim is None:
         rotary_dim = int(head_size * float(params.get("partial_rotary_factor") or 1.0))
-    key = (head_size, rotary_dim, max_position, theta, repr(sorted(params.items())), torch.get_default_device())
+    impl, _ = resolve_custom_op(RotaryEmbedding.op_name, RotaryEmbedding)
+    key = (head_size, rotary_dim, max_position, theta, repr(sorted(params.items())), torch.get_default_device(), impl)
     rope = _ROPE_CACHE.get(key)
     if rope is None:
         rope = RotaryEmbedding(head_size, rotary_dim, max_position, theta, params)

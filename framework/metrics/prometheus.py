@@ -7,7 +7,10 @@ data parallelism; as vLLM labels its metrics), ``request_success_total`` also ``
 * gauges: ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc`` (a fraction, 0..1,
   as in vLLM despite the name);
 * counters: ``prefix_cache_queries_total``, ``prefix_cache_hits_total`` (tokens), ``prompt_tokens_total``,
-  ``generation_tokens_total``, ``request_success_total``, ``num_preemptions_total``;
+  ``generation_tokens_total``, ``request_success_total``, ``num_preemptions_total``; speculative decoding
+  (tokens, see :mod:`tokenmill.spec_decode.metrics`): ``spec_decode_num_drafts_total``,
+  ``spec_decode_num_draft_tokens_total``, ``spec_decode_num_accepted_tokens_total`` and
+  ``spec_decode_num_accepted_tokens_per_pos_total`` (label ``position``, 0-based);
 * histograms (seconds): ``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
   ``e2e_request_latency_seconds``, ``request_queue_time_seconds``, ``request_prefill_time_seconds``,
   ``request_decode_time_seconds``; (tokens): ``request_prompt_tokens``, ``request_generation_tokens``.
@@ -71,6 +74,12 @@ class PrometheusStatLogger:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.num_preemptions = counter("num_preemptions", "Requests preempted (recomputed later).")
+        self.spec_num_drafts = counter("spec_decode_num_drafts", "Speculative verification steps (per request).")
+        self.spec_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.spec_accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens accepted, by position in their step (0-based).",
+                                             ("position",))
         self.request_success = counter("request_success", "Requests finished, by finish reason.",
                                        ("finished_reason",))
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token (s).", _TTFT_BUCKETS)
@@ -112,6 +121,13 @@ class PrometheusStatLogger:
             e.hits.inc(stats.prefix_cache_hits)
         if stats.num_preemptions:
             e.preemptions.inc(stats.num_preemptions)
+        spec = stats.spec_decoding_stats
+        if spec is not None and spec.num_drafts:
+            e.spec_drafts.inc(spec.num_drafts)
+            e.spec_draft_tokens.inc(spec.num_draft_tokens)
+            e.spec_accepted.inc(spec.num_accepted_tokens)
+            for pos, n in enumerate(spec.num_accepted_tokens_per_pos):
+                e.spec_per_pos(pos).inc(n)
 
     def record_iteration(self, stats: IterationStats) -> None:
         e = self._series(stats.engine_index)
@@ -157,6 +173,12 @@ class _EngineSeries:
         self.prompt = logger.prompt_tokens.labels(*labels)
         self.generation = logger.generation_tokens.labels(*labels)
         self.preemptions = logger.num_preemptions.labels(*labels)
+        self.spec_drafts = logger.spec_num_drafts.labels(*labels)
+        self.spec_draft_tokens = logger.spec_num_draft_tokens.labels(*labels)
+        self.spec_accepted = logger.spec_num_accepted_tokens.labels(*labels)
+        self._labels = labels
+        self._logger = logger
+        self._per_pos: dict[int, object] = {}
         self.success = {reason: logger.request_success.labels(*labels, reason) for reason in FINISH_REASONS}
         self.ttft = logger.ttft.labels(*labels)
         self.itl = logger.itl.labels(*labels)
@@ -166,3 +188,10 @@ class _EngineSeries:
         self.decode = logger.decode_time.labels(*labels)
         self.req_prompt = logger.request_prompt_tokens.labels(*labels)
         self.req_generation = logger.request_generation_tokens.labels(*labels)
+
+    def spec_per_pos(self, position: int):
+        """The ``spec_decode_num_accepted_tokens_per_pos`` child of one draft position."""
+        child = self._per_pos.get(position)
+        if child is None:
+            child = self._per_pos[position] = self._logger.spec_accepted_per_pos.labels(*self._labels, str(position))
+        return child

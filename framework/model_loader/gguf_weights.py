@@ -96,11 +96,12 @@ def iterate_gguf_weights(path: str, hf_config: Any) -> Iterator[tuple[str, torch
     """
     import gguf
 
-    reader = gguf.GGUFReader(path)
-    arch = gguf_architecture(reader)
+    from tokenmill.model_loader.gguf_cache import read_gguf_tensors
+
+    arch, tensors = read_gguf_tensors(path)
     n_heads = hf_config.num_attention_heads
     n_kv = getattr(hf_config, "num_key_value_heads", None) or n_heads
-    for tensor in reader.tensors:
+    for tensor in tensors:
         hf_name = gguf_to_hf_name(tensor.name, arch)
         if hf_name is None:
             if tensor.name.startswith("rope_"):  # precomputed rope tables / factors: the config has them

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.model_loader.default_model import DEFAULT_SERVED_MODEL_NAME, default_model_path
+from tokenmill.model_loader.gguf_cache import gguf_cache_dir, save_atomically
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,9 @@ GGUF_ARCHITECTURES = {
 def load_hf_config(directory: str, gguf_file: str | None, *, trust_remote_code: bool = False) -> Any:
     """Read the ``transformers`` config from ``config.json`` or from a GGUF file's metadata.
 
+    A GGUF file's config is saved in the disk cache of :mod:`tokenmill.model_loader.gguf_cache` after its first
+    read (the metadata walk takes seconds) and loaded from there afterwards.
+
     For GGUF files the architecture comes from the model type (:data:`GGUF_ARCHITECTURES`; llama.cpp writes
     Mistral and Mixtral files as ``llama``: transformers recognises Mistral by name, and a ``llama`` file with
     experts becomes a Mixtral config here), and ``head_dim`` is taken from ``attention.key_length`` where
@@ -88,12 +97,27 @@ def load_hf_config(directory: str, gguf_file: str | None, *, trust_remote_code: 
 
     if gguf_file is None:
         return AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    path = os.path.join(directory, gguf_file)
+    entry = gguf_cache_dir(path)
+    saved = None if entry is None else entry / "config"
+    if saved is not None and (saved / "config.json").is_file():
+        try:
+            config = AutoConfig.from_pretrained(str(saved))
+            config._name_or_path = directory  # as a fresh read names it
+            return config
+        except (OSError, ValueError) as exc:  # a damaged cache entry: read the file again
+            logger.warning("ignoring the cached GGUF config in %s (%s)", saved, exc)
+            shutil.rmtree(saved, ignore_errors=True)
+    start = time.perf_counter()
     config = AutoConfig.from_pretrained(directory, gguf_file=gguf_file)
-    config = _fix_gguf_config(config, os.path.join(directory, gguf_file))
+    config = _fix_gguf_config(config, path)
     if not getattr(config, "architectures", None):
         name = GGUF_ARCHITECTURES.get(config.model_type)
         if name:
             config.architectures = [name]
+    logger.info("config read from the metadata of %s in %.1f s", gguf_file, time.perf_counter() - start)
+    if saved is not None:
+        save_atomically(saved, config.save_pretrained)
     return config
 
 

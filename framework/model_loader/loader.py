@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.model_loader.registry import ModelRegistry
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -30,13 +34,19 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
             support it.
     """
     model_cls = ModelRegistry.resolve_model_cls(model_config.architectures)
-    from tokenmill.distributed import get_pp_size
+    from tokenmill.distributed import get_pp_size, get_tp_rank
+    from tokenmill.model_contract import check_model_class
 
+    check_model_class(model_cls)
     if get_pp_size() > 1 and not getattr(model_cls, "supports_pp", False):
         raise ValueError(
             f"pipeline_parallel_size: {model_cls.__name__} does not support pipeline parallelism (it does not "
             "set supports_pp; see docs/distributed.md for the model contract)"
         )
+    if get_tp_rank() == 0:
+        arch = next((a for a in model_config.architectures if ModelRegistry.is_registered(a)), "?")
+        logger.info("model class: %s -> %s.%s (registered by %s)", arch, model_cls.__module__, model_cls.__qualname__,
+                    ModelRegistry.source_of(arch))
     dtype = str_to_dtype(model_config.dtype)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

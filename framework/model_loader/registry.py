@@ -15,10 +15,10 @@ from tokenmill.plugins.fed_registry import HookFedRegistry, Target
 
 _HOW_TO_REGISTER = (
     "To add an architecture, ship a package with an entry point in group 'tokenmill.plugins' whose module "
-    "implements `@tokenmill.plugins.hookimpl def tokenmill_register_models(registry): "
-    "registry.register_model('MyForCausalLM', 'my_pkg.model:MyForCausalLM')`; or call "
-    "tokenmill.ModelRegistry.register_model(...) in your script (that only works when the engine runs in "
-    "the same process)."
+    "implements `@tokenmill.plugin_api.hookimpl def tokenmill_register_models(registry): "
+    "registry.register_model('MyForCausalLM', 'my_pkg.model:MyForCausalLM')` (docs/plugins.md, \"A model "
+    "plugin\"); or call tokenmill.ModelRegistry.register_model(...) in your script (that only works when the "
+    "engine runs in the same process). `tokenmill plugins` lists what is registered."
 )
 
 
@@ -72,4 +72,7 @@ class ModelRegistry(HookFedRegistry):
             head = "the model's config lists no architectures (config.json 'architectures' is empty)"
         else:
             head = f"model architecture(s) {list(architectures)} are not supported by tokenmill"
-        raise UnknownArchitectureError(f"{head}. Known architectures: {known}. {_HOW_TO_REGISTER}")
+        from tokenmill.plugins.manager import get_plugin_warnings
+
+        hints = "".join(f" Plugin warning: {w}." for w in get_plugin_warnings() if "implements no tokenmill hook" in w)
+        raise UnknownArchitectureError(f"{head}. Known architectures: {known}. {_HOW_TO_REGISTER}{hints}")

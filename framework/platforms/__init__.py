@@ -9,12 +9,14 @@ from __future__ import annotations
 from tokenmill.platforms.current import (
     current_platform,
     get_current_platform,
+    get_platform_selection,
     reset_current_platform,
     set_current_platform,
 )
 from tokenmill.platforms.errors import (
     NoPlatformError,
     PlatformConflictError,
+    PlatformDetectionError,
     PlatformError,
     UnknownPlatformError,
 )
@@ -22,9 +24,11 @@ from tokenmill.platforms.interface import Platform, PlatformSpec, UnspecifiedPla
 from tokenmill.platforms.selection import (
     PLATFORM_ENV,
     DetectionResult,
+    PlatformSelection,
     detect_platforms,
     load_platform_class,
     resolve_platform,
+    select_platform,
 )
 
 __all__ = [
@@ -33,15 +37,19 @@ __all__ = [
     "NoPlatformError",
     "Platform",
     "PlatformConflictError",
+    "PlatformDetectionError",
     "PlatformError",
+    "PlatformSelection",
     "PlatformSpec",
     "UnknownPlatformError",
     "UnspecifiedPlatform",
     "current_platform",
     "detect_platforms",
     "get_current_platform",
+    "get_platform_selection",
     "load_platform_class",
     "reset_current_platform",
     "resolve_platform",
+    "select_platform",
     "set_current_platform",
 ]

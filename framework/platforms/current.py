@@ -7,19 +7,30 @@ import threading
 from typing import Any
 
 from tokenmill.platforms.interface import Platform
-from tokenmill.platforms.selection import PLATFORM_ENV, resolve_platform
+from tokenmill.platforms.selection import PLATFORM_ENV, PlatformSelection, select_platform
 
 _lock = threading.RLock()
 _current: type[Platform] | None = None
+_selection: PlatformSelection | None = None
 
 
 def get_current_platform() -> type[Platform]:
-    """The platform of this process, resolved on first call (see :func:`resolve_platform` for errors)."""
-    global _current
+    """The platform of this process, resolved on first call (see :func:`select_platform` for errors)."""
+    global _current, _selection
     with _lock:
         if _current is None:
-            _current = resolve_platform()
+            _selection = select_platform()
+            _current = _selection.platform_cls
         return _current
+
+
+def get_platform_selection() -> PlatformSelection:
+    """The current platform and why it was chosen (resolving it now if needed)."""
+    with _lock:
+        cls = get_current_platform()
+        if _selection is None or _selection.platform_cls is not cls:
+            return PlatformSelection(cls, None, "set directly in this process (set_current_platform)")
+        return _selection
 
 
 def set_current_platform(platform: str | type[Platform]) -> type[Platform]:
@@ -29,13 +40,15 @@ def set_current_platform(platform: str | type[Platform]) -> type[Platform]:
     ``TOKENMILL_PLATFORM`` so that engine-core and worker processes started later choose the same one.
     A class is used as is in this process only.
     """
-    global _current
+    global _current, _selection
     with _lock:
         if isinstance(platform, str):
-            cls = resolve_platform(platform)
+            _selection = select_platform(platform)
+            cls = _selection.platform_cls
             os.environ[PLATFORM_ENV] = platform
         elif isinstance(platform, type) and issubclass(platform, Platform):
             cls = platform
+            _selection = None
         else:
             raise TypeError(f"expected a platform name or Platform subclass, got {platform!r}")
         _current = cls
@@ -44,9 +57,10 @@ def set_current_platform(platform: str | type[Platform]) -> type[Platform]:
 
 def reset_current_platform() -> None:
     """Forget the chosen platform (tests); the next access resolves it again."""
-    global _current
+    global _current, _selection
     with _lock:
         _current = None
+        _selection = None
 
 
 class _CurrentPlatformProxy:

@@ -17,3 +17,8 @@ class NoPlatformError(PlatformError):
 
 class UnknownPlatformError(PlatformError):
     """``--platform`` / ``TOKENMILL_PLATFORM`` names no installed platform plugin."""
+
+
+class PlatformDetectionError(PlatformError):
+    """A platform plugin's ``detect()`` raised and no platform was named: tokenmill does not guess whether
+    the plugin that failed was the hardware the user meant, so start-up stops (see ``docs/plugins.md``)."""

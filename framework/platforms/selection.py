@@ -1,9 +1,17 @@
 """Choosing the platform: by name (``--platform`` / ``TOKENMILL_PLATFORM``), or by running every detector.
 
-Rules (DESIGN.md section 3): a name picks that plugin and skips the other detectors. Otherwise exactly one
-active plugin is the platform; two or more is a :class:`PlatformConflictError`; none is a
-:class:`NoPlatformError` listing every plugin tried and why it declined. A detector that raises is
-recorded and shown, never hidden.
+Rules:
+
+1. A name picks that plugin and skips every detector.
+2. Otherwise every platform plugin's ``detect()`` runs. A detector that raises stops start-up with a
+   :class:`PlatformDetectionError` naming it (and whichever plugins are active): the failing plugin may well be
+   the hardware the user wants, and silently running on another platform (say, the CPU instead of a GPU whose
+   driver is broken) is the worst outcome. ``--platform NAME`` is the way past it.
+3. Exactly one active plugin is the platform; two or more is a :class:`PlatformConflictError`; none is a
+   :class:`NoPlatformError` listing every plugin tried and why it declined.
+
+:func:`select_platform` returns the decision with its reason, which start-up logs and ``tokenmill plugins``
+show.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from dataclasses import dataclass
 from tokenmill.platforms.errors import (
     NoPlatformError,
     PlatformConflictError,
+    PlatformDetectionError,
     PlatformError,
     UnknownPlatformError,
 )
@@ -77,8 +86,36 @@ def detect_platforms() -> list[DetectionResult]:
     return [_run_detector(p) for p in get_platform_specs()]
 
 
+@dataclass(frozen=True)
+class PlatformSelection:
+    """The platform chosen for this process and why.
+
+    Attributes:
+        platform_cls: the :class:`Platform` subclass.
+        plugin: the plugin it came from (``None`` when a class was set directly, e.g. by a test or the kit).
+        reason: one line, e.g. ``"the only active platform plugin (cpu: torch was built without accelerator
+            support)"`` or ``"named by TOKENMILL_PLATFORM=cpu (detection skipped)"``.
+        detections: what each detector said (empty when a name skipped detection).
+    """
+
+    platform_cls: type[Platform]
+    plugin: LoadedPlatformSpec | None
+    reason: str
+    detections: tuple[DetectionResult, ...] = ()
+
+    def describe(self) -> str:
+        """``"cpu (tokenmill-cpu 0.1.0): <reason>"``: for start-up logs."""
+        where = f" ({self.plugin.distribution})" if self.plugin is not None else ""
+        return f"{self.platform_cls.name}{where}: {self.reason}"
+
+
 def resolve_platform(name: str | None = None) -> type[Platform]:
-    """Choose the platform class for this process.
+    """Choose the platform class for this process (see :func:`select_platform`)."""
+    return select_platform(name).platform_cls
+
+
+def select_platform(name: str | None = None) -> PlatformSelection:
+    """Choose the platform for this process, following the module's rules.
 
     Args:
         name: a platform name or platform entry-point name; ``None`` reads ``TOKENMILL_PLATFORM``;
@@ -87,24 +124,32 @@ def resolve_platform(name: str | None = None) -> type[Platform]:
     Raises:
         UnknownPlatformError: the name matches no loaded platform plugin (the message lists them).
         PlatformConflictError: several plugins are active, or several plugins carry the requested name.
+        PlatformDetectionError: a detector raised (the message names it and says how to choose).
         NoPlatformError: no plugin is active (the message lists each plugin and why it declined).
         PlatformError: the chosen plugin's class cannot be imported or is not a ``Platform``.
         PluginLoadError: a platform plugin failed to load.
     """
+    source = "--platform"
     if name is None:
         name = os.environ.get(PLATFORM_ENV)
+        source = PLATFORM_ENV
     plugins = get_platform_specs()
     if name is not None and name.strip().lower() not in _AUTO_NAMES:
-        return load_platform_class(_pick_by_name(name.strip(), plugins))
+        plugin = _pick_by_name(name.strip(), plugins)
+        reason = f"named by {source}={name.strip()} (detection skipped)"
+        return PlatformSelection(load_platform_class(plugin), plugin, reason)
 
-    results = [_run_detector(p) for p in plugins]
+    results = tuple(_run_detector(p) for p in plugins)
     active = [r for r in results if r.active]
+    failed = [r for r in results if r.error is not None]
+    if failed:
+        raise PlatformDetectionError(_detection_error_message(failed, active))
     if len(active) == 1:
-        for r in results:
-            if r.error is not None:
-                logger.warning("platform detector failed (ignored, %s is active): %s", active[0].plugin.name,
-                               r.describe())
-        return load_platform_class(active[0].plugin)
+        plugin = active[0].plugin
+        said = f": {active[0].reason}" if active[0].reason else ""
+        others = len(results) - 1
+        reason = f"the only active platform plugin ({plugin.name}{said}; {others} other(s) declined)"
+        return PlatformSelection(load_platform_class(plugin), plugin, reason, results)
     if len(active) > 1:
         raise PlatformConflictError(
             "more than one tokenmill platform plugin is active on this machine:\n"
@@ -112,7 +157,21 @@ def resolve_platform(name: str | None = None) -> type[Platform]:
             + f"Either {_HOW_TO_CHOOSE} (e.g. --platform {active[0].plugin.name}), "
             "or uninstall the distribution of the one you do not want."
         )
-    raise NoPlatformError(_no_platform_message(results))
+    raise NoPlatformError(_no_platform_message(list(results)))
+
+
+def _detection_error_message(failed: list[DetectionResult], active: list[DetectionResult]) -> str:
+    lines = "".join(f"  - {r.describe()}\n" for r in failed)
+    message = f"a tokenmill platform plugin's detector raised, so tokenmill cannot tell which hardware to use:\n{lines}"
+    if active:
+        message += "Active: " + ", ".join(r.plugin.describe() for r in active) + ".\n"
+        example = active[0].plugin.name
+    else:
+        example = failed[0].plugin.name
+    return message + (
+        f"Fix or uninstall the failing plugin, or {_HOW_TO_CHOOSE} (e.g. --platform {example}); "
+        "`tokenmill plugins` shows every plugin and what its detector said."
+    )
 
 
 def load_platform_class(plugin: LoadedPlatformSpec) -> type[Platform]:
@@ -180,7 +239,7 @@ def _excluded_platform_entry_points() -> list[str]:
     return [
         f"{s.entry_point} ({s.distribution})"
         for s in get_plugin_status()
-        if s.group == PLATFORM_GROUP and not s.loaded
+        if s.group == PLATFORM_GROUP and s.excluded
     ]
 
 

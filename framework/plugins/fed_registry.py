@@ -7,7 +7,8 @@ Entries come from three places, looked up in this order:
    plugin set is reloaded (new process, or :func:`tokenmill.plugins.reset_for_tests`);
 3. built-in defaults of the subclass.
 
-Values are ``"module:Class"`` paths (imported on first use) or classes.
+Values are ``"module:Class"`` paths (imported on first use) or classes. Every entry remembers who registered it
+(:meth:`HookFedRegistry.source_of`), which ``tokenmill plugins`` shows.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import logging
 import threading
 from typing import ClassVar
 
-from tokenmill.plugins.manager import get_plugin_manager, load_generation
+from tokenmill.plugins.manager import PluginLoadError, get_plugin_manager, load_generation
 from tokenmill.plugins.qualname import resolve_qualname
 
 logger = logging.getLogger(__name__)
@@ -32,17 +33,26 @@ class HookFedRegistry:
     _builtin: ClassVar[dict[str, Target]] = {}
     _script: ClassVar[dict[str, Target]]
     _plugin: ClassVar[dict[str, Target]]
+    _sources: ClassVar[dict[str, str]]  # name -> "script" / "plugin <pluggy plugin name>" (plugin entries)
+    _conflicts: ClassVar[list[str]]  # one line per plugin entry that replaced another plugin's
     _plugin_generation: ClassVar[int | None]
-    _loading: ClassVar[bool]
+    _loading: ClassVar[str | None]  # the plugin whose hook is running, while one is
     _lock: ClassVar[threading.RLock]
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         cls._script = {}
         cls._plugin = {}
+        cls._sources = {}
+        cls._conflicts = []
         cls._plugin_generation = None
-        cls._loading = False
+        cls._loading = None
         cls._lock = threading.RLock()
+
+    @classmethod
+    def _normalize(cls, name: str) -> str:
+        """How names compare (subclasses may fold case)."""
+        return name
 
     @classmethod
     def _register(cls, name: str, target: Target) -> None:
@@ -57,12 +67,20 @@ class HookFedRegistry:
                 raise ValueError(f"{cls.kind} {name!r}: expected a 'module:Class' path, got {target!r}")
         elif not isinstance(target, type):
             raise TypeError(f"{cls.kind} {name!r}: expected a class or 'module:Class' path, got {target!r}")
+        name = cls._normalize(name)
         with cls._lock:
-            table = cls._plugin if cls._loading else cls._script
+            table = cls._plugin if cls._loading is not None else cls._script
             previous = table.get(name)
             if previous is not None and previous != target:
-                logger.warning("%s %r re-registered: %r replaces %r", cls.kind, name, target, previous)
+                message = (f"{cls.kind} {name!r} registered twice: {target!r} (by "
+                           f"{f'plugin {cls._loading}' if cls._loading else 'the script'}) "
+                           f"replaces {previous!r} (by {cls._sources.get(name, 'the script')})")
+                logger.warning("%s", message)
+                if cls._loading is not None:
+                    cls._conflicts.append(message)
             table[name] = target
+            if cls._loading is not None:
+                cls._sources[name] = f"plugin {cls._loading}"
 
     @classmethod
     def _ensure_plugins(cls) -> None:
@@ -73,24 +91,56 @@ class HookFedRegistry:
             if cls._plugin_generation == generation:
                 return
             cls._plugin.clear()
-            cls._loading = True
-            try:
-                getattr(get_plugin_manager().hook, cls.hook_name)(registry=cls)
-            except Exception:
-                cls._plugin.clear()  # retried (and raised again) on next use
-                raise
-            finally:
-                cls._loading = False
+            cls._sources.clear()
+            cls._conflicts.clear()
+            # Each plugin's hook separately, so that every entry knows its plugin and a hook that raises is named;
+            # in load order (platform plugins, then general plugins, each by distribution name), so a plugin
+            # loaded later replaces an earlier one's entry of the same name (with a warning): a general plugin can
+            # override what a platform plugin registers.
+            for impl in getattr(get_plugin_manager().hook, cls.hook_name).get_hookimpls():
+                cls._loading = impl.plugin_name
+                try:
+                    impl.function(registry=cls)
+                except Exception as exc:
+                    cls._plugin.clear()  # retried (and raised again) on next use
+                    cls._sources.clear()
+                    raise PluginLoadError(
+                        f"{cls.hook_name}() of plugin {impl.plugin_name} raised {type(exc).__name__}: {exc}"
+                    ) from exc
+                finally:
+                    cls._loading = None
             cls._plugin_generation = generation
 
     @classmethod
     def _lookup(cls, name: str) -> Target | None:
+        name = cls._normalize(name)
         cls._ensure_plugins()
         with cls._lock:
             for table in (cls._script, cls._plugin, cls._builtin):
                 if name in table:
                     return table[name]
         return None
+
+    @classmethod
+    def source_of(cls, name: str) -> str:
+        """Who provides the entry ``name`` now: ``"script"``, ``"plugin <plugin>"`` (the pluggy name
+        ``group:entry point``), ``"builtin"``, or ``""`` when it is not registered."""
+        name = cls._normalize(name)
+        cls._ensure_plugins()
+        with cls._lock:
+            if name in cls._script:
+                return "script"
+            if name in cls._plugin:
+                return cls._sources.get(name, "plugin")
+            return "builtin" if name in cls._builtin else ""
+
+    @classmethod
+    def get_conflicts(cls) -> list[str]:
+        """One line per name that two plugins registered (the one loaded later won); ``tokenmill plugins``
+        shows them as warnings."""
+        cls._ensure_plugins()
+        with cls._lock:
+            return list(cls._conflicts)
 
     @classmethod
     def _names(cls) -> list[str]:
@@ -120,4 +170,6 @@ class HookFedRegistry:
         with cls._lock:
             cls._script.clear()
             cls._plugin.clear()
+            cls._sources.clear()
+            cls._conflicts.clear()
             cls._plugin_generation = None

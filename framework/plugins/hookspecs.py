@@ -4,7 +4,7 @@ A plugin is a module named by an entry point. Platform plugins (group ``tokenmil
 :func:`tokenmill_platform`; every other hook belongs in a module of group ``tokenmill.plugins``. Hook
 functions are plain module-level functions decorated with :data:`hookimpl`::
 
-    from tokenmill.plugins import hookimpl
+    from tokenmill.plugin_api import hookimpl
 
     @hookimpl
     def tokenmill_register_models(registry):
@@ -56,3 +56,48 @@ def tokenmill_register_attention_backends(registry: Any) -> None:
 @hookspec
 def tokenmill_add_cli_args(parser: argparse.ArgumentParser) -> None:
     """Add command-line flags of the plugin to ``parser`` (the ``tokenmill`` CLI's sub-command parser)."""
+
+
+@hookspec
+def tokenmill_register_tool_parsers(registry: Any) -> None:
+    """Register tool-call parsers (for ``--enable-auto-tool-choice --tool-call-parser NAME``): call
+    ``registry.register_tool_parser(name, "module:Class")`` with a subclass of
+    :class:`tokenmill.entrypoints.openai.tool_parsers.ToolParser`.
+
+    ``registry`` is :class:`tokenmill.entrypoints.openai.tool_parsers.ToolParserManager`.
+    """
+
+
+@hookspec
+def tokenmill_register_custom_ops(registry: Any) -> None:
+    """Replace layers without editing model code: call ``registry.register_op(name, "module:Class")`` with an
+    op name of :data:`tokenmill.plugin_api.CUSTOM_OPS` (``"rms_norm"``, ``"rotary_embedding"``,
+    ``"fused_moe"``, ``"quant_linear.int8"``, ...) and a subclass of that op's built-in class.
+
+    Applies on every platform; a platform plugin that replaces an op only for its own hardware returns it from
+    ``Platform.get_custom_op_cls(name)`` instead. ``registry`` is
+    :class:`tokenmill.plugin_api.CustomOpRegistry`.
+    """
+
+
+@hookspec
+def tokenmill_init_process(process: str) -> None:
+    """Called once in every tokenmill process, right after the plugins are loaded and before any model is
+    built: the place for patches and process-wide registrations (vLLM's "general plugins").
+
+    Args:
+        process: what the process is: ``"api_server"`` (``tokenmill serve``), ``"engine_core"`` (an engine
+            core in its own process), ``"worker"`` (a tensor-parallel worker process or Ray actor),
+            ``"offline"`` (a script using ``tokenmill.LLM``), ``"compile_worker"`` (the background process of
+            ``--compile-mode background`` that compiles forward passes ahead of time) or ``"cli"`` (other
+            ``tokenmill`` commands).
+    """
+
+
+@hookspec
+def tokenmill_register_logits_processors(registry: Any) -> None:
+    """Register logits processors that every engine runs before sampling: call
+    ``registry.register_logits_processor(name, "module:Class")`` with a subclass of
+    :class:`tokenmill.plugin_api.LogitsProcessor` (it reads per-request settings from
+    ``SamplingParams.extra_args``). ``registry`` is :class:`tokenmill.plugin_api.LogitsProcessorRegistry`.
+    """

@@ -38,7 +38,8 @@ def cache_root() -> Path:
 
 
 def source_digest(module_names: Iterable[str]) -> str:
-    """SHA-256 over the source files (``.py``, C++, CUDA) of the top-level packages of ``module_names``."""
+    """SHA-256 over the source files (``.py``, C++, CUDA) of the top-level packages (or one-file modules) of
+    ``module_names``."""
     digest = hashlib.sha256()
     for top in sorted({name.split(".")[0] for name in module_names}):
         if top not in _source_digests:
@@ -50,6 +51,10 @@ def source_digest(module_names: Iterable[str]) -> str:
                     if path.suffix in _SOURCE_SUFFIXES and "__pycache__" not in path.parts:
                         h.update(str(path.relative_to(root)).encode())
                         h.update(path.read_bytes())
+            single = getattr(module, "__file__", None) if module is not None and not paths else None
+            if single and Path(single).is_file():  # a one-file module (e.g. a model plugin's)
+                h.update(Path(single).name.encode())
+                h.update(Path(single).read_bytes())
             _source_digests[top] = h.hexdigest()
         digest.update(f"{top}:{_source_digests[top]}".encode())
     return digest.hexdigest()

@@ -53,7 +53,10 @@ def main(argv: list[str]) -> int:
 
     torch.set_num_threads(1)
     from tokenmill.platforms import get_current_platform
-    from tokenmill.plugins import resolve_qualname
+    from tokenmill.plugins import load_general_plugins, resolve_qualname
+
+    # Plugins load here as in every tokenmill process: their custom ops and backends are what gets compiled.
+    load_general_plugins("compile_worker")
     from tokenmill.worker.compile_cache import CompileCache
     from tokenmill.worker.compiled_runner import KIND_LABELS, CompiledRunner, compile_kind
 

@@ -143,8 +143,20 @@ class CompiledRunner:
 
     def cache_for(self, runner: ModelRunner) -> CompileCache:
         """The on-disk cache whose key fits this model, engine configuration and source code."""
+        from tokenmill.plugins import get_plugin_status
+
         config = runner.config
         hf = config.model_config.hf_config
+        layer_classes: set[str] = set()
+        for m in self.model.modules():
+            layer_classes.add(f"{type(m).__module__}.{type(m).__qualname__}")
+            quant = getattr(m, "quant", None)
+            if isinstance(quant, torch.nn.Module):
+                layer_classes.add(f"{type(quant).__module__}.{type(quant).__qualname__}")
+            method_path = getattr(m, "method_path", None)  # FusedMoE's expert method ("module:Class")
+            if isinstance(method_path, str):
+                layer_classes.add(method_path.replace(":", "."))
+        plugins = [s for s in get_plugin_status() if s.loaded]
         facts = {
             "architecture": hf.to_json_string(use_diff=False) if hasattr(hf, "to_json_string") else repr(hf),
             "model_class": f"{type(self.model).__module__}.{type(self.model).__qualname__}",
@@ -154,10 +166,14 @@ class CompiledRunner:
             "quant_max_rows": self.quant_max_rows,
             "platform": config.device_config.platform,
             "attention_backend": f"{runner.attn_backend.__module__}.{runner.attn_backend.__qualname__}",
+            # A plugin's custom op (RMSNorm, rotary, MoE, quantized linear) changes the traced graph: every layer
+            # class and every loaded plugin go into the key, and their packages' sources into the digest.
+            "layer_classes": sorted(layer_classes),
+            "plugins": sorted(f"{s.distribution}=={s.version}:{s.value}" for s in plugins),
         }
         modules = [type(self.model).__module__, runner.attn_backend.__module__]
-        modules += [type(m).__module__ for m in self.model.modules() if getattr(m, "quant", None) is not None][:1]
-        modules += [type(m.quant).__module__ for m in self.model.modules() if getattr(m, "quant", None) is not None][:1]
+        modules += sorted({name.split(".")[0] for name in layer_classes} - {"torch"})  # torch: its version
+        modules += [s.value.split(":")[0] for s in plugins]
         return CompileCache(facts, modules)
 
     # ------------------------------------------------------------------------------------------- stepping

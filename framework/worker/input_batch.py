@@ -62,9 +62,17 @@ class BatchInputs:
 
 
 def build_batch_inputs(
-    states: list[CachedRequestState], num_scheduled: list[int], block_size: int, device: torch.device
+    states: list[CachedRequestState],
+    num_scheduled: list[int],
+    block_size: int,
+    device: torch.device,
+    spec_token_ids: list[list[int]] | None = None,
 ) -> BatchInputs:
-    """Flatten the scheduled tokens of ``states`` (in order) into one batch, without padding."""
+    """Flatten the scheduled tokens of ``states`` (in order) into one batch, without padding.
+
+    ``spec_token_ids`` (speculative decoding): per request, draft tokens that follow its known tokens and are
+    part of its scheduled tokens (their KV is written like any other token's).
+    """
     num_reqs = len(states)
     starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs)
     counts = np.asarray(num_scheduled, dtype=np.int64)
@@ -81,7 +89,8 @@ def build_batch_inputs(
     for i, s in enumerate(states):
         block_table[i, : len(s.block_ids)] = s.block_ids
         a, b = int(starts[i]), int(seq_lens[i])
-        input_ids[query_start_loc[i] : query_start_loc[i + 1]] = s.token_ids[a:b]
+        tokens = s.token_ids + spec_token_ids[i] if spec_token_ids and spec_token_ids[i] else s.token_ids
+        input_ids[query_start_loc[i] : query_start_loc[i + 1]] = tokens[a:b]
     slot_mapping = (
         block_table[req_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
     )

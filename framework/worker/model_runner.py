@@ -15,8 +15,10 @@ from tokenmill.layers.quantization import quantize_model
 from tokenmill.lora.manager import LoRAModelManager
 from tokenmill.model_loader.loader import get_model, str_to_dtype
 from tokenmill.worker.compiled_runner import CompiledRunner
+from tokenmill.worker.grammar_bitmask import apply_grammar_bitmask
 from tokenmill.worker.graph_runner import GraphRunner
 from tokenmill.worker.input_batch import CachedRequestState, build_batch_inputs, build_sampling_metadata
+from tokenmill.worker.logits_processor import LogitsProcessorBatch, apply_logits_processors, build_logits_processors
 from tokenmill.worker.sampler import Sampler, gather_logprobs
 
 LogprobEntry = tuple[list[int], list[float], int]
@@ -49,6 +51,14 @@ class ModelRunner:
         self.graph_runner: GraphRunner | None = None  # device graphs for decode steps (platform-provided)
         self.compiled_runner: CompiledRunner | None = None  # torch.compile'd forward passes
         self.lora_manager: LoRAModelManager | None = None  # with --enable-lora (tokenmill.lora)
+        self.spec_decoder = None  # tokenmill.spec_decode.spec_decoder.SpecDecoder with speculative decoding
+        spec_config = getattr(config, "speculative_config", None)
+        if spec_config is not None:
+            from tokenmill.spec_decode.spec_decoder import SpecDecoder
+
+            self.spec_decoder = SpecDecoder(spec_config, self.block_size, device, self.attn_backend,
+                                            config.model_config.max_model_len)
+        self.logits_processors = build_logits_processors(config, device)  # plugins' and --logits-processors
 
     def load_model(self) -> None:
         self.model = get_model(self.config.model_config, self.device)
@@ -58,6 +68,8 @@ class ModelRunner:
         lc = self.config.lora_config
         if lc is not None:
             self.lora_manager = LoRAModelManager(self.model, lc.max_loras, lc.max_lora_rank, lc.max_cpu_loras)
+        if self.spec_decoder is not None:
+            self.spec_decoder.load_model()
 
     def model_memory_bytes(self) -> int:
         assert self.model is not None
@@ -66,7 +78,39 @@ class ModelRunner:
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
                 total += t.numel() * t.element_size()
+        if self.spec_decoder is not None:
+            total += self.spec_decoder.model_memory_bytes()
         return total
+
+    @torch.inference_mode()
+    def profile_run(self) -> int:
+        """Peak activation bytes of the largest step: one forward pass over ``max_num_batched_tokens`` tokens
+        (as one causal sequence, without the KV cache) plus the logits and sampling probabilities of
+        ``max_num_seqs`` rows, measured with the platform's peak-memory statistics beyond what was allocated
+        before (the weights). Only called where ``Platform.supports_memory_profiling()``.
+        """
+        from tokenmill.platforms import get_current_platform
+
+        assert self.model is not None
+        platform = get_current_platform()
+        sched = self.config.scheduler_config
+        num_tokens = sched.max_num_batched_tokens
+        num_rows = max(1, min(sched.max_num_seqs, num_tokens))
+        platform.synchronize()
+        platform.empty_cache()
+        before = platform.get_current_memory_bytes()
+        platform.reset_peak_memory_stats()
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device) % max(1, self.config.model_config.max_model_len)
+        with set_forward_context(None):
+            hidden = self.model(input_ids, positions)
+        logits = self.model.compute_logits(hidden[:num_rows]).float()
+        torch.softmax(logits, dim=-1)
+        platform.synchronize()
+        peak = platform.get_peak_memory_bytes()
+        del hidden, logits
+        platform.empty_cache()
+        return max(0, peak - before)
 
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes one block takes across all attention layers of this rank."""
@@ -77,7 +121,8 @@ class ModelRunner:
             for d in shape:
                 n *= d
             per_layer += n
-        return per_layer * torch.tensor([], dtype=self.dtype).element_size()
+        draft = self.spec_decoder.kv_cache_bytes_per_block() if self.spec_decoder is not None else 0
+        return per_layer * torch.tensor([], dtype=self.dtype).element_size() + draft
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate every layer's cache (zeros) and bind it to the layer."""
@@ -88,6 +133,8 @@ class ModelRunner:
             cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.kv_cache = cache
             self.kv_caches.append(cache)
+        if self.spec_decoder is not None:
+            self.spec_decoder.initialize_kv_cache(num_blocks)
         if get_pp_size() > 1 or self.lora_manager is not None:
             # PP: the captured / compiled forwards take no intermediate tensors; LoRA: the per-step adapter
             # mapping is not a graph input. Both run eagerly.
@@ -104,6 +151,9 @@ class ModelRunner:
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
             self.prompt_logprobs.pop(req_id, None)
+        if self.spec_decoder is not None:
+            self.spec_decoder.remove_requests(so.finished_req_ids)
+            self.spec_decoder.remove_requests(new.req_id for new in so.scheduled_new_reqs)
         for new in so.scheduled_new_reqs:
             self.prompt_logprobs.pop(new.req_id, None)
             self.requests[new.req_id] = CachedRequestState(
@@ -146,8 +196,11 @@ class ModelRunner:
         req_ids = list(so.num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
         counts = [so.num_scheduled_tokens[r] for r in req_ids]
-        batch = build_batch_inputs(states, counts, self.block_size, self.device)
+        spec = so.scheduled_spec_decode_tokens
+        drafts = [spec.get(r, []) for r in req_ids] if spec else None
+        batch = build_batch_inputs(states, counts, self.block_size, self.device, spec_token_ids=drafts)
         if self.lora_manager is not None:
+            # per token of the batch (drafts included: the target verifies them with the request's adapter)
             self.lora_manager.prepare_step([s.lora_request for s in states], counts, self.device)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             hidden = self.graph_runner.run(batch)  # decode-only step: replay the captured graph (padded)
@@ -174,9 +227,40 @@ class ModelRunner:
                 prompt_logprobs[i] = done
         sampled_ids: list[list[int]] = [[] for _ in req_ids]
         logprobs: list | None = None
-        if sample_rows:
+        num_rejected = [0] * len(req_ids)
+        if sample_rows and drafts is not None:
+            assert self.spec_decoder is not None
+            constrain = None
+            if so.grammar_bitmask is not None or self.logits_processors:
+                def constrain(logits: torch.Tensor, batch_rows: list[int],
+                              row_states: list[CachedRequestState]) -> torch.Tensor:
+                    if self.logits_processors:
+                        logits = self._process_logits(logits, row_states)
+                    if so.grammar_bitmask is not None:
+                        logits = apply_grammar_bitmask(logits, [req_ids[i] for i in batch_rows],
+                                                       so.grammar_bitmask, so.structured_output_request_ids)
+                    return logits
+            verified = self.spec_decoder.verify(
+                self.model, hidden, batch.attn_metadata.query_start_loc_cpu, states, sample_rows,
+                [drafts[i] for i in sample_rows], self.vocab_size, constrain,
+            )
+            if verified.logprobs is not None:
+                logprobs = [None] * len(req_ids)
+            for j, i in enumerate(sample_rows):
+                sampled_ids[i] = verified.token_ids[j]
+                num_rejected[i] = len(drafts[i]) - verified.num_accepted[j]
+                states[i].token_ids.extend(verified.token_ids[j])
+                if verified.logprobs is not None:
+                    logprobs[i] = verified.logprobs[j]
+        elif sample_rows:
             rows = torch.tensor(sample_rows, device=self.device)
             logits = self.model.compute_logits(hidden[batch.logits_indices[rows]])
+            if self.logits_processors:
+                logits = self._process_logits(logits, [states[i] for i in sample_rows])
+            if so.grammar_bitmask is not None:
+                logits = apply_grammar_bitmask(
+                    logits, [req_ids[i] for i in sample_rows], so.grammar_bitmask, so.structured_output_request_ids
+                )
             sample_states = [states[i] for i in sample_rows]
             md = build_sampling_metadata(sample_states, self.vocab_size, self.device)
             out = self.sampler(logits, md)
@@ -191,11 +275,28 @@ class ModelRunner:
             for j, i in enumerate(sample_rows):
                 sampled_ids[i] = [tokens[j]]
                 states[i].token_ids.append(tokens[j])
-        for state, n in zip(states, counts):
-            state.num_computed_tokens += n
+        for state, n, rejected in zip(states, counts, num_rejected):
+            state.num_computed_tokens += n - rejected  # rejected drafts' KV is overwritten later
+        spec_token_ids = None
+        if self.spec_decoder is not None and sample_rows:
+            proposals = self.spec_decoder.propose([states[i] for i in sample_rows])
+            spec_token_ids = [[] for _ in req_ids]
+            for j, i in enumerate(sample_rows):
+                spec_token_ids[i] = proposals[j]
         return ModelRunnerOutput(
-            req_ids=req_ids, sampled_token_ids=sampled_ids, logprobs=logprobs, prompt_logprobs=prompt_logprobs
+            req_ids=req_ids, sampled_token_ids=sampled_ids, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            spec_token_ids=spec_token_ids,
         )
+
+    def _process_logits(self, logits: torch.Tensor, states: list[CachedRequestState]) -> torch.Tensor:
+        batch = LogitsProcessorBatch(
+            req_ids=[s.req_id for s in states],
+            sampling_params=[s.sampling_params for s in states],
+            prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] for s in states],
+            output_token_ids=[s.token_ids[s.num_prompt_tokens :] for s in states],
+        )
+        all_greedy = all(s.sampling_params.temperature < 1e-5 for s in states)
+        return apply_logits_processors(self.logits_processors, logits, batch, all_greedy)
 
     def _accumulate_prompt_logprobs(
         self,

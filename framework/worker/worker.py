@@ -8,10 +8,12 @@ stage samples, so only its output rank answers the executor).
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
+from tokenmill.attention.selector import select_attn_backend
 from tokenmill.config import EngineConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.distributed import get_pp_group, init_distributed_environment, initialize_model_parallel
@@ -19,6 +21,9 @@ from tokenmill.layers.pipeline import IntermediateTensors
 from tokenmill.lora.request import LoRALoadError, LoRARequest
 from tokenmill.platforms import get_current_platform
 from tokenmill.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+GiB = 1 << 30
 
 
 class Worker:
@@ -34,6 +39,9 @@ class Worker:
     def __init__(
         self, config: EngineConfig, local_rank: int = 0, rank: int = 0, distributed_init_method: str | None = None
     ) -> None:
+        from tokenmill.plugins import load_general_plugins
+
+        load_general_plugins("worker")  # a worker process or Ray actor; a no-op where the process already ran it
         self.config = config
         self.local_rank = local_rank
         self.rank = rank
@@ -54,8 +62,10 @@ class Worker:
         )
         initialize_model_parallel(pc.tensor_parallel_size, pc.pipeline_parallel_size, self.rank)
         self.platform.manual_seed_all(self.config.model_config.seed)
-        backend = self.platform.get_attn_backend_cls(self.config)
-        self.model_runner = ModelRunner(self.config, self.device, backend)
+        choice = select_attn_backend(self.platform, self.config)
+        if self.rank == 0:
+            logger.info("attention backend: %s", choice.describe())
+        self.model_runner = ModelRunner(self.config, self.device, choice.path)
 
     def load_model(self) -> None:
         assert self.model_runner is not None
@@ -63,6 +73,10 @@ class Worker:
 
     def determine_num_available_blocks(self) -> int:
         """KV blocks that fit in the memory the platform grants (or ``num_gpu_blocks_override``).
+
+        On a platform that measures device memory (``Platform.supports_memory_profiling``) a forward pass of a
+        full step (``max_num_batched_tokens`` tokens) runs first, and its peak activation memory is left out of
+        the cache, as vLLM does; the rest of the formula is ``Platform.determine_kv_cache_bytes``.
 
         Raises:
             ValueError: the granted memory holds no block.
@@ -72,9 +86,16 @@ class Worker:
         if cc.num_gpu_blocks_override:
             return cc.num_gpu_blocks_override
         per_block = self.model_runner.kv_cache_bytes_per_block()
+        peak = 0
+        if cc.kv_cache_memory is None and self.platform.supports_memory_profiling():
+            peak = self.model_runner.profile_run()
+        weights = self.model_runner.model_memory_bytes()
         budget = self.platform.determine_kv_cache_bytes(
-            self.config, model_memory_bytes=self.model_runner.model_memory_bytes()
+            self.config, model_memory_bytes=weights, peak_activation_bytes=peak
         )
+        if self.rank == 0:
+            logger.info("KV cache: %.2f GiB (weights %.2f GiB, profiled peak activations %.2f GiB)",
+                        budget / GiB, weights / GiB, peak / GiB)
         num_blocks = budget // per_block
         if num_blocks < 1:
             raise ValueError(

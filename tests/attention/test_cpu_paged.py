@@ -99,7 +99,12 @@ def test_cpu_backend_mixed_batch_matches_fp64_reference(use_kernel):
 
 
 def test_cpu_platform_picks_the_kernel_backend():
-    assert CpuPlatform.get_attn_backend_cls(None) == "tokenmill_cpu.attention:CpuPagedAttentionBackend"
+    from tokenmill.attention.selector import select_attn_backend
+    from tokenmill_cpu.attention import CpuPagedAttentionBackend
+
+    assert CpuPlatform.get_attn_backend_cls(None) == "CPU_PAGED"
+    choice = select_attn_backend(CpuPlatform, None)  # the name goes through the registry
+    assert choice.backend_cls is CpuPagedAttentionBackend and choice.source == "plugin tokenmill.platforms:cpu"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -131,3 +136,28 @@ def test_cpu_backend_passes_window_and_soft_cap_to_the_kernel():
     out = impl.forward(batch.q.reshape(len(batch.q), -1), k.reshape(len(k), -1), v.reshape(len(v), -1),
                        head_major(batch.kv_cache), batch.md)
     assert rel_err(out.view_as(batch.q), reference_attention(batch, 0.25, 6, 8.0)) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("capability", "isa"), [("default", "scalar"), ("avx2", "avx2")])
+def test_lower_isa_builds_match_the_fp64_reference(capability, isa):
+    """The kernel's plain C++ build and its AVX2/FMA/F16C build (what CPUs without AVX-512 run; on an AVX-512
+    machine built with AVX2 flags only), each checked by this file's reference tests in a subprocess."""
+    import os
+    import subprocess
+    import sys
+
+    if isa == "avx2" and not {"avx2", "fma", "f16c"} <= kernels.cpu_flags():
+        pytest.skip("this CPU has no AVX2/FMA/F16C")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    check = (f"from tokenmill_cpu import kernels; assert kernels.load(); "
+             f"assert kernels.isa()['paged_decode'] == {isa!r}, kernels.isa()")
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
+    built = subprocess.run([sys.executable, "-c", check], env=env, cwd=root, capture_output=True, text=True,
+                           timeout=900)
+    assert built.returncode == 0, built.stderr[-3000:]
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__),
+         "-k", "16-gqa3 or w20-softcap-16 or strided"],
+        env=env, cwd=root, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0 and " passed" in result.stdout, result.stdout[-3000:] + result.stderr[-2000:]

@@ -82,7 +82,7 @@ def test_torch_backend_sliding_window_and_soft_cap_never_read_blocks_outside_the
     if window is not None:
         poison_outside_window(dec, window)
     kv_cache = dec.kv_cache.permute(0, 3, 1, 2, 4).contiguous()
-    out = impl._decode(dec.q, kv_cache, dec.md.block_table, dec.md.seq_lens, block_size)
+    out = impl.forward_decode(dec.q, kv_cache, dec.md.block_table, dec.md.seq_lens, block_size)
     assert rel_err(out.view_as(dec.q), reference_attention(dec, scale, window, soft_cap)) < 1e-5
 
 
@@ -98,7 +98,7 @@ def test_sliding_window_decode_branch_for_torch_compile(monkeypatch):
         batch = make_batch([1] * n, [3 + 9 * i for i in range(n)], num_heads=4, num_kv_heads=2, head_size=16,
                            block_size=4, poison=1.0e4, seed=n)
         poison_outside_window(batch, 6)
-        out = impl._decode(batch.q, batch.kv_cache.permute(0, 3, 1, 2, 4).contiguous(), batch.md.block_table,
+        out = impl.forward_decode(batch.q, batch.kv_cache.permute(0, 3, 1, 2, 4).contiguous(), batch.md.block_table,
                            batch.md.seq_lens, 4)
         assert rel_err(out.view_as(batch.q), reference_attention(batch, 0.25, 6, 10.0)) < 1e-5
 

@@ -208,13 +208,16 @@ def test_gpu_platforms_choose_triton_when_installed(monkeypatch):
     from tokenmill_cuda.platform import CudaPlatform
     from tokenmill_rocm.platform import RocmPlatform
 
-    path = "tokenmill.attention.backends.triton_paged:TritonPagedAttentionBackend"
+    from tokenmill.attention.backends.triton_paged import TritonPagedAttentionBackend
+    from tokenmill.attention.selector import select_attn_backend
+
     for platform in (CudaPlatform, RocmPlatform):
-        assert platform.get_attn_backend_cls(None) == path  # type: ignore[arg-type]
+        assert platform.get_attn_backend_cls(None) == "TRITON_PAGED"  # type: ignore[arg-type]
+        assert select_attn_backend(platform, None).backend_cls is TritonPagedAttentionBackend
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real_find_spec(name, *a))
     for platform in (CudaPlatform, RocmPlatform):
-        assert platform.get_attn_backend_cls(None).endswith(":TorchPagedAttentionBackend")  # type: ignore[arg-type]
+        assert platform.get_attn_backend_cls(None) == "TORCH_PAGED"  # type: ignore[arg-type]
 
 
 def test_engine_greedy_with_triton_backend_matches_transformers(tiny_llama_dir, monkeypatch):

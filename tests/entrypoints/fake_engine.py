@@ -71,7 +71,7 @@ class FakeTokenizer:
 
         env = jinja2.sandbox.ImmutableSandboxedEnvironment()
         env.globals["raise_exception"] = raise_exception
-        text = env.from_string(template).render(messages=conversation,
+        text = env.from_string(template).render(messages=conversation, tools=tools,
                                                  add_generation_prompt=add_generation_prompt, **kwargs)
         return self.encode(text) if tokenize else text
 

@@ -62,9 +62,9 @@ def test_null_means_not_given_for_any_field(client: TestClient) -> None:
 
 
 def test_every_offending_field_is_named(client: TestClient, fake_engine: FakeAsyncLLM) -> None:
-    body = chat(guided_json={"type": "object"}, use_beam_search=True, modalities=["text", "audio"], zzz=1)
-    error = assert_error(client.post(CHAT, json=body), 400, "guided_json")
-    for name in ("guided_json", "use_beam_search", "modalities", "zzz"):
+    body = chat(guided_decoding_backend="xgrammar", use_beam_search=True, modalities=["text", "audio"], zzz=1)
+    error = assert_error(client.post(CHAT, json=body), 400, "guided_decoding_backend")
+    for name in ("guided_decoding_backend", "use_beam_search", "modalities", "zzz"):
         assert f"{name}:" in error["message"]
     assert "unrecognized" in error["message"]
     assert fake_engine.calls == []
@@ -81,17 +81,23 @@ def test_chat_fields_that_change_the_meaning_are_refused(client: TestClient, fie
     assert error["message"].startswith(f"{field}: ")
 
 
-@pytest.mark.skipif("structured_outputs" in ChatCompletionRequest.model_fields,
-                    reason="structured outputs are implemented: their own tests cover the field")
-def test_structured_outputs_is_refused_until_implemented(client: TestClient, fake_engine: FakeAsyncLLM) -> None:
-    # Served unconstrained with a 200 before (the field was silently ignored).
+def test_structured_output_fields_are_used_not_ignored(client: TestClient, fake_engine: FakeAsyncLLM) -> None:
+    # Before structured outputs these were served unconstrained with a 200 (the field was silently ignored):
+    # now each one constrains the output, and a bad one is a 400 naming it before anything is queued.
     for path, field, value in ((CHAT, "structured_outputs", {"json": {"type": "object"}}),
                                (COMPLETIONS, "structured_outputs", {"regex": "[0-9]+"}),
-                               (COMPLETIONS, "guided_json", {"type": "object"})):
+                               (COMPLETIONS, "guided_json", {"type": "object"}),
+                               (CHAT, "guided_choice", ["yes", "no"])):
         body = chat(**{field: value}) if path == CHAT else cmpl(**{field: value})
-        error = assert_error(client.post(path, json=body), 400, field)
-        assert "not supported" in error["message"]
-    assert fake_engine.calls == []
+        assert client.post(path, json=body).status_code == 200
+        assert fake_engine.calls[-1].params.structured_outputs is not None
+    calls = len(fake_engine.calls)
+    for path, field, value, param in ((CHAT, "structured_outputs", {"regex": "[0-9"}, "structured_outputs"),
+                                      (COMPLETIONS, "guided_json", {"type": "no-such-type"}, "guided_json"),
+                                      (CHAT, "structured_outputs", {"jsn": {}}, "structured_outputs.jsn")):
+        body = chat(**{field: value}) if path == CHAT else cmpl(**{field: value})
+        assert_error(client.post(path, json=body), 400, param)
+    assert len(fake_engine.calls) == calls
 
 
 def test_field_policy_no_op_values_compare_types() -> None:

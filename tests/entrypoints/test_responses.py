@@ -1,6 +1,6 @@
 """``POST /v1/responses`` against the fake engine: the response object, input items, the typed stream events
 (raw, and through the official client's ``responses.create`` / ``responses.stream``), logprobs, errors, the
-seams for tools and ``text.format``, and client disconnects."""
+checks of tools and ``text.format``, and client disconnects."""
 
 from __future__ import annotations
 
@@ -238,51 +238,40 @@ def test_template_failure_names_the_input(fake_engine: FakeAsyncLLM) -> None:
         assert c.post(RESPONSES, json={"input": "Hi"}).status_code == 200
 
 
-def test_tools_and_text_format_seams(client: TestClient, fake_engine: FakeAsyncLLM) -> None:
+def test_tools_and_text_format_requests(client: TestClient, fake_engine: FakeAsyncLLM) -> None:
+    """Tools and ``text.format`` are served (their output is tested in test_responses_tools.py); what they
+    cannot do is a 400 naming the field, before anything reaches the engine."""
     tool = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}}
-    error = assert_error(client.post(RESPONSES, json={"input": "Hi", "tools": [tool]}), 400, "tools")
-    assert "not supported by this server yet" in error["message"]
-    assert_error(client.post(RESPONSES, json={"input": "Hi", "tool_choice": "required"}), 400, "tool_choice")
     schema = {"type": "json_schema", "name": "x", "schema": {"type": "object"}, "strict": True}
-    error = assert_error(client.post(RESPONSES, json={"input": "Hi", "text": {"format": schema}}), 400,
-                         "text.format")
-    assert "json_schema" in error["message"]
-    assert_error(client.post(RESPONSES, json={"input": "Hi", "text": {"format": {"type": "json_object"}}}), 400,
-                 "text.format")
+    # tools with tool_choice auto (the default) need the server's tool parser flags
+    error = assert_error(client.post(RESPONSES, json={"input": "Hi", "tools": [tool]}), 400, "tool_choice")
+    assert "--enable-auto-tool-choice" in error["message"] and "--tool-call-parser" in error["message"]
+    assert_error(client.post(RESPONSES, json={"input": "Hi", "tool_choice": "required"}), 400, "tool_choice")
+    error = assert_error(client.post(RESPONSES, json={"input": "Hi", "tools": [tool, tool], "tool_choice": "required"}),
+                         400, "tools")
+    assert "duplicate" in error["message"]
+    error = assert_error(client.post(RESPONSES, json={"input": "Hi", "tools": [tool], "tool_choice": "required",
+                                                      "text": {"format": schema}}), 400, "text.format")
+    assert "cannot be combined" in error["message"]
+    bad_schema = {**schema, "schema": {"type": "object", "properties": {"a": {"type": "no-such-type"}}}}
+    assert_error(client.post(RESPONSES, json={"input": "Hi", "text": {"format": bad_schema}}), 400,
+                 "text.format.schema")
     assert fake_engine.calls == []
-    # What needs neither is served: no tools, tool_choice none/auto, text.format text.
     for extra in ({"tools": []}, {"tool_choice": "none"}, {"tool_choice": "auto", "parallel_tool_calls": False},
-                  {"text": {"format": {"type": "text"}}}):
+                  {"text": {"format": {"type": "text"}}}, {"tools": [tool], "tool_choice": "none"},
+                  {"text": {"format": schema}}, {"text": {"format": {"type": "json_object"}}}):
         assert client.post(RESPONSES, json={"input": "Hi", **extra}).status_code == 200
-    # The parsed models convert to the Chat Completions shapes the wiring will need.
+    so = [call.params.structured_outputs for call in fake_engine.calls]
+    assert so[:5] == [None] * 5
+    assert so[5].json == {"type": "object"} and so[5].disable_additional_properties
+    assert so[6].json_object
+    # The parsed models convert to the Chat Completions shapes.
     request = ResponsesRequest.model_validate({"input": "Hi", "tools": [tool], "text": {"format": schema}})
     assert request.tools is not None and request.text is not None and request.text.format is not None
     assert request.tools[0].to_chat_tool() == {"type": "function", "function": {
         "name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
     assert request.text.format.to_response_format() == {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object"}, "strict": True}}
-
-
-def test_tool_call_output_items(monkeypatch: pytest.MonkeyPatch, fake_engine: FakeAsyncLLM) -> None:
-    """The output side of the tools seam: calls returned by ``extract_tool_calls`` become function_call items."""
-    from tokenmill.entrypoints.openai import serving_responses
-
-    def fake_extract(request: ResponsesRequest, text: str) -> tuple[str, list[serving_responses.ToolCall]]:
-        return "", [serving_responses.ToolCall("get_weather", "{\"city\": \"Paris\"}", "call_1")]
-
-    monkeypatch.setattr(serving_responses, "extract_tool_calls", fake_extract)
-    with TestClient(build_app(fake_engine, server_args())) as http:
-        oai = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
-        r = oai.responses.create(model=SERVED_NAME, input="Hi")
-        assert [item.type for item in r.output] == ["function_call"]
-        assert (r.output[0].call_id, r.output[0].name, r.output[0].arguments) == (
-            "call_1", "get_weather", "{\"city\": \"Paris\"}")
-        with oai.responses.stream(model=SERVED_NAME, input="Hi") as stream:
-            kinds = [e.type for e in stream]
-            final = stream.get_final_response()
-    assert "response.function_call_arguments.done" in kinds
-    assert [item.type for item in final.output] == ["message", "function_call"]
-    assert final.output[1].arguments == "{\"city\": \"Paris\"}"
 
 
 def test_error_after_the_stream_started(fake_engine: FakeAsyncLLM) -> None:

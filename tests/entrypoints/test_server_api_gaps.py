@@ -109,13 +109,18 @@ def test_responses_logprobs(oai: openai.OpenAI) -> None:
 
 def test_responses_refusals_name_the_field(oai: openai.OpenAI) -> None:
     tool = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}}
-    for kwargs, param in (({"tools": [tool]}, "tools"),
-                          ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+    bad_schema = {"type": "json_schema", "name": "x", "schema": {"type": "no-such-type"}}
+    # This server runs without --enable-auto-tool-choice: tools with tool_choice auto (the default) name the flags.
+    for kwargs, param in (({"tools": [tool]}, "tool_choice"),
+                          ({"text": {"format": bad_schema}}, "text.format.schema"),
+                          ({"extra_body": {"structured_outputs": {"regex": "a"}}}, "structured_outputs"),
                           ({"previous_response_id": "resp_1"}, "previous_response_id"),
                           ({"temperature": 2.5}, "temperature")):
         with pytest.raises(openai.BadRequestError) as info:
             oai.responses.create(model=REAL_SERVED_NAME, input=QUESTION, **kwargs)
         assert info.value.param == param
+        if param == "tool_choice":
+            assert "--enable-auto-tool-choice" in str(info.value)
 
 
 # ---------------------------------------------------------------------------------------------- API gaps

@@ -44,16 +44,23 @@ def _rank_facts(worker) -> dict:
     )
 
 
-def _alive_tokenmill_actors() -> list:
+# The state API is given the cluster's address: left to find one, it refuses when another Ray instance runs on
+# the machine.
+def _alive_tokenmill_actors(address: str) -> list:
     from ray.util.state import list_actors
 
-    return [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000) if a.class_name == "RayWorkerWrapper"]
+    return [a for a in list_actors(address=address, filters=[("state", "=", "ALIVE")], limit=1000)
+            if a.class_name == "RayWorkerWrapper"]
 
 
-def _live_placement_groups() -> list:
+def _live_placement_groups(address: str) -> list:
     from ray.util.state import list_placement_groups
 
-    return [pg for pg in list_placement_groups(limit=1000) if pg.state != "REMOVED"]
+    return [pg for pg in list_placement_groups(address=address, limit=1000) if pg.state != "REMOVED"]
+
+
+def _all_gone(address: str) -> bool:
+    return not _alive_tokenmill_actors(address) and not _live_placement_groups(address)
 
 
 def _wait_until(predicate, timeout_s: float = 20.0) -> bool:
@@ -94,14 +101,14 @@ def test_tp2_across_two_nodes_matches_tp1_and_cleans_up(ray_cluster, tiny_llama_
         assert [f["tp"] for f in facts] == [(0, 2), (1, 2)]
         assert {f["backend"] for f in facts} == {"gloo"}
         assert run_engine(core, PROMPTS, max_tokens=8) == reference
-        assert len(_alive_tokenmill_actors()) == 2
-        assert len(_live_placement_groups()) == 1
-        names = {a.name for a in _alive_tokenmill_actors()}
+        assert len(_alive_tokenmill_actors(ray_cluster.address)) == 2
+        assert len(_live_placement_groups(ray_cluster.address)) == 1
+        names = {a.name for a in _alive_tokenmill_actors(ray_cluster.address)}
         assert all(n.startswith("tokenmill-") and n.endswith(("-rank0", "-rank1")) for n in names)
         assert ray.get_actor(sorted(names)[0], namespace=RAY_NAMESPACE) is not None
     finally:
         core.shutdown()
-    assert _wait_until(lambda: not _alive_tokenmill_actors() and not _live_placement_groups())
+    assert _wait_until(lambda: _all_gone(ray_cluster.address))
 
 
 def test_pipeline_parallel_pp2_and_tp2_pp2_match_pp1(ray_cluster, tiny_llama_dir, reference):
@@ -124,7 +131,7 @@ def test_pipeline_parallel_pp2_and_tp2_pp2_match_pp1(ray_cluster, tiny_llama_dir
             assert max(in_flight) == 2  # two micro-batches in the pipeline at once
         finally:
             core.shutdown()
-    assert _wait_until(lambda: not _alive_tokenmill_actors() and not _live_placement_groups())
+    assert _wait_until(lambda: _all_gone(ray_cluster.address))
 
 
 def test_killed_actor_fails_the_step_quickly(ray_cluster, tiny_llama_dir):
@@ -145,7 +152,7 @@ def test_killed_actor_fails_the_step_quickly(ray_cluster, tiny_llama_dir):
             core.step()
     finally:
         core.shutdown()
-    assert _wait_until(lambda: not _alive_tokenmill_actors() and not _live_placement_groups())
+    assert _wait_until(lambda: _all_gone(ray_cluster.address))
 
 
 def test_node_leaving_fails_the_step(ray_cluster, tiny_llama_dir, monkeypatch):
@@ -165,7 +172,7 @@ def test_node_leaving_fails_the_step(ray_cluster, tiny_llama_dir, monkeypatch):
     finally:
         core.shutdown()
         ray_cluster.nodes.remove(node)
-    assert _wait_until(lambda: not _alive_tokenmill_actors() and not _live_placement_groups(), 30.0)
+    assert _wait_until(lambda: _all_gone(ray_cluster.address), 30.0)
 
 
 def test_unplaceable_group_is_a_clear_error(ray_cluster, tiny_llama_dir, monkeypatch):
@@ -175,7 +182,7 @@ def test_unplaceable_group_is_a_clear_error(ray_cluster, tiny_llama_dir, monkeyp
     monkeypatch.setenv(PLACEMENT_TIMEOUT_ENV, "2")
     with pytest.raises(RayPlacementError, match="could not place 2 bundles"):
         _ray_core(ray_cluster, tiny_llama_dir, tensor_parallel_size=2)
-    assert _wait_until(lambda: not _live_placement_groups())
+    assert _wait_until(lambda: not _live_placement_groups(ray_cluster.address))
 
 
 _LOCAL_SCRIPT = """

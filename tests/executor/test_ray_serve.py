@@ -81,19 +81,22 @@ class Server:
         return self.process.returncode
 
 
-def _alive_actors(class_name: str) -> list:
+# The state API is given the cluster's address: left to find one, it refuses when another Ray instance runs on
+# the machine.
+def _alive_actors(address: str, class_name: str) -> list:
     from ray.util.state import list_actors
 
-    return [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000) if a.class_name == class_name]
+    return [a for a in list_actors(address=address, filters=[("state", "=", "ALIVE")], limit=1000)
+            if a.class_name == class_name]
 
 
-def _nothing_left(timeout_s: float = 30.0) -> bool:
+def _nothing_left(address: str, timeout_s: float = 30.0) -> bool:
     from ray.util.state import list_placement_groups
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        pgs = [pg for pg in list_placement_groups(limit=1000) if pg.state != "REMOVED"]
-        if not pgs and not _alive_actors("EngineCoreActor") and not _alive_actors("RayWorkerWrapper"):
+        pgs = [pg for pg in list_placement_groups(address=address, limit=1000) if pg.state != "REMOVED"]
+        if not pgs and not any(_alive_actors(address, c) for c in ("EngineCoreActor", "RayWorkerWrapper")):
             return True
         time.sleep(0.5)
     return False
@@ -107,7 +110,7 @@ def test_serve_dp2_ray_engines_on_two_nodes(ray_cluster, model_dir, reference_te
     try:
         server.wait_healthy()
         nodes = ray_cluster.node_ids_by_resource()
-        engines = sorted(_alive_actors("EngineCoreActor"), key=lambda a: a.name)
+        engines = sorted(_alive_actors(ray_cluster.address, "EngineCoreActor"), key=lambda a: a.name)
         assert [a.node_id for a in engines] == [nodes["node_a"], nodes["node_b"]]
         assert all(a.ray_namespace == RAY_NAMESPACE for a in engines)
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
@@ -132,7 +135,7 @@ def test_serve_dp2_ray_engines_on_two_nodes(ray_cluster, model_dir, reference_te
     finally:
         code = server.stop()
     assert code == 0, server.log_tail()
-    assert _nothing_left(), "Ray actors or placement groups outlived the server"
+    assert _nothing_left(ray_cluster.address), "Ray actors or placement groups outlived the server"
 
 
 def test_serve_tp2_ray_worker_killed_mid_generation(ray_cluster, model_dir, tmp_path):
@@ -157,7 +160,7 @@ def test_serve_tp2_ray_worker_killed_mid_generation(ray_cluster, model_dir, tmp_
         reader = threading.Thread(target=stream)
         reader.start()
         assert first_chunk.wait(120), server.log_tail()
-        workers = _alive_actors("RayWorkerWrapper")
+        workers = _alive_actors(ray_cluster.address, "RayWorkerWrapper")
         assert len(workers) == 2
         ray.kill(ray.get_actor(workers[1].name, namespace=RAY_NAMESPACE))
         killed = time.monotonic()
@@ -173,4 +176,4 @@ def test_serve_tp2_ray_worker_killed_mid_generation(ray_cluster, model_dir, tmp_
         assert server.process.returncode == 1
     finally:
         server.stop()
-    assert _nothing_left(), "Ray actors or placement groups outlived the server"
+    assert _nothing_left(ray_cluster.address), "Ray actors or placement groups outlived the server"

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 from tokenmill.attention.registry import AttentionBackendRegistry
+from tokenmill.entrypoints.openai.tool_parsers import ToolParserManager
+from tokenmill.layers.custom_op import CustomOpRegistry
 from tokenmill.model_loader import ModelRegistry
 from tokenmill.platforms import reset_current_platform
 from tokenmill.plugins import reset_for_tests
@@ -52,6 +54,8 @@ def _reset_all(search_path: list[Path] | None = None) -> None:
     reset_current_platform()
     ModelRegistry.reset_for_tests()
     AttentionBackendRegistry.reset_for_tests()
+    ToolParserManager.reset_for_tests()
+    CustomOpRegistry.reset_for_tests()
 
 
 @dataclass
@@ -81,6 +85,10 @@ class FakeSite:
         (info / "entry_points.txt").write_text("\n".join(lines))
         _reset_all([self.root])
 
+    def use_all_distributions(self) -> None:
+        """Discover entry points everywhere on ``sys.path`` (the installed plugins and this site's fakes)."""
+        _reset_all()
+
     def add_platform_plugin(self, dist_name: str, ep_name: str, detect_body: str, name: str | None = None) -> str:
         """A platform distribution whose detect() runs ``detect_body`` (indented code). Returns the module."""
         module = self.unique_module(f"fake_platform_{ep_name}")
@@ -93,8 +101,9 @@ class FakeSite:
 @pytest.fixture
 def clean_plugin_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """No TOKENMILL_PLUGINS / TOKENMILL_PLATFORM, fresh plugin manager, platform and registries."""
-    monkeypatch.delenv("TOKENMILL_PLUGINS", raising=False)
-    monkeypatch.delenv("TOKENMILL_PLATFORM", raising=False)
+    for name in ("TOKENMILL_PLUGINS", "TOKENMILL_PLATFORM", "TOKENMILL_ATTENTION_BACKEND"):
+        monkeypatch.setenv(name, "")  # recorded, so a value a test sets (set_current_platform does) is undone
+        monkeypatch.delenv(name)
     _reset_all()
     yield
     _reset_all()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from typing import TYPE_CHECKING
@@ -14,6 +13,7 @@ from tokenmill.model_loader.registry import UnknownArchitectureError
 from tokenmill.platforms import (
     NoPlatformError,
     PlatformConflictError,
+    PlatformDetectionError,
     UnknownPlatformError,
     current_platform,
     get_current_platform,
@@ -89,28 +89,31 @@ def test_no_platform_plugin_installed(fake_site: FakeSite) -> None:
         resolve_platform()
 
 
-def test_detector_exception_is_shown_when_none_active(fake_site: FakeSite) -> None:
+def test_detector_exception_stops_startup_when_none_active(fake_site: FakeSite) -> None:
     fake_site.add_platform_plugin("fake-alpha", "alpha", "raise RuntimeError('driver exploded')")
     fake_site.add_platform_plugin("fake-beta", "beta", DECLINED)
-    with pytest.raises(NoPlatformError) as info:
+    with pytest.raises(PlatformDetectionError) as info:
         resolve_platform()
     assert "RuntimeError: driver exploded" in str(info.value)
-    assert "fake-alpha" in str(info.value)
+    assert "fake-alpha" in str(info.value) and "--platform alpha" in str(info.value)
 
 
-def test_detector_exception_is_logged_when_another_is_active(
-    fake_site: FakeSite, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_detector_exception_stops_startup_even_when_another_is_active(fake_site: FakeSite) -> None:
+    """The decided rule: no silent fallback to the other platform (the failing one may be the GPU the user
+    wants); the error names both and says how to choose."""
     fake_site.add_platform_plugin("fake-alpha", "alpha", "raise RuntimeError('driver exploded')")
     fake_site.add_platform_plugin("fake-beta", "beta", ACTIVE)
-    with caplog.at_level(logging.WARNING, logger="tokenmill.platforms.selection"):
-        assert resolve_platform().name == "beta"
-    assert "driver exploded" in caplog.text
+    with pytest.raises(PlatformDetectionError) as info:
+        resolve_platform()
+    message = str(info.value)
+    assert "driver exploded" in message and "fake-alpha" in message
+    assert "Active: beta" in message and "--platform beta" in message and "tokenmill plugins" in message
+    assert resolve_platform("beta").name == "beta"  # naming the platform skips the failing detector
 
 
 def test_detector_returning_garbage_is_reported(fake_site: FakeSite) -> None:
     fake_site.add_platform_plugin("fake-alpha", "alpha", "return 'yes'")
-    with pytest.raises(NoPlatformError, match="expected a bool or a"):
+    with pytest.raises(PlatformDetectionError, match="expected a bool or a"):
         resolve_platform()
 
 

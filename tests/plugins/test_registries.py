@@ -84,10 +84,12 @@ def test_attention_backend_from_plugin(fake_site: FakeSite) -> None:
         """,
     )
     fake_site.add_distribution("fake-attn", {"tokenmill.plugins": {"attn": module}})
-    assert AttentionBackendRegistry.get_backend_names() == ["fancy", "torch_paged"]
-    assert AttentionBackendRegistry.resolve_backend_cls("fancy").__name__ == "FancyBackend"
-    assert AttentionBackendRegistry.get_backend_path("fancy") == f"{module}:FancyBackend"
-    with pytest.raises(UnknownAttentionBackendError, match="fancy, torch_paged"):
+    assert AttentionBackendRegistry.get_backend_names() == ["FANCY", "TORCH_PAGED", "TRITON_PAGED"]
+    assert AttentionBackendRegistry.resolve_backend_cls("fancy").__name__ == "FancyBackend"  # any case
+    assert AttentionBackendRegistry.get_backend_path("FANCY") == f"{module}:FancyBackend"
+    assert AttentionBackendRegistry.source_of("fancy") == "plugin tokenmill.plugins:attn"
+    assert AttentionBackendRegistry.source_of("TORCH_PAGED") == "builtin"
+    with pytest.raises(UnknownAttentionBackendError, match="FANCY, TORCH_PAGED, TRITON_PAGED"):
         AttentionBackendRegistry.get_backend_path("nope")
 
 

@@ -119,3 +119,48 @@ def test_compile_cache_key_follows_the_architecture_not_the_weights(compile_on, 
     assert CompileCache(base, []).key == CompileCache(dict(base), []).key
     assert CompileCache(base, []).key != CompileCache({**base, "dtype": "bfloat16"}, []).key
     assert str(CompileCache(base, []).directory).startswith(str(tmp_path / "cache"))
+
+
+def test_compile_cache_key_changes_with_a_custom_op_and_with_plugin_sources(tiny_llama_dir, tmp_path,
+                                                                            monkeypatch) -> None:
+    """A plugin's replacement layer changes the traced graph, so it must change the key (a stale graph would
+    silently bypass the plugin's op); a one-file module's source joins the digest too."""
+    import sys
+
+    from tokenmill.layers import RMSNorm
+    from tokenmill.layers.custom_op import CustomOpRegistry
+    from tokenmill.worker.compile_cache import _source_digests, source_digest
+
+    monkeypatch.setenv("TOKENMILL_COMPILE", "0")  # the key only: nothing compiles
+
+    def key() -> str:
+        runner = _compiled_core(tiny_llama_dir).executor.worker.model_runner
+        return CompiledRunner(runner.model, 4, runner.block_size).cache_for(runner).key
+
+    plain = key()
+    assert key() == plain
+
+    class OtherRMSNorm(RMSNorm):
+        def forward(self, *args, **kwargs):
+            return self.forward_native(*args, **kwargs)
+
+    CustomOpRegistry.register_op("rms_norm", OtherRMSNorm)
+    try:
+        assert key() != plain
+    finally:
+        CustomOpRegistry.reset_for_tests()
+    assert key() == plain
+
+    module_file = tmp_path / "one_file_plugin_xyz.py"
+    module_file.write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import one_file_plugin_xyz  # noqa: F401
+
+    try:
+        first = source_digest(["one_file_plugin_xyz"])
+        _source_digests.pop("one_file_plugin_xyz")
+        module_file.write_text("X = 2\n")
+        assert source_digest(["one_file_plugin_xyz"]) != first
+    finally:
+        sys.modules.pop("one_file_plugin_xyz", None)
+        _source_digests.pop("one_file_plugin_xyz", None)

@@ -7,6 +7,10 @@ the gathered, padded context; prefill chunks run one SDPA call per request with 
 request's cached prefix (sliding windows and logit soft caps as masks / a float32 path, see
 :class:`TorchPagedAttentionImpl`). A pure decode step reads only device tensors of the metadata (and ``max_query_len``),
 so torch.compile can trace it (``supports_compile``).
+
+A vendor kernel for one-token queries plugs in by subclassing :class:`TorchPagedAttentionImpl` and overriding
+:meth:`TorchPagedAttentionImpl.forward_decode` (its contract is in that docstring); the cache layout, the cache
+write and the prefill path stay the torch ones. The CPU plugin's C++ decode kernel is such a subclass.
 """
 
 from __future__ import annotations
@@ -55,7 +59,8 @@ class TorchPagedAttentionImpl(AttentionImpl):
             return out.reshape(num_tokens, -1)
         write_kv_cache(k, v, kv_cache, attn_metadata.slot_mapping)
         if attn_metadata.max_query_len == 1:  # every request decodes one token
-            return self._decode(q, kv_cache, attn_metadata.block_table, attn_metadata.seq_lens, attn_metadata.block_size)
+            return self.forward_decode(q, kv_cache, attn_metadata.block_table, attn_metadata.seq_lens,
+                                       attn_metadata.block_size)
         out = torch.empty_like(q)
         qsl = attn_metadata.query_start_loc_cpu
         seq_lens = attn_metadata.seq_lens_cpu
@@ -122,18 +127,30 @@ class TorchPagedAttentionImpl(AttentionImpl):
         o = torch.matmul(probs, v.float().transpose(0, 1).unsqueeze(1))  # [Hkv, G, Lq, D]
         return o.reshape(self.num_heads, lq, self.head_size).transpose(0, 1).to(q.dtype)
 
-    def _decode(
+    def forward_decode(
         self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int
     ) -> torch.Tensor:
-        """A pure decode step (request ``i`` is token ``i``), from device tensors only, so torch.compile can
-        trace it with dynamic shapes (see ``tokenmill.worker.compiled_runner``).
+        """Attention of one query token per request over its cached context: the extension point for a decode
+        kernel (override it in a subclass; everything else stays the torch backend's).
+
+        Called for every pure decode step and, batched, for the one-token queries of mixed steps, after the
+        step's keys and values are already in the cache (the new token's included). Request ``i`` is row ``i``;
+        its context is positions ``0 .. seq_lens[i] - 1`` (only the last ``sliding_window`` of them when the
+        impl has one), stored at slot ``block_table[i, p // block_size] * block_size + p % block_size`` of this
+        backend's layout ``[2, Hkv, num_blocks, block_size, D]`` (keys, then values). Scores are
+        ``self.scale * q . k`` (then ``c * tanh(s / c)`` with ``self.logits_soft_cap``), softmax over the
+        context, weighted sum of the values; grouped-query attention maps query head ``h`` to KV head
+        ``h // (Hq / Hkv)``. An override must read only these device tensors (no host lists), so the step can
+        be traced by torch.compile and captured in a device graph, and must not write the cache.
 
         Args:
-            q: ``[B, Hq, D]``.
-            kv_cache: this layer's cache.
-            block_table: ``[B, nb]`` int32; every column is read (only the window's columns with
-                ``sliding_window``), positions ``>= seq_lens`` are masked.
-            seq_lens: ``[B]`` int32.
+            q: ``[B, Hq, D]`` in the model dtype, already rotated.
+            kv_cache: this layer's cache, model dtype.
+            block_table: ``[B, nb]`` int32; ``nb`` may exceed what a request needs (the extra columns are
+                padding); the default reads every column (only the window's with ``sliding_window``) and masks
+                positions ``>= seq_lens``.
+            seq_lens: ``[B]`` int32, context length of each request (>= 1).
+            block_size: tokens per block.
 
         Returns:
             ``[B, Hq * D]`` in ``q``'s dtype.
@@ -156,7 +173,9 @@ class TorchPagedAttentionImpl(AttentionImpl):
             pos = (cols.unsqueeze(-1) * block_size + torch.arange(block_size, device=q.device)).reshape(num, span)
             valid = (pos < lens) & (pos >= lens - window)
         k_ctx = kv_cache[0][:, blocks].view(hkv, num, span, d)  # [Hkv, B, S, D]
-        v_ctx = kv_cache[1][:, blocks].view(hkv, num, span, d)
+        # Masked positions get probability 0, but 0 * NaN is NaN: values outside the context (block-table padding,
+        # stale slots, possibly another request's blocks) must not reach the output even if they are not finite.
+        v_ctx = kv_cache[1][:, blocks].view(hkv, num, span, d).masked_fill(~valid.view(1, num, span, 1), 0)
         qh = q.reshape(num, hkv, group, d).transpose(0, 1).to(k_ctx.dtype)  # [Hkv, B, G, D]
         cap = self.logits_soft_cap
         if torch.compiler.is_compiling():
@@ -185,11 +204,11 @@ class TorchPagedAttentionImpl(AttentionImpl):
         md: AttentionMetadata,
         decode_idx: list[int],
     ) -> None:
-        """The one-token queries of a mixed step, all at once through :meth:`_decode`, into ``out``."""
+        """The one-token queries of a mixed step, all at once through :meth:`forward_decode`, into ``out``."""
         nb = -(-max(md.seq_lens_cpu[i] for i in decode_idx) // md.block_size)
         idx = torch.tensor(decode_idx, device=q.device)
         tokens = md.query_start_loc[idx].long()
-        o = self._decode(q[tokens], kv_cache, md.block_table[idx, :nb], md.seq_lens[idx], md.block_size)
+        o = self.forward_decode(q[tokens], kv_cache, md.block_table[idx, :nb], md.seq_lens[idx], md.block_size)
         out[tokens] = o.view(-1, self.num_heads, self.head_size)
 
 

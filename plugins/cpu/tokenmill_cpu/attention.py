@@ -1,6 +1,7 @@
 """CpuPagedAttentionBackend: the torch paged backend with decode attention in tokenmill-cpu's C++ kernel.
 
-Same cache layout and prefill path as ``tokenmill.attention.backends.torch_paged``; one-token queries (pure
+Same cache layout and prefill path as tokenmill's ``TorchPagedAttentionBackend`` (this is its documented
+extension point, ``forward_decode``); one-token queries (pure
 decode steps, and the decodes of mixed steps) go to :func:`tokenmill_cpu.kernels.paged_decode`, which reads
 the cache blocks in place (sliding windows and logit soft caps included). The kernels build in the background
 (:func:`tokenmill_cpu.kernels.load_async`) while the model loads; until they are ready, and when they cannot be
@@ -11,8 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.attention.backend import AttentionImpl
-from tokenmill.attention.backends.torch_paged import TorchPagedAttentionBackend, TorchPagedAttentionImpl
+from tokenmill.plugin_api import AttentionImpl, TorchPagedAttentionBackend, TorchPagedAttentionImpl
 from tokenmill_cpu import kernels
 
 
@@ -50,11 +50,13 @@ class CpuPagedAttentionImpl(TorchPagedAttentionImpl):
     def use_kernel(self, value: bool) -> None:
         self._use_kernel = value
 
-    def _decode(
+    def forward_decode(
         self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int
     ) -> torch.Tensor:
+        """The C++ kernel (:func:`tokenmill_cpu.kernels.paged_decode`) under the torch backend's decode contract
+        (:meth:`TorchPagedAttentionImpl.forward_decode`)."""
         if not self.use_kernel or kv_cache.device.type != "cpu":
-            return super()._decode(q, kv_cache, block_table, seq_lens, block_size)
+            return super().forward_decode(q, kv_cache, block_table, seq_lens, block_size)
         out = kernels.paged_decode(
             q.to(kv_cache.dtype), kv_cache, block_table.to(torch.int32).contiguous(), seq_lens.to(torch.int32),
             self.scale, self.sliding_window, self.logits_soft_cap,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.layers.quantization import QuantizedWeight, UnsupportedShapeError
+from tokenmill.plugin_api import QuantizedWeight, UnsupportedShapeError
 
 GROUP_SIZE = 32
 INNER_K_TILES = 2  # packing parameter of _convert_weight_to_int4pack_for_cpu (2, 4 or 8)

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
-from tokenmill.platforms import Platform
+from tokenmill.plugin_api import Platform
 from tokenmill_cpu import memory
 
 if TYPE_CHECKING:
     import torch
 
-    from tokenmill.config import EngineConfig
+    from tokenmill.plugin_api import EngineConfig
 
 GiB = 1 << 30
 DEFAULT_KV_CACHE_CAP_BYTES = 4 * GiB
-CPU_ATTN_BACKEND = "tokenmill_cpu.attention:CpuPagedAttentionBackend"
+CPU_ATTN_BACKEND = "CPU_PAGED"  # registered by tokenmill_cpu.plugin (tokenmill_cpu.attention:CpuPagedAttentionBackend)
 
 
 class CpuPlatform(Platform):
@@ -25,10 +25,16 @@ class CpuPlatform(Platform):
     default_dtype: ClassVar[str] = "float32"  # correctness first; bfloat16 with --dtype bfloat16
     supports_graph_capture: ClassVar[bool] = False
     supports_compile: ClassVar[bool] = True  # fused pointwise work; per-op overhead dominates small steps on a CPU
+    ranks_share_device: ClassVar[bool] = True
+    # KV cache: min(4 GiB, a quarter of the RAM available once the weights are loaded) unless --kv-cache-memory
+    memory_accounting: ClassVar[str] = "available"
+    kv_cache_available_fraction: ClassVar[float] = 0.25
+    kv_cache_cap_bytes: ClassVar[int | None] = DEFAULT_KV_CACHE_CAP_BYTES
 
     @classmethod
     def get_attn_backend_cls(cls, config: EngineConfig) -> str:
-        """The torch paged backend with decode attention in this plugin's C++ kernel (``tokenmill_cpu.attention``)."""
+        """``CPU_PAGED``: the torch paged backend with decode attention in this plugin's C++ kernel
+        (``tokenmill_cpu.attention``)."""
         return CPU_ATTN_BACKEND
 
     @classmethod
@@ -74,25 +80,21 @@ class CpuPlatform(Platform):
         return memory.total_memory_bytes()
 
     @classmethod
+    def get_device_available_memory(cls, device_id: int = 0) -> int:
+        """RAM available without swapping (``/proc/meminfo`` MemAvailable, or psutil).
+
+        Raises:
+            RuntimeError: neither source exists; pass ``--kv-cache-memory``.
+        """
+        return memory.available_memory_bytes()
+
+    @classmethod
     def device_count(cls) -> int:
         return 1
 
     @classmethod
-    def determine_kv_cache_bytes(
-        cls, config: EngineConfig, *, model_memory_bytes: int = 0, peak_activation_bytes: int = 0
-    ) -> int:
-        """``--kv-cache-memory`` when given, else min(4 GiB, a quarter of the available RAM).
-
-        Raises:
-            ValueError: ``--kv-cache-memory`` is not positive.
-            RuntimeError: available RAM cannot be determined (see ``memory.available_memory_bytes``).
-        """
-        explicit = config.cache_config.kv_cache_memory
-        if explicit is not None:
-            if explicit <= 0:
-                raise ValueError(f"--kv-cache-memory must be positive, got {explicit} bytes")
-            return int(explicit)
-        return min(DEFAULT_KV_CACHE_CAP_BYTES, memory.available_memory_bytes() // 4)
+    def supports_memory_profiling(cls) -> bool:
+        return False  # host allocations are not tracked; "available" accounting sees the loaded weights
 
     @classmethod
     def set_device(cls, device: torch.device) -> None:

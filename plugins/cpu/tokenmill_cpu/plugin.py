@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 
-from tokenmill.platforms import PlatformSpec
-from tokenmill.plugins import hookimpl
+from tokenmill.plugin_api import PlatformSpec, hookimpl
+
+TOKENMILL_PLUGIN_API = ">=1.0,<2"
 
 
 def detect() -> tuple[bool, str]:
@@ -40,3 +41,8 @@ def tokenmill_platform() -> PlatformSpec:
         platform_cls="tokenmill_cpu.platform:CpuPlatform",
         description="x86/ARM CPUs (torch on the host)",
     )
+
+
+@hookimpl
+def tokenmill_register_attention_backends(registry):  # noqa: ANN001, ANN201 - pluggy hook
+    registry.register_backend("CPU_PAGED", "tokenmill_cpu.attention:CpuPagedAttentionBackend")

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.layers.quantization import QuantizedWeight, UnsupportedShapeError
+from tokenmill.plugin_api import QuantizedWeight, UnsupportedShapeError
 
 BLOCK = 32  # input channels per scale
 ROWS = 16  # output rows per panel of the packed layout

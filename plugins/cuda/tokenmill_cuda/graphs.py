@@ -1,7 +1,7 @@
 """CUDA graphs for tokenmill's decode steps: :class:`CudaGraphCapture` wraps ``torch.cuda.CUDAGraph``.
 
 The device-independent logic (buckets, static buffers, padding, when to replay) is in
-``tokenmill.worker.graph_runner``; this class only records and replays. All buckets of one model runner
+``tokenmill.worker.graph_runner`` (the interface: ``tokenmill.plugin_api.GraphCapture``); this class only records and replays. All buckets of one model runner
 allocate from one memory pool (``torch.cuda.graph_pool_handle()``), captured largest first, so the smaller
 graphs reuse the larger ones' intermediate memory; each graph's output tensor stays referenced by the graph
 runner, so no later capture reuses it.
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tokenmill.worker.graph_runner import GraphCapture
+from tokenmill.plugin_api import GraphCapture
 
 
 class CudaGraphCapture(GraphCapture):

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from tokenmill.platforms import PlatformSpec
-from tokenmill.plugins import hookimpl
+from tokenmill.plugin_api import PlatformSpec, hookimpl
+
+TOKENMILL_PLUGIN_API = ">=1.0,<2"
 
 
 def detect() -> tuple[bool, str]:

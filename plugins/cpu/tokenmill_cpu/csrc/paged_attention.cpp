@@ -36,7 +36,8 @@ inline Vec load_float(const T* src) {
   }
 }
 
-#if defined(CPU_CAPABILITY_AVX512)
+// ATen's conversions: vectorized on AVX-512 and AVX2 (bf16: shift into the high half; fp16: F16C), a scalar
+// loop in the default build.
 template <>
 inline Vec load_float<at::BFloat16>(const at::BFloat16* src) {
   Vec out;
@@ -49,7 +50,6 @@ inline Vec load_float<at::Half>(const at::Half* src) {
   at::vec::load_fp32_from_fp16(src, out);
   return out;
 }
-#endif
 
 inline float hsum(const Vec& v) {
 #if defined(CPU_CAPABILITY_AVX512)

@@ -1,0 +1,33 @@
+"""The paged KV cache's addressing, shared by every backend (layouts differ; slots do not).
+
+The cache of one layer holds ``num_blocks`` blocks of ``block_size`` token slots. A request's block table lists
+its block ids in sequence order; token ``p`` of the request lives in slot
+``block_table[p // block_size] * block_size + p % block_size``. The model runner sends each step's
+``slot_mapping`` (one slot per new token) and block tables in :class:`tokenmill.attention.backend.AttentionMetadata`;
+a backend writes the new keys/values to ``slot_mapping`` and reads a request's context through its block table.
+A negative slot (the padding rows of a captured device graph) must be written nowhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for non-negative integers (blocks needed for ``a`` tokens of ``b`` per block)."""
+    return -(-a // b)
+
+
+def compute_slot_mapping(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Slots of ``positions`` of one request.
+
+    Args:
+        block_table: ``[nb]`` int, the request's block ids in order.
+        positions: ``[T]`` int, token positions (each ``< nb * block_size``).
+        block_size: tokens per block.
+
+    Returns:
+        ``[T]`` int64 slots, ``block_table[p // block_size] * block_size + p % block_size``.
+    """
+    positions = positions.long()
+    return block_table.long()[positions // block_size] * block_size + positions % block_size

@@ -1,0 +1,170 @@
+"""Disk cache of what is slow to read from a GGUF file: its transformers config and its tensor table.
+
+``gguf.GGUFReader`` and transformers' GGUF loader walk every metadata entry in Python: for the embedded
+SmolLM2 file that is about 100,000 vocabulary and merge strings, 5-20 s per reader on a small busy CPU, paid
+again by every process that opens the file (the front end for the config, the engine core for the weights).
+What they produce is saved once under ``$TOKENMILL_CACHE_DIR/gguf/<key>/`` and read back in milliseconds:
+
+* ``config/``: the transformers config after tokenmill's fix-ups (``config.json``, loaded with ``AutoConfig``);
+* ``tensors.json``: the architecture name and, per tensor, its name, GGML type, dimensions and byte offset; the
+  tensor data itself is mapped from the GGUF file (``numpy.memmap``), exactly as ``GGUFReader`` maps it.
+
+The key is the file's absolute path, size and modification time plus the ``gguf`` and ``transformers``
+versions, so a changed file or library never reads a stale entry. Deleting the directory is always safe; a
+damaged entry is ignored (and rewritten).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+_TABLE_VERSION = 1
+
+
+def gguf_cache_key(path: str) -> str | None:
+    """A hex key naming ``path``'s current contents and the reader libraries; ``None`` if it cannot be read."""
+    import gguf
+    import transformers
+
+    path = os.path.abspath(path)
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    gguf_version = getattr(gguf, "__version__", None) or _dist_version("gguf")
+    raw = f"{path}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}|{gguf_version}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:20]
+
+
+def gguf_cache_dir(path: str) -> Path | None:
+    """``$TOKENMILL_CACHE_DIR/gguf/<key>`` for ``path`` (not created here); ``None`` if the file is missing."""
+    from tokenmill.worker.compile_cache import cache_root
+
+    key = gguf_cache_key(path)
+    return None if key is None else cache_root() / "gguf" / key
+
+
+def save_atomically(target: Path, write: Callable[[Path], None]) -> None:
+    """Run ``write(tmp_dir)`` and rename ``tmp_dir`` to ``target``; a concurrent writer's result wins.
+
+    Failures to write are logged, never raised: the cache only saves time.
+    """
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+        try:
+            write(tmp)
+            os.replace(tmp, target)
+        except OSError:
+            if not target.exists():
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # left only when another process saved it first
+    except OSError as exc:
+        logger.warning("could not write the cache entry %s (%s)", target, exc)
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a GGUF file, its data mapped from the file.
+
+    Attributes:
+        name: llama.cpp's tensor name (``blk.0.attn_q.weight``).
+        tensor_type: the ``gguf.GGMLQuantizationType``.
+        data: ``numpy`` view of the file: element dtype for float/int types (shape = dims reversed), ``uint8``
+            with the last dimension in bytes for quantized types, as ``GGUFReader`` gives it.
+    """
+
+    name: str
+    tensor_type: Any
+    data: np.ndarray
+
+
+def read_gguf_tensors(path: str) -> tuple[str, list[GGUFTensor]]:
+    """``(general.architecture, tensors)`` of the GGUF file ``path``, from the cache when it has them.
+
+    Raises:
+        OSError / ValueError: from ``gguf.GGUFReader`` when the file is unreadable or not GGUF.
+    """
+    entry = gguf_cache_dir(path)
+    table = _load_table(entry) if entry is not None else None
+    if table is None:
+        table = _build_table(path)
+        if entry is not None:
+            save_atomically(entry / "tensors", lambda d: (d / "tensors.json").write_text(json.dumps(table)))
+    return table["architecture"], _map_tensors(path, table["tensors"])
+
+
+def _load_table(entry: Path) -> dict[str, Any] | None:
+    file = entry / "tensors" / "tensors.json"
+    if not file.is_file():
+        return None
+    try:
+        table = json.loads(file.read_text())
+        if table.get("version") == _TABLE_VERSION:
+            return table
+    except (OSError, ValueError) as exc:
+        logger.warning("ignoring the cached GGUF tensor table %s (%s)", file, exc)
+    return None
+
+
+def _build_table(path: str) -> dict[str, Any]:
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    field = reader.fields["general.architecture"]
+    arch = bytes(field.parts[field.data[0]]).decode()
+    tensors = [
+        {"name": t.name, "type": int(t.tensor_type), "dims": [int(d) for d in t.shape], "offset": int(t.data_offset)}
+        for t in reader.tensors
+    ]
+    return {"version": _TABLE_VERSION, "architecture": arch, "tensors": tensors}
+
+
+_PLAIN_TYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+                "I32": np.int32, "I64": np.int64}
+
+
+def _map_tensors(path: str, entries: list[dict[str, Any]]) -> list[GGUFTensor]:
+    import gguf
+
+    # A plain ndarray view of the map: slices of a numpy.memmap run its __array_finalize__ in every numpy
+    # call that dequantization makes (about a second per load of the embedded model).
+    memory = np.memmap(path, mode="r").view(np.ndarray)
+    tensors = []
+    for e in entries:
+        ggml_type = gguf.GGMLQuantizationType(e["type"])
+        dims = tuple(reversed(e["dims"]))
+        n_elements = int(np.prod(e["dims"]))
+        block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
+        n_bytes = n_elements * type_size // block_size
+        raw = memory[e["offset"]: e["offset"] + n_bytes]
+        plain = _PLAIN_TYPES.get(ggml_type.name)
+        if plain is not None:
+            data = raw.view(plain).reshape(dims)
+        else:
+            data = raw.reshape(gguf.quants.quant_shape_to_byte_shape(dims, ggml_type))
+        tensors.append(GGUFTensor(e["name"], ggml_type, data))
+    return tensors
+
+
+def _dist_version(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "unknown"

@@ -1,0 +1,39 @@
+"""Deliberately broken attention backends: the conformance kit must fail them, naming the contract item."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tokenmill.plugin_api import TorchPagedAttentionBackend, TorchPagedAttentionImpl
+
+
+class WrongScaleImpl(TorchPagedAttentionImpl):
+    """Ignores the softmax scale it is given and uses ``head_size ** -0.5`` (right only for the default)."""
+
+    def __init__(self, num_heads, head_size, scale, num_kv_heads, **options):  # noqa: ANN001
+        super().__init__(num_heads, head_size, head_size**-0.5, num_kv_heads, **options)
+
+
+class WrongScaleBackend(TorchPagedAttentionBackend):
+    name = "WRONG_SCALE"
+
+    @staticmethod
+    def get_impl_cls():  # noqa: ANN205
+        return WrongScaleImpl
+
+
+class OffByOneSlotImpl(TorchPagedAttentionImpl):
+    """Writes every key/value one slot too far (``slot_mapping + 1``), then reads through the block table."""
+
+    def forward(self, query, key, value, kv_cache, attn_metadata):  # noqa: ANN001, ANN201
+        if attn_metadata is not None:
+            attn_metadata = dataclasses.replace(attn_metadata, slot_mapping=attn_metadata.slot_mapping + 1)
+        return super().forward(query, key, value, kv_cache, attn_metadata)
+
+
+class OffByOneSlotBackend(TorchPagedAttentionBackend):
+    name = "OFF_BY_ONE_SLOT"
+
+    @staticmethod
+    def get_impl_cls():  # noqa: ANN205
+        return OffByOneSlotImpl
