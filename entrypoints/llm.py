@@ -14,6 +14,7 @@ from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.output_processor import ERROR_FINISH_REASON
 from tokenmill.engine_args import EngineArgs
 from tokenmill.errors import EngineGenerateError
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
@@ -64,6 +65,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Complete each prompt; returns one finished RequestOutput per prompt, in order.
 
@@ -74,13 +76,17 @@ class LLM:
             use_tqdm: show a progress bar over requests.
             priority: one per prompt; lower runs earlier under ``scheduling_policy="priority"`` (ignored by
                 ``"fcfs"``). Default: all 0.
+            lora_request: the LoRA adapter for every prompt, or one per prompt (``None`` entries: the base
+                model); needs ``enable_lora=True``.
 
         Raises:
-            InvalidRequestError: a prompt or parameter is invalid (nothing keeps running).
+            InvalidRequestError: a prompt or parameter is invalid (nothing keeps running); a
+                :class:`~tokenmill.lora.LoRALoadError` when an adapter cannot be loaded.
             EngineGenerateError: the engine core failed a request.
             ValueError: ``sampling_params`` or ``priority`` is a list of the wrong length.
         """
-        return self._run(_normalize_prompts(prompts), sampling_params, use_tqdm, priority=priority)
+        return self._run(_normalize_prompts(prompts), sampling_params, use_tqdm, priority=priority,
+                         lora_request=lora_request)
 
     def chat(
         self,
@@ -130,10 +136,18 @@ class LLM:
         add_special_tokens: bool = True,
         prompt_param: str = "prompt",
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"priority: got {len(priorities)} for {len(prompts)} prompts (give one per prompt)")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"lora_request: got {len(loras)} for {len(prompts)} prompts (give one, or one per "
+                                 "prompt)")
         if sampling_params is None:
             params_list = [SamplingParams()] * len(prompts)
         elif isinstance(sampling_params, SamplingParams):
@@ -147,7 +161,7 @@ class LLM:
         engine = self.llm_engine
         request_ids: list[str] = []
         try:
-            for prompt, params, prio in zip(prompts, params_list, priorities):
+            for prompt, params, prio, lora in zip(prompts, params_list, priorities, loras):
                 request_id = str(next(self._request_counter))
                 engine.add_request(
                     request_id,
@@ -156,6 +170,7 @@ class LLM:
                     priority=prio,
                     add_special_tokens=add_special_tokens,
                     prompt_param=prompt_param,
+                    lora_request=lora,
                 )
                 request_ids.append(request_id)
             finished = self._run_engine(len(request_ids), use_tqdm)

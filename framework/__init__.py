@@ -1,7 +1,8 @@
 """tokenmill: a fast, memory-efficient LLM inference and serving engine with a plugin core.
 
-Public API: :class:`LLM`, :class:`SamplingParams`, :class:`StructuredOutputsParams`, :class:`RequestOutput`, :class:`CompletionOutput`,
-:class:`ModelRegistry`, :class:`EngineArgs`, ``__version__``. Heavy modules are imported on first use.
+Public API: :class:`LLM`, :class:`SamplingParams`, :class:`StructuredOutputsParams`, :class:`RequestOutput`,
+:class:`CompletionOutput`, :class:`ModelRegistry`, :class:`EngineArgs`, :class:`LoRARequest`, ``__version__``. Heavy
+modules are imported on first use.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ __all__ = [
     "CompletionOutput",
     "ModelRegistry",
     "EngineArgs",
+    "LoRARequest",
     "__version__",
 ]
 
@@ -29,11 +31,13 @@ _LAZY = {
     "CompletionOutput": "tokenmill.outputs",
     "ModelRegistry": "tokenmill.model_loader.registry",
     "EngineArgs": "tokenmill.engine_args",
+    "LoRARequest": "tokenmill.lora.request",
 }
 
 if TYPE_CHECKING:
     from tokenmill.engine_args import EngineArgs
     from tokenmill.entrypoints.llm import LLM
+    from tokenmill.lora.request import LoRARequest
     from tokenmill.model_loader.registry import ModelRegistry
     from tokenmill.outputs import CompletionOutput, RequestOutput
     from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams

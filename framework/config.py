@@ -173,6 +173,21 @@ class DeviceConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Multi-LoRA serving (``--enable-lora``; see docs/lora.md).
+
+    Attributes:
+        max_loras: adapters one step can use at once (the GPU-side slots of every LoRA layer).
+        max_lora_rank: the largest adapter rank accepted; slots are sized for it.
+        max_cpu_loras: adapters kept loaded in host memory (LRU; at least ``max_loras``).
+    """
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 1
+
+
+@dataclass
 class StructuredOutputsConfig:
     """Constrained decoding (JSON schemas, regexes, grammars; see docs/structured_outputs.md).
 
@@ -207,5 +222,6 @@ class EngineConfig:
     logits_processors: list[Any] = field(default_factory=list)
     # "blocking": compile before serving; "background": serve eagerly and swap compiled graphs in when ready.
     compile_mode: str = "blocking"
+    lora_config: LoRAConfig | None = None  # None: LoRA adapters are off
     # speculative decoding (tokenmill.spec_decode.config.SpeculativeConfig), or None
     speculative_config: Any = None

@@ -23,6 +23,7 @@ from tokenmill.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -88,6 +89,10 @@ class EngineArgs:
     logits_processors: list[Any] | None = None
     trust_remote_code: bool = False
     quantization: str | None = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     speculative_config: dict[str, Any] | str | None = None
     structured_outputs_backend: str = "auto"
 
@@ -152,6 +157,14 @@ class EngineArgs:
                        help="Quantized weights used for small batches (faster decode): int8 or int4 (CPU: GGUF Q8_0 / "
                             "Q4_1 blocks of 32 with 14-bit integer activations); outputs may differ slightly from full "
                             "precision.")
+        g.add_argument("--enable-lora", action="store_true", default=d.enable_lora,
+                       help="Serve LoRA adapters (PEFT format) next to the base model (docs/lora.md).")
+        g.add_argument("--max-loras", type=int, default=d.max_loras,
+                       help="Adapters one batch can mix (GPU-side slots, swapped LRU).")
+        g.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
+                       help="Largest adapter rank accepted (slots are sized for it).")
+        g.add_argument("--max-cpu-loras", type=int, default=d.max_cpu_loras,
+                       help="Adapters kept loaded in host memory, LRU (default: --max-loras).")
         g.add_argument("--speculative-config", default=d.speculative_config,
                        help='Speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                             '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": PATH, '
@@ -262,6 +275,7 @@ class EngineArgs:
             attention_backend=attention_backend,
             logits_processors=list(self.logits_processors or []),
             compile_mode=self.compile_mode or "blocking",
+            lora_config=self._create_lora_config(),
         )
         num_layers = model_config.num_layers
         if self.pipeline_parallel_size > num_layers:
@@ -312,6 +326,22 @@ class EngineArgs:
             data_parallel_routing=self.data_parallel_routing,
             ray_address=self.ray_address or os.environ.get("RAY_ADDRESS") or None,
         )
+
+    def _create_lora_config(self) -> LoRAConfig | None:
+        """``None`` without ``enable_lora``.
+
+        Raises:
+            ValueError: ``max_loras`` or ``max_lora_rank`` below 1, ``max_cpu_loras`` below ``max_loras``.
+        """
+        if not self.enable_lora:
+            return None
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        cpu = self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+        if cpu < self.max_loras:
+            raise ValueError(f"max_cpu_loras: must be at least max_loras ({self.max_loras}), got {cpu}")
+        return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank, max_cpu_loras=cpu)
 
     def replace(self, **changes: Any) -> EngineArgs:
         return dataclasses.replace(self, **changes)

@@ -26,11 +26,13 @@ Contents, by what a plugin does with them:
 * device graphs: :class:`GraphCapture` (what a platform implements), :class:`EmulatedGraphCapture` (the CPU
   emulator tests use), :class:`GraphCaptureError`;
 * kernels a platform may replace: :class:`QuantizedWeight` (``--quantization``), :class:`FusedMoEMethod`,
-  :class:`CustomOp` / :class:`CustomOpRegistry` / :data:`CUSTOM_OPS` (RMSNorm, rotary, activations, ...);
+  :class:`CustomOp` / :class:`CustomOpRegistry` / :data:`CUSTOM_OPS` (RMSNorm, rotary, activations, ...),
+  :class:`LoRAMethod` (the batched LoRA shrink/expand ``Platform.get_lora_method_cls`` names; the portable
+  :class:`TorchLoRAMethod`; its step mapping :class:`LoRABatchMapping`);
 * tool calling: :class:`ToolParser` (subclass it; ``parse(text, final)`` returns a :class:`PartialParse` of
   :class:`PartialToolCall`), :class:`ToolParserManager` (the registry of ``tokenmill_register_tool_parsers``);
 * sampling: :class:`LogitsProcessor`, :class:`LogitsProcessorBatch`, :class:`LogitsProcessorRegistry`,
-  :class:`SamplingParams` (its ``extra_args`` reach the processors);
+  :class:`SamplingParams` (its ``extra_args`` reach the processors), :class:`LoRARequest` (a request's adapter);
 * models: :class:`ModelRegistry`, the contract :class:`CausalLM`, every layer of ``tokenmill.layers``
   (:class:`Attention`, the tensor-parallel linear layers, :class:`RMSNorm`, :func:`get_rope`, the decoder
   blocks), the weight loader (:func:`load_checkpoint_weights`, :func:`default_weight_loader`,
@@ -103,6 +105,9 @@ _LAZY: dict[str, str] = {
     "CustomOp": "tokenmill.layers.custom_op",
     "CustomOpRegistry": "tokenmill.layers.custom_op",
     "CUSTOM_OPS": "tokenmill.layers.custom_op",
+    "LoRAMethod": "tokenmill.lora.ops",
+    "TorchLoRAMethod": "tokenmill.lora.ops",
+    "LoRABatchMapping": "tokenmill.lora.ops",
     # tool calling (OpenAI server)
     "ToolParser": "tokenmill.entrypoints.openai.tool_parsers",
     "ToolParserManager": "tokenmill.entrypoints.openai.tool_parsers",
@@ -113,6 +118,7 @@ _LAZY: dict[str, str] = {
     "LogitsProcessorBatch": "tokenmill.worker.logits_processor",
     "LogitsProcessorRegistry": "tokenmill.worker.logits_processor",
     "SamplingParams": "tokenmill.sampling_params",
+    "LoRARequest": "tokenmill.lora.request",
     # models
     "ModelRegistry": "tokenmill.model_loader.registry",
     "CausalLM": "tokenmill.model_contract",
@@ -152,6 +158,8 @@ if TYPE_CHECKING:
     from tokenmill.layers import *  # noqa: F403
     from tokenmill.layers.custom_op import CUSTOM_OPS, CustomOp, CustomOpRegistry
     from tokenmill.layers.quantization import Int8WeightOnly, QuantizedWeight, UnsupportedShapeError
+    from tokenmill.lora.ops import LoRABatchMapping, LoRAMethod, TorchLoRAMethod
+    from tokenmill.lora.request import LoRARequest
     from tokenmill.model_contract import CausalLM
     from tokenmill.model_loader.registry import ModelRegistry
     from tokenmill.model_loader.weight_utils import load_checkpoint_weights

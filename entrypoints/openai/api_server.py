@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP app: FastAPI routes over an ``AsyncLLM`` (see docs/serving.md).
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``, ``GET /v1/models``,
-``GET /v1/models/{model}``, ``POST /tokenize``, ``POST /detokenize``, ``GET /health`` (200, or 503 once
+``GET /v1/models/{model}``, ``POST /v1/load_lora_adapter``, ``POST /v1/unload_lora_adapter`` (docs/lora.md), ``POST /tokenize``, ``POST /detokenize``, ``GET /health`` (200, or 503 once
 the engine is dead), ``GET /version``, ``GET /metrics`` (Prometheus). With an API key (``--api-key`` or
 ``TOKENMILL_API_KEY``) the ``/v1`` routes and ``/tokenize`` / ``/detokenize`` need
 ``Authorization: Bearer <key>``; ``/health``, ``/version`` and ``/metrics`` stay open for probes and scrapers.
@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 from tokenmill import __version__
 from tokenmill.entrypoints.openai.chat_template import ChatRenderer, load_chat_template
 from tokenmill.entrypoints.openai.errors import (
@@ -44,6 +44,7 @@ from tokenmill.entrypoints.openai.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from tokenmill.entrypoints.openai.protocol_lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from tokenmill.entrypoints.openai.protocol_responses import ResponsesRequest, ResponsesResponse
 from tokenmill.entrypoints.openai.responses import (
     ChatCompletionResponse,
@@ -152,8 +153,9 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
     """
     model_config = engine.model_config
     served_name = getattr(model_config, "served_model_name", None) or str(getattr(model_config, "model", "model"))
+    lora_enabled = getattr(getattr(engine, "engine_config", None), "lora_config", None) is not None
     models = OpenAIServingModels([served_name], getattr(model_config, "model", None),
-                                 int(model_config.max_model_len))
+                                 int(model_config.max_model_len), lora_enabled=lora_enabled)
     state = ServerState()
     tokenization = Tokenization(engine.tokenizer)
     renderer = ChatRenderer(engine.tokenizer, load_chat_template(getattr(args, "chat_template", None)))
@@ -219,6 +221,18 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
     async def retrieve_model(model: str) -> Response:
         return Response(models.card(model).model_dump_json(), media_type="application/json")
 
+    @v1.post("/load_lora_adapter", openapi_extra=json_body(LoadLoRAAdapterRequest))
+    async def load_lora_adapter(raw_request: Request) -> Response:
+        """Load a PEFT adapter under ``lora_name`` (vLLM's route and body); requests then use it as ``model``."""
+        body = await parse_json_body(raw_request, LoadLoRAAdapterRequest)
+        return PlainTextResponse(await models.load_lora_adapter(engine, body.lora_name, body.lora_path))
+
+    @v1.post("/unload_lora_adapter", openapi_extra=json_body(UnloadLoRAAdapterRequest))
+    async def unload_lora_adapter(raw_request: Request) -> Response:
+        """Unload the adapter ``lora_name`` (404 when none of that name is loaded)."""
+        body = await parse_json_body(raw_request, UnloadLoRAAdapterRequest)
+        return PlainTextResponse(await models.unload_lora_adapter(engine, body.lora_name))
+
     app.include_router(v1)
     tok = APIRouter(dependencies=auth, responses=ERROR_RESPONSES)
 
@@ -266,5 +280,5 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
         return Response(stat_logger.render(), media_type=CONTENT_TYPE)
 
     install_openapi(app, [ChatCompletionRequest, CompletionRequest, ResponsesRequest, TokenizeCompletionRequest,
-                          TokenizeChatRequest, DetokenizeRequest])
+                          TokenizeChatRequest, DetokenizeRequest, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest])
     return app

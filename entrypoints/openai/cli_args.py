@@ -46,4 +46,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="uvicorn's log level (default info).")
     server.add_argument("--disable-uvicorn-access-log", action="store_true", default=False,
                         help="Do not log one line per HTTP request.")
+    server.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                        help="LoRA adapters (PEFT directories) to load at start-up, each served as model NAME; "
+                             "also as JSON '{\"name\": ..., \"path\": ...}'. Needs --enable-lora.")
     return parser

@@ -65,9 +65,13 @@ class UnsupportedMediaTypeError(Exception):
 class ModelNotFoundError(Exception):
     """The request names a model this server does not serve."""
 
-    def __init__(self, model: str) -> None:
-        super().__init__(f"The model `{model}` does not exist.")
+    def __init__(self, model: str, known: list[str] | None = None, what: str = "model", param: str = "model") -> None:
+        message = f"The {what} `{model}` does not exist."
+        if known is not None:
+            message += f" Known {what}s: {', '.join(f'`{k}`' for k in known) or 'none'}."
+        super().__init__(message)
         self.model = model
+        self.param = param
 
 
 class AuthenticationError(Exception):
@@ -99,7 +103,7 @@ def error_from_exception(exc: BaseException) -> tuple[int, dict[str, Any]]:
     if isinstance(exc, InvalidRequestError):
         return 400, error_body(str(exc), INVALID_REQUEST, exc.param, getattr(exc, "code", None))
     if isinstance(exc, ModelNotFoundError):
-        return 404, error_body(str(exc), NOT_FOUND, "model", "model_not_found")
+        return 404, error_body(str(exc), NOT_FOUND, exc.param, "model_not_found")
     if isinstance(exc, RequestTooLargeError):
         return 413, error_body(str(exc), INVALID_REQUEST, code="request_too_large")
     if isinstance(exc, UnsupportedMediaTypeError):

@@ -20,6 +20,7 @@ from types import FrameType
 from typing import Any
 
 from tokenmill.entrypoints.openai.api_server import DEFAULT_HOST, DEFAULT_PORT, ServerState, build_app
+from tokenmill.entrypoints.openai.serving_models import parse_lora_modules
 from tokenmill.entrypoints.openai.chat_template import load_chat_template
 from tokenmill.entrypoints.openai.tool_choice import resolve_tool_parser
 from tokenmill.entrypoints.openai.serving_engine import EngineClient
@@ -110,12 +111,16 @@ async def _serve(args: argparse.Namespace, engine_args: Any, sock: socket.socket
     from tokenmill.engine.async_llm import AsyncLLM
 
     host, port = sock.getsockname()[:2]
+    lora_modules = parse_lora_modules(getattr(args, "lora_modules", None))  # malformed: fail before the engine
+    if lora_modules and not getattr(engine_args, "enable_lora", False):
+        raise ValueError("lora_modules: needs --enable-lora")
     logger.info("starting the engine (model: %s)", engine_args.model or "embedded default")
     engine = AsyncLLM.from_engine_args(engine_args)
     watcher: asyncio.Task[None] | None = None
     try:
         app = build_app(engine, args)
         state: ServerState = app.state.server_state
+        await app.state.models.load_static_loras(engine, lora_modules)
         config = uvicorn.Config(
             app,
             log_level=getattr(args, "uvicorn_log_level", None) or "info",

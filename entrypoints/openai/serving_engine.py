@@ -200,9 +200,14 @@ class OpenAIServing:
             raise
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str, arrival_time: float,
-                 priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
-        """``engine.generate``, with the request's metrics recorded from its start to its end."""
-        gen = self.engine.generate(prompt_ids, params, request_id, **({"priority": priority} if priority else {}))
+                 priority: int = 0, *, model_name: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+        """``engine.generate``, with the request's metrics recorded from its start to its end; ``model_name``
+        (resolved) picks the LoRA adapter of that name, if it is one."""
+        extra: dict[str, Any] = {"priority": priority} if priority else {}
+        lora_request = self.models.lora_request(model_name)
+        if lora_request is not None:
+            extra["lora_request"] = lora_request
+        gen = self.engine.generate(prompt_ids, params, request_id, **extra)
         if self.stats is None:
             return gen
         return self._tracked(gen, engine_request_ids(request_id, params.n), arrival_time, len(prompt_ids))

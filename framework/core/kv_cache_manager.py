@@ -38,7 +38,7 @@ class KVCacheManager:
 
     def _update_block_hashes(self, request: Request) -> None:
         hashes = request.block_hashes
-        extra = (request.cache_salt,) if request.cache_salt else ()
+        extra = request.block_hash_extra_keys
         bs = self.block_size
         while (len(hashes) + 1) * bs <= request.num_tokens:
             i = len(hashes)

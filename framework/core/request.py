@@ -11,6 +11,7 @@ from tokenmill.structured_output.request import StructuredOutputRequest
 
 if TYPE_CHECKING:
     from tokenmill.engine.messages import EngineCoreRequest
+    from tokenmill.lora.request import LoRARequest
     from tokenmill.sampling_params import SamplingParams
 
 
@@ -58,6 +59,7 @@ class Request:
         num_computed_tokens: tokens whose KV is in the cache (or scheduled to be, within the current step).
         num_cached_tokens: prompt tokens served by the prefix cache on first admission (-1 before).
         block_hashes: hashes of this request's full blocks, in order (filled by the KV cache manager).
+        lora_request: its LoRA adapter (``None``: the base model).
         spec_token_ids: draft tokens to verify in the next step (speculative decoding; not yet outputs).
         structured_output_request: the constraint and its matcher, for a constrained request (else ``None``).
         error: why the engine failed the request (with ``FINISHED_ERROR``).
@@ -74,6 +76,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -83,6 +86,7 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        self.lora_request = lora_request
         self.status = RequestStatus.WAITING
         self.stop_reason: int | None = None
         self.num_computed_tokens = 0
@@ -115,7 +119,22 @@ class Request:
             arrival_time=req.arrival_time,
             priority=req.priority,
             cache_salt=req.cache_salt,
+            lora_request=req.lora_request,
         )
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id, ``0`` for the base model."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
+
+    @property
+    def block_hash_extra_keys(self) -> tuple:
+        """What besides the tokens keys this request's prefix-cache blocks: the cache salt and the LoRA
+        adapter (so different adapters, or an adapter and the base model, never share KV blocks)."""
+        extra: tuple = (self.cache_salt,) if self.cache_salt else ()
+        if self.lora_request is not None:
+            extra += (("lora", self.lora_request.lora_int_id, self.lora_request.lora_name),)
+        return extra
 
     @property
     def num_prompt_tokens(self) -> int:

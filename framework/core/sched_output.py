@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -21,6 +22,7 @@ class NewRequestData:
         block_ids: its KV blocks, in order.
         num_computed_tokens: tokens already in the cache (prefix-cache hits) before this step.
         eos_token_id: the EOS id the sampler masks until ``min_tokens`` (``None``: none, or ``ignore_eos``).
+        lora_request: its LoRA adapter (``None``: the base model).
     """
 
     req_id: str
@@ -30,6 +32,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_id: int | None = None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass

@@ -79,6 +79,8 @@ class Scheduler:
         self._sent_to_workers: set[str] = set()
         # PP: stages before the last never see sampled tokens, so cached requests carry their input tokens
         self._send_token_ids = config.parallel_config.pipeline_parallel_size > 1
+        lora_config = getattr(config, "lora_config", None)
+        self.max_loras = lora_config.max_loras if lora_config is not None else 0
         spec = getattr(config, "speculative_config", None)
         self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
         self.num_lookahead_tokens = spec.num_lookahead_tokens if spec is not None else 0
@@ -209,12 +211,19 @@ class Scheduler:
                 new_reqs.append(self._new_request_data(request))
             i += 1
 
-        skipped: list[Request] = []  # waiting for their grammar: keep their place in the queue
+        # Skipped requests keep their place in the queue: one waiting for its grammar, and (LoRA) one whose
+        # adapter would make the running batch use more distinct adapters than the workers have slots.
+        running_loras = {r.lora_int_id for r in self.running if r.lora_request is not None} if self.max_loras else set()
+        skipped: list[Request] = []
         while not preempted_any and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             if request.status == RequestStatus.WAITING_FOR_GRAMMAR and not self._grammar_ready(request):
                 if not request.is_finished:  # a failed grammar has already left the queue
                     skipped.append(self.waiting.popleft())
+                continue
+            if (self.max_loras and request.lora_request is not None and request.lora_int_id not in running_loras
+                    and len(running_loras) >= self.max_loras):
+                skipped.append(self.waiting.popleft())
                 continue
             # Prompt logprobs need the hidden state of every prompt position, so such a request reads
             # nothing from the prefix cache (its blocks are still cached for others).
@@ -249,6 +258,8 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             budget -= num_new
             new_reqs.append(self._new_request_data(request))
+            if request.lora_request is not None:
+                running_loras.add(request.lora_int_id)
 
         if skipped:
             self.waiting.extendleft(reversed(skipped))
@@ -353,6 +364,7 @@ class Scheduler:
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens,
             eos_token_id=None if request.sampling_params.ignore_eos else request.eos_token_id,
+            lora_request=request.lora_request,
         )
 
     def _pick_victim(self, first_unscheduled: int) -> Request:

@@ -15,6 +15,7 @@ from tokenmill.engine.messages import EngineCoreOutputs, SchedulerStats
 from tokenmill.engine.output_processor import OutputProcessor, RequestOutputCollector
 from tokenmill.engine_args import EngineArgs
 from tokenmill.errors import EngineDeadError, ServerShuttingDownError
+from tokenmill.lora.request import LoRALoadError, LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -95,8 +96,11 @@ class AsyncLLM:
         priority: int = 0,
         add_special_tokens: bool = True,
         prompt_param: str = "prompt",
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Run one request; yields RequestOutputs per ``sampling_params.output_kind``, the last finished.
+
+        ``lora_request`` names the LoRA adapter to use (``None``: the base model).
 
         Stopping the iteration early (``aclose``, cancellation, a client disconnect) aborts the request.
 
@@ -114,6 +118,7 @@ class AsyncLLM:
             priority=priority,
             add_special_tokens=add_special_tokens,
             prompt_param=prompt_param,
+            lora_request=lora_request,
         )
         collector = RequestOutputCollector(sampling_params.output_kind)
         self.output_processor.add_request(processed, collector)
@@ -130,6 +135,25 @@ class AsyncLLM:
             if not finished:
                 self._abort_now(request_id)
             raise
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load an adapter on every engine core.
+
+        Raises:
+            LoRALoadError: it cannot be used (the reason in the message); nothing of it stays loaded.
+            EngineDeadError: the engine core is dead.
+        """
+        self._check_alive()
+        args = (lora_request.lora_name, lora_request.lora_int_id, lora_request.lora_path)
+        reasons = [r for r in await self.engine_core.call_utility_all_async("add_lora", *args) if r is not None]
+        if reasons:
+            await self.engine_core.call_utility_all_async("remove_lora", lora_request.lora_int_id)
+            raise LoRALoadError(str(reasons[0]))
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter from every engine core; returns whether one had it loaded."""
+        self._check_alive()
+        return any(await self.engine_core.call_utility_all_async("remove_lora", lora_int_id))
 
     async def abort(self, request_id: str) -> None:
         """Stop a request; its ``generate`` ends with ``finish_reason="abort"``. Unknown ids are ignored."""

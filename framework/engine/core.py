@@ -21,6 +21,7 @@ from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.input_processor import check_token_ids_in_vocab
 from tokenmill.engine.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from tokenmill.errors import InvalidRequestError
+from tokenmill.lora.request import LoRALoadError, LoRARequest
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.executor.base import Executor, FutureOutput
 from tokenmill.structured_output.manager import StructuredOutputManager
@@ -56,6 +57,8 @@ class EngineCore:
         self.max_concurrent_batches = max(1, getattr(self.executor, "max_concurrent_batches", 1))
         # in flight: (future, scheduler output, {req_id: preemption count when scheduled})
         self.batch_queue: deque[tuple[FutureOutput, SchedulerOutput, dict[str, int]]] = deque()
+        self.lora_requests: dict[int, LoRARequest] = {}  # adapters loaded on the workers, by id
+        self._lora_removals: set[int] = set()  # unloaded while requests still use them: dropped when they finish
         logger.info(
             "engine core ready in %.1f s: %d KV blocks of %d tokens (%d tokens)",
             time.perf_counter() - start,
@@ -73,6 +76,7 @@ class EngineCore:
                 first, this is the backstop for requests that bypass it), an invalid structured-output
                 constraint (``param="structured_outputs"``), or the request can never run (see
                 ``Scheduler.add_request``).
+            LoRALoadError: its LoRA adapter is not loaded and cannot be (see :meth:`add_lora`).
         """
         if request.sampling_params.n != 1:
             raise InvalidRequestError("the engine core takes n == 1 requests (the front end fans out n)", "n")
@@ -86,17 +90,67 @@ class EngineCore:
             resolved = resolve_structured_outputs(so_params, self.config.structured_outputs_config.backend)
             if resolved is not so_params:
                 request.sampling_params.structured_outputs = resolved
+        lora = request.lora_request
+        if lora is not None and self.lora_requests.get(lora.lora_int_id) != lora:
+            reason = self.add_lora(lora.lora_name, lora.lora_int_id, lora.lora_path)
+            if reason is not None:
+                raise LoRALoadError(reason)
         req = Request.from_engine_core_request(request, self.config.model_config.max_model_len)
         self.scheduler.add_request(req)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
 
+    # -- LoRA adapters (utility calls of the front end; plain arguments so they cross msgpack as they are) --
+
+    def add_lora(self, lora_name: str, lora_int_id: int, lora_path: str) -> str | None:
+        """Load an adapter on every worker (read, check, pack into the host cache).
+
+        Returns:
+            ``None`` when it is loaded, else why it cannot be used (nothing of it stays loaded).
+        """
+        if self.config.lora_config is None:
+            return "LoRA adapters are not enabled; start the engine with --enable-lora"
+        try:
+            lora = LoRARequest(lora_name, int(lora_int_id), lora_path)
+        except ValueError as exc:
+            return str(exc)
+        reasons = [r for r in self.executor.collective_rpc("add_lora", (lora,)) if r is not None]
+        if reasons:
+            self.executor.collective_rpc("remove_lora", (lora.lora_int_id,))
+            self.lora_requests.pop(lora.lora_int_id, None)
+            return reasons[0]
+        self.lora_requests[lora.lora_int_id] = lora
+        return None
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter. Requests already queued or running with it finish with it: the workers drop it
+        once none is left. Returns whether it was loaded."""
+        lora_int_id = int(lora_int_id)
+        known = self.lora_requests.pop(lora_int_id, None) is not None
+        if self.config.lora_config is not None:
+            self._lora_removals.add(lora_int_id)
+            self._drop_unused_loras()
+        return known
+
+    def _drop_unused_loras(self) -> None:
+        in_use = {r.lora_int_id for r in self.scheduler.requests.values() if r.lora_request is not None}
+        for lora_int_id in sorted(self._lora_removals - in_use):
+            if lora_int_id not in self.lora_requests:  # not loaded again meanwhile
+                self.executor.collective_rpc("remove_lora", (lora_int_id,))
+            self._lora_removals.discard(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        """Ids of the loaded adapters."""
+        return sorted(self.lora_requests)
+
     def step(self) -> EngineCoreOutputs:
         """Schedule, run and update once. Returns no outputs (only stats) when there is nothing to run.
 
         With more than one pipeline stage this is :meth:`step_with_batch_queue`.
         """
+        if self._lora_removals:
+            self._drop_unused_loras()
         if self.max_concurrent_batches > 1:
             return self.step_with_batch_queue()
         if not self.scheduler.has_unfinished_requests():

@@ -12,6 +12,7 @@ import msgspec
 from tokenmill.config import CacheConfig, ModelConfig, StructuredOutputsConfig
 from tokenmill.engine.messages import EngineCoreRequest
 from tokenmill.errors import InvalidRequestError
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams, SamplingParamsError
 
 
@@ -76,6 +77,7 @@ class InputProcessor:
         priority: int = 0,
         add_special_tokens: bool = True,
         prompt_param: str = "prompt",
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
         """Tokenize (when ``prompt`` is text), validate and build the engine-core request(s).
 
@@ -87,6 +89,7 @@ class InputProcessor:
             priority: for the ``priority`` scheduling policy.
             add_special_tokens: let the tokenizer add BOS etc. (``False`` for rendered chat templates).
             prompt_param: the name errors give the prompt (``"messages"`` for chat requests).
+            lora_request: the LoRA adapter to use (``None``: the base model).
 
         Raises:
             InvalidRequestError: empty prompt, token id outside the vocabulary (in the prompt, ``logit_bias``,
@@ -111,7 +114,7 @@ class InputProcessor:
             prompt_token_ids=token_ids,
             params=params,
             arrival_time=arrival,
-            engine_requests=self._engine_requests(request_id, token_ids, params, arrival, priority),
+            engine_requests=self._engine_requests(request_id, token_ids, params, arrival, priority, lora_request),
         )
 
     def _check_prompt(self, token_ids: list[int], prompt_param: str) -> None:
@@ -199,7 +202,8 @@ class InputProcessor:
         return capacity - prompt_len
 
     def _engine_requests(
-        self, request_id: str, token_ids: list[int], params: SamplingParams, arrival: float, priority: int
+        self, request_id: str, token_ids: list[int], params: SamplingParams, arrival: float, priority: int,
+        lora_request: LoRARequest | None = None,
     ) -> list[EngineCoreRequest]:
         base = params
         if self._extra_eos_ids and not params.ignore_eos:
@@ -223,6 +227,7 @@ class InputProcessor:
                 eos_token_id=self.eos_token_id,
                 arrival_time=arrival,
                 priority=priority,
+                lora_request=lora_request,
             )
             for rid, p in ids_and_params
         ]

@@ -11,6 +11,7 @@ from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.engine.messages import SchedulerStats
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine_args import EngineArgs
+from tokenmill.lora.request import LoRALoadError, LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.metrics import SpecDecodingStats
@@ -73,8 +74,9 @@ class LLMEngine:
         priority: int = 0,
         add_special_tokens: bool = True,
         prompt_param: str = "prompt",
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Validate and queue a request.
+        """Validate and queue a request (``lora_request``: its LoRA adapter, ``None`` for the base model).
 
         Raises:
             InvalidRequestError: bad prompt or parameters, a duplicate id, or the engine core rejected it.
@@ -87,6 +89,7 @@ class LLMEngine:
             priority=priority,
             add_special_tokens=add_special_tokens,
             prompt_param=prompt_param,
+            lora_request=lora_request,
         )
         self.output_processor.add_request(processed)
         added: list[str] = []
@@ -98,6 +101,25 @@ class LLMEngine:
             self.output_processor.abort_requests([request_id])
             self.engine_core.abort_requests(added)
             raise
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load an adapter now (requests naming it would load it on first use anyway).
+
+        Raises:
+            LoRALoadError: it cannot be used (the reason in the message); nothing of it stays loaded.
+        """
+        reason = self.engine_core.engine_core.add_lora(
+            lora_request.lora_name, lora_request.lora_int_id, lora_request.lora_path)
+        if reason is not None:
+            raise LoRALoadError(reason)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter; returns whether it was loaded."""
+        return self.engine_core.engine_core.remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        """Ids of the loaded adapters."""
+        return self.engine_core.engine_core.list_loras()
 
     def abort_request(self, request_id: str | Sequence[str]) -> None:
         """Drop requests (unknown ids are ignored); they produce no further outputs."""

@@ -10,9 +10,9 @@ import enum
 
 import msgspec
 
-from tokenmill.spec_decode.metrics import SpecDecodingStats
-
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec_decode.metrics import SpecDecodingStats
 
 
 class FinishReason(enum.IntEnum):
@@ -67,6 +67,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
         arrival_time: ``time.time()`` when the front end received it (seconds).
         priority: lower runs earlier under the ``priority`` policy.
         cache_salt: mixed into prefix-cache block hashes (isolates tenants).
+        lora_request: the LoRA adapter to run with (``None``: the base model).
     """
 
     request_id: str
@@ -76,6 +77,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     arrival_time: float = 0.0
     priority: int = 0
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

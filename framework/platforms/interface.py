@@ -121,6 +121,14 @@ class Platform:
         return "tokenmill.layers.fused_moe:TorchFusedMoEMethod"
 
     @classmethod
+    def get_lora_method_cls(cls) -> str:
+        """``"module:Class"`` of the :class:`tokenmill.lora.ops.LoRAMethod` that adds the batched LoRA update
+        (shrink/expand per adapter slot) to the outputs of LoRA layers here. The default is the portable torch
+        implementation (tokens grouped by adapter); a platform with a Punica-style kernel returns its class.
+        Read once per worker when ``--enable-lora`` wraps the model's layers."""
+        return "tokenmill.lora.ops:TorchLoRAMethod"
+
+    @classmethod
     def get_custom_op_cls(cls, name: str) -> str | None:
         """``"module:Class"`` replacing custom op ``name`` (``"rms_norm"``, ``"rotary_embedding"``,
         ``"silu_and_mul"``, ``"gelu_and_mul"``; see :mod:`tokenmill.layers.custom_op`) on this platform, or

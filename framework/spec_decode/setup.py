@@ -22,6 +22,11 @@ def create_speculative_config(value: SpeculativeConfig | dict[str, Any] | str, c
     if pc.pipeline_parallel_size > 1:
         raise ValueError("speculative_config: speculative decoding does not support pipeline_parallel_size > 1 yet")
     if spec.method == "draft_model":
+        if getattr(config, "lora_config", None) is not None:
+            raise ValueError(
+                "speculative_config: the draft_model method does not support --enable-lora (the draft model "
+                "cannot apply the requests' LoRA adapters); use the ngram method or turn LoRA off"
+            )
         if pc.tensor_parallel_size > 1:
             raise ValueError(
                 "speculative_config: the draft_model method does not support tensor_parallel_size > 1 yet "

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from tokenmill.attention.backend import AttentionMetadata
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.sampler import SamplingMetadata
 
@@ -24,6 +25,7 @@ class CachedRequestState:
         block_ids: its KV blocks in order.
         num_computed_tokens: tokens whose KV is in the cache.
         eos_token_id: EOS id masked until ``min_tokens`` outputs (``None``: none or ``ignore_eos``).
+        lora_request: its LoRA adapter (``None``: the base model).
     """
 
     req_id: str
@@ -33,6 +35,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_id: int | None = None
+    lora_request: LoRARequest | None = None
 
     @property
     def num_output_tokens(self) -> int:

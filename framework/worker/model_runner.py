@@ -12,6 +12,7 @@ from tokenmill.forward_context import set_forward_context
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.pipeline import IntermediateTensors
 from tokenmill.layers.quantization import quantize_model
+from tokenmill.lora.manager import LoRAModelManager
 from tokenmill.model_loader.loader import get_model, str_to_dtype
 from tokenmill.worker.compiled_runner import CompiledRunner
 from tokenmill.worker.grammar_bitmask import apply_grammar_bitmask
@@ -49,6 +50,7 @@ class ModelRunner:
         self.vocab_size = config.model_config.vocab_size
         self.graph_runner: GraphRunner | None = None  # device graphs for decode steps (platform-provided)
         self.compiled_runner: CompiledRunner | None = None  # torch.compile'd forward passes
+        self.lora_manager: LoRAModelManager | None = None  # with --enable-lora (tokenmill.lora)
         self.spec_decoder = None  # tokenmill.spec_decode.spec_decoder.SpecDecoder with speculative decoding
         spec_config = getattr(config, "speculative_config", None)
         if spec_config is not None:
@@ -63,6 +65,9 @@ class ModelRunner:
         if self.config.model_config.quantization:
             quantize_model(self.model, self.config.model_config.quantization)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        lc = self.config.lora_config
+        if lc is not None:
+            self.lora_manager = LoRAModelManager(self.model, lc.max_loras, lc.max_lora_rank, lc.max_cpu_loras)
         if self.spec_decoder is not None:
             self.spec_decoder.load_model()
 
@@ -130,8 +135,10 @@ class ModelRunner:
             self.kv_caches.append(cache)
         if self.spec_decoder is not None:
             self.spec_decoder.initialize_kv_cache(num_blocks)
-        if get_pp_size() > 1:
-            return  # PP: the captured / compiled forwards take no intermediate tensors; stages run eagerly
+        if get_pp_size() > 1 or self.lora_manager is not None:
+            # PP: the captured / compiled forwards take no intermediate tensors; LoRA: the per-step adapter
+            # mapping is not a graph input. Both run eagerly.
+            return
         self.graph_runner = GraphRunner.create_if_enabled(self)  # captures against the new cache
         if self.graph_runner is None:
             self.compiled_runner = CompiledRunner.create_if_enabled(self)
@@ -157,6 +164,7 @@ class ModelRunner:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 eos_token_id=new.eos_token_id,
+                lora_request=new.lora_request,
             )
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -191,6 +199,9 @@ class ModelRunner:
         spec = so.scheduled_spec_decode_tokens
         drafts = [spec.get(r, []) for r in req_ids] if spec else None
         batch = build_batch_inputs(states, counts, self.block_size, self.device, spec_token_ids=drafts)
+        if self.lora_manager is not None:
+            # per token of the batch (drafts included: the target verifies them with the request's adapter)
+            self.lora_manager.prepare_step([s.lora_request for s in states], counts, self.device)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             hidden = self.graph_runner.run(batch)  # decode-only step: replay the captured graph (padded)
         elif self.compiled_runner is not None and self.compiled_runner.can_run(batch):

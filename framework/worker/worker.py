@@ -18,6 +18,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.distributed import get_pp_group, init_distributed_environment, initialize_model_parallel
 from tokenmill.layers.pipeline import IntermediateTensors
+from tokenmill.lora.request import LoRALoadError, LoRARequest
 from tokenmill.platforms import get_current_platform
 from tokenmill.worker.model_runner import ModelRunner
 
@@ -129,6 +130,25 @@ class Worker:
             pp.send_tensor_dict(output.tensors)
             return None
         return output if pp.is_last_rank else None
+
+    def add_lora(self, lora_request: LoRARequest) -> str | None:
+        """Load an adapter into this rank's host cache; returns why it cannot be used, or ``None``."""
+        manager = self.model_runner.lora_manager if self.model_runner is not None else None
+        if manager is None:
+            return "LoRA is not enabled (start the engine with --enable-lora)"
+        try:
+            manager.add_adapter(lora_request)
+        except LoRALoadError as exc:
+            return str(exc)
+        return None
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        manager = self.model_runner.lora_manager if self.model_runner is not None else None
+        return manager is not None and manager.remove_adapter(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        manager = self.model_runner.lora_manager if self.model_runner is not None else None
+        return [] if manager is None else manager.list_adapters()
 
     def shutdown(self) -> None:
         """Stop background work of the model runner (compilation); the model stays usable."""

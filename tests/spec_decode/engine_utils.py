@@ -46,8 +46,8 @@ def check_hashes(core: EngineCore) -> None:
         assert kvm.num_cached_blocks.get(request.request_id, 0) * bs <= request.num_tokens
         parent = None
         for i, h in enumerate(request.block_hashes):
-            extra = (request.cache_salt,) if request.cache_salt else ()
-            parent = hash_block_tokens(parent, request.all_token_ids[i * bs : (i + 1) * bs], extra)
+            parent = hash_block_tokens(parent, request.all_token_ids[i * bs : (i + 1) * bs],
+                                       request.block_hash_extra_keys)
             assert h == parent
 
 
