@@ -213,3 +213,14 @@ def check_memory(t: ConformanceTarget) -> None:
                               "the device's memory")
     t.note(f"default KV cache {base / 2**30:.2f} GiB ({cls.memory_accounting} accounting"
            + (f", cap {cls.kv_cache_cap_bytes / 2**30:.1f} GiB" if cls.kv_cache_cap_bytes else "") + ")")
+    shape = (2, 8, 16, 2, 64)  # the CPU/torch paged layout of 8 blocks; any backend's shape is just a shape here
+    for dtype_name in cls.supported_dtypes:
+        cache = cls.allocate_kv_cache(shape, DTYPES[dtype_name], t.device)
+        if tuple(cache.shape) != shape or cache.dtype != DTYPES[dtype_name] or not cache.is_contiguous():
+            raise ContractFailure(f"allocate_kv_cache({shape}, {dtype_name}) gave a {cache.dtype} tensor of shape "
+                                  f"{tuple(cache.shape)} (contiguous: {cache.is_contiguous()})")
+        if cache.device.type != t.device.type:
+            raise ContractFailure(f"allocate_kv_cache put the cache on {cache.device}, not {t.device}")
+        if bool(cache.ne(0).any()):
+            raise ContractFailure(f"allocate_kv_cache({dtype_name}) is not all zeros (unwritten slots are read "
+                                  "masked; NaN or garbage there poisons attention)")

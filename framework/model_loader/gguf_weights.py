@@ -1,4 +1,4 @@
-"""Weights of a GGUF file, dequantized with the ``gguf`` package and renamed to Hugging Face names.
+"""Weights of a GGUF file, dequantized (``gguf_dequant``) and renamed to Hugging Face names.
 
 Name mapping follows llama.cpp's tensor names (``blk.N.attn_q``, ...), per architecture where they differ:
 Gemma's ``ffn_norm`` is the pre-feedforward norm, Phi-3 stores gate and up fused in ``ffn_up`` and q/k/v in
@@ -19,7 +19,6 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import torch
 
 PERMUTED_ARCHS = frozenset({"llama", "granite", "granitemoe", "deci"})
@@ -77,7 +76,7 @@ def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
     return hf if hf.endswith(_EXPERTS_3D) else f"{hf}.{m.group(3)}"
 
 
-def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     rows = w.shape[0]
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
@@ -89,14 +88,13 @@ def gguf_architecture(reader: Any) -> str:
 
 
 def iterate_gguf_weights(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, float32 tensor)`` for every tensor of a GGUF file.
+    """Yield ``(hf_name, float32 tensor)`` for every tensor of a GGUF file (each a new contiguous tensor).
 
     Raises:
         ValueError: a tensor name has no Hugging Face equivalent (an unsupported architecture).
     """
-    import gguf
-
     from tokenmill.model_loader.gguf_cache import read_gguf_tensors
+    from tokenmill.model_loader.gguf_dequant import dequantize_gguf
 
     arch, tensors = read_gguf_tensors(path)
     n_heads = hf_config.num_attention_heads
@@ -107,7 +105,7 @@ def iterate_gguf_weights(path: str, hf_config: Any) -> Iterator[tuple[str, torch
             if tensor.name.startswith("rope_"):  # precomputed rope tables / factors: the config has them
                 continue
             raise ValueError(f"GGUF tensor {tensor.name!r} of architecture {arch!r} has no known Hugging Face name")
-        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        array = dequantize_gguf(tensor.data, tensor.tensor_type)
         if arch in PERMUTED_ARCHS:
             if hf_name.endswith("q_proj.weight"):
                 array = _unpermute(array, n_heads)
@@ -115,4 +113,4 @@ def iterate_gguf_weights(path: str, hf_config: Any) -> Iterator[tuple[str, torch
                 array = _unpermute(array, n_kv)
         if arch in GEMMA_ARCHS and hf_name.endswith("norm.weight"):
             array = array - 1.0
-        yield hf_name, torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
+        yield hf_name, array.contiguous()

@@ -249,6 +249,26 @@ class Platform:
             cls._device_call("empty_cache")
 
     @classmethod
+    def allocate_kv_cache(cls, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A zero-filled tensor for one attention layer's KV cache (called once per layer by the model runner).
+
+        Args:
+            shape: the attention backend's ``get_kv_cache_shape(num_blocks, block_size, num_kv_heads,
+                head_size)``.
+            dtype: the cache dtype (the model's).
+            device: the worker's device.
+
+        Returns:
+            a contiguous tensor of ``shape`` and ``dtype`` on ``device``, every element zero (backends may read
+            slots that were never written, masked out, so they must not hold NaN or Inf). Default:
+            ``torch.zeros``. A platform whose memory can be zeroed lazily overrides this (the CPU plugin maps
+            anonymous pages, which the OS zeroes on first touch, so start-up does not write gigabytes).
+        """
+        import torch
+
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    @classmethod
     def kernel_info(cls) -> dict[str, str]:
         """Which kernels and instruction sets this platform's steps use now, e.g. ``{"attention": ...,
         "quantized_matmul": ...}`` (``tokenmill bench`` prints and records it); default: nothing to report."""

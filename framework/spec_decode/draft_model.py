@@ -90,10 +90,13 @@ class DraftModelProposer:
         return sum(t.numel() * t.element_size() for t in self.model.parameters())
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        from tokenmill.platforms import get_current_platform
+
+        platform = get_current_platform()
         for layer in self.attn_layers:
             shape = self.attn_backend.get_kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads,
                                                          layer.head_size)
-            layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.kv_cache = platform.allocate_kv_cache(tuple(shape), self.dtype, self.device)
 
     def remove_requests(self, req_ids) -> None:
         for req_id in req_ids:

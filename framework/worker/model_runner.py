@@ -125,12 +125,15 @@ class ModelRunner:
         return per_layer * torch.tensor([], dtype=self.dtype).element_size() + draft
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate every layer's cache (zeros) and bind it to the layer."""
+        """Allocate every layer's cache (zeros, through ``Platform.allocate_kv_cache``) and bind it to the layer."""
+        from tokenmill.platforms import get_current_platform
+
+        platform = get_current_platform()
         self.kv_caches = []
         self.num_blocks = num_blocks
         for layer in self.attn_layers:
             shape = self.attn_backend.get_kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads, layer.head_size)
-            cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            cache = platform.allocate_kv_cache(tuple(shape), self.dtype, self.device)
             layer.kv_cache = cache
             self.kv_caches.append(cache)
         if self.spec_decoder is not None:

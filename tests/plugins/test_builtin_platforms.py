@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -113,6 +115,48 @@ def test_cpu_kv_cache_bytes() -> None:
     assert 0 < default <= 4 * GiB
     with pytest.raises(ValueError, match="--kv-cache-memory"):
         CpuPlatform.determine_kv_cache_bytes(_config(kv_cache_memory=0))
+
+
+def _resident_bytes() -> int:
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_kv_cache_is_zero_and_takes_no_memory_until_written(dtype: torch.dtype) -> None:
+    shape = (2, 1024, 16, 4, 64)  # 16 Mi elements: 32-64 MiB
+    before = _resident_bytes()
+    cache = CpuPlatform.allocate_kv_cache(shape, dtype, torch.device("cpu"))
+    assert cache.shape == shape and cache.dtype == dtype and cache.is_contiguous()
+    assert _resident_bytes() - before < 4 << 20, "the cache was written at allocation"
+    cache[1, 1000, 3].fill_(2.0)
+    cache[0, 5] = cache[1, 1000]
+    assert cache[0, 5, 3].eq(2.0).all() and cache[0, 6].eq(0).all()
+    assert float(cache.float().sum()) == 2.0 * 2 * 4 * 64
+    with pytest.raises(ValueError, match="cannot use device"):
+        CpuPlatform.allocate_kv_cache(shape, dtype, torch.device("meta"))
+
+
+def test_the_model_runner_allocates_the_kv_cache_through_the_platform(
+    tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.models.test_llama_correctness import PROMPTS, run_engine
+    from tokenmill.engine.core import EngineCore
+    from tokenmill.engine_args import EngineArgs
+
+    calls = []
+    original = CpuPlatform.allocate_kv_cache.__func__
+
+    def counting(cls, shape, dtype, device):
+        calls.append((shape, dtype))
+        return original(cls, shape, dtype, device)
+
+    monkeypatch.setattr(CpuPlatform, "allocate_kv_cache", classmethod(counting))
+    args = EngineArgs(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=64, enforce_eager=True)
+    core = EngineCore(args.create_engine_config())
+    layers = core.executor.worker.model_runner.attn_layers
+    assert len(calls) == len(layers) > 0 and all(c[0][0] == 64 or 64 in c[0] for c in calls) and all(c[1] == torch.float32 for c in calls)
+    assert run_engine(core, PROMPTS[:1], max_tokens=4)
 
 
 def test_cpu_device_facts() -> None:

@@ -97,6 +97,13 @@ class CpuPlatform(Platform):
         return False  # host allocations are not tracked; "available" accounting sees the loaded weights
 
     @classmethod
+    def allocate_kv_cache(cls, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Zeros from anonymous pages the OS zeroes on first touch (``memory.lazily_zeroed_tensor``): start-up
+        does not write the whole cache, and untouched blocks take no RAM."""
+        cls.set_device(device)
+        return memory.lazily_zeroed_tensor(shape, dtype)
+
+    @classmethod
     def set_device(cls, device: torch.device) -> None:
         if device.type != "cpu":
             raise ValueError(f"the cpu platform cannot use device {device}")
