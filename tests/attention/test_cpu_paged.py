@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 
@@ -177,3 +180,40 @@ def test_a_lock_file_left_by_a_killed_build_does_not_hang_the_next_start():
     assert result.returncode == 0, result.stderr[-3000:]
     assert "interrupted build" in result.stderr
     assert not (build_dir / "lock").exists()
+
+
+def test_torch_extensions_dir_chooses_where_the_kernels_build(monkeypatch, tmp_path):
+    """``TORCH_EXTENSIONS_DIR`` is torch's documented build root; the kernels (and a cold-start measurement that
+    empties it) must use it too."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    name, build_dir = kernels.build_directory(capability)
+    assert build_dir == tmp_path / name and name.startswith(f"tokenmill_cpu_kernels_{capability.lower()}_")
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    _, default_dir = kernels.build_directory(capability)
+    assert tmp_path not in default_dir.parents and default_dir.parent.name.endswith("_cpu")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+def test_the_background_build_and_its_compilers_run_at_lower_priority(monkeypatch):
+    """A cold start serves eagerly while the kernels compile; the build thread and the compiler processes it
+    starts must yield the CPU to the serving thread (nice + BUILD_NICENESS), which keeps its own priority."""
+    import subprocess
+    import threading
+
+    seen = {}
+
+    def fake_load() -> bool:
+        seen["thread"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        stat = subprocess.run(["cat", "/proc/self/stat"], capture_output=True, text=True).stdout
+        seen["child"] = int(stat.rsplit(")", 1)[1].split()[16])  # field 19: nice
+        return True
+
+    monkeypatch.setattr(kernels, "load", fake_load)
+    main = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    worker = threading.Thread(target=kernels._load_at_low_priority)
+    worker.start()
+    worker.join(60)
+    expected = min(main + kernels.BUILD_NICENESS, 19)
+    assert seen == {"thread": expected, "child": expected}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main

@@ -85,8 +85,24 @@ def load_async() -> None:
     with _start_lock:
         if _loaded is not None or _thread is not None:
             return
-        _thread = threading.Thread(target=load, name="tokenmill-cpu-kernels", daemon=True)
+        _thread = threading.Thread(target=_load_at_low_priority, name="tokenmill-cpu-kernels", daemon=True)
         _thread.start()
+
+
+BUILD_NICENESS = 10  # nice increment of the background build thread and the compilers it starts
+
+
+def _load_at_low_priority() -> None:
+    """:func:`load` from a thread whose nice value is raised by :data:`BUILD_NICENESS` (Linux keeps nice values
+    per thread, and the compiler processes ninja starts inherit it), so that a cold start's eager steps keep the
+    CPU while the kernels compile. Measured on 2 cores (docs/benchmarks.md): at equal priority the two compiler
+    processes and the step's two OpenMP threads shared the cores and an 8-token first answer took 15.7 s."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + BUILD_NICENESS)
+    except (AttributeError, OSError):  # not Linux/POSIX, or not permitted: build at normal priority
+        pass
+    load()
 
 
 def ready() -> bool:
@@ -173,13 +189,16 @@ def _build() -> bool:
 
 
 def build_directory(capability: str) -> tuple[str, Path]:
-    """``(extension name, build directory)`` for ATen capability ``capability``: torch's own layout under
-    ``TORCH_EXTENSIONS_DIR`` (``py<version>_cpu/<name>``), one directory per source location (checkouts sharing
-    one would rebuild each other's copy)."""
+    """``(extension name, build directory)`` for ATen capability ``capability``, where torch itself would build
+    it: ``$TORCH_EXTENSIONS_DIR/<name>`` when that is set, else ``<user cache>/torch_extensions/py<version>_cpu/
+    <name>``; one directory per source location (checkouts sharing one would rebuild each other's copy)."""
     from torch.utils.cpp_extension import get_default_build_root
 
     where = hashlib.sha1(str(CSRC.resolve()).encode()).hexdigest()[:8]
     name = f"tokenmill_cpu_kernels_{capability.lower()}_{where}"
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root:
+        return name, Path(root) / name
     tag = f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
     return name, Path(get_default_build_root()) / tag / name
 
