@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# vLLM's CPU build and tokenmill served one after the other and driven by the same client (`vllm bench serve`):
+# random 128 in / 128 out, ignore_eos, greedy, a warm-up (seed 100), then seeds 1 and 2 at concurrency 32
+# (64 prompts) and seeds 11 and 12 at concurrency 1 (8 prompts). Distinct seeds keep the prefix caches honest.
+#
+#   VLLM_VENV=/path/to/vllm-venv MODEL=/path/to/hf-layout-model [DTYPE=float32] [OUT=dir] [SKIP_VLLM=1] \
+#   [TAG=tm] [TM_ARGS="..."] benchmarks/serve_vs_vllm.sh
+#
+# MODEL must be a Hugging Face layout directory both engines can load. tokenmill is timed only after its log
+# says "background compilation done". Results: $OUT/<engine>_<c32|c1>_r<N>.json (vLLM's result format).
+set -u
+OUT=${OUT:-benchmarks/results/serve_vs_vllm}
+DTYPE=${DTYPE:-float32}
+V=${VLLM_VENV:?set VLLM_VENV to the venv holding vLLM CPU}/bin
+M=${MODEL:?set MODEL to a Hugging Face layout model directory}
+TOKENMILL=${TOKENMILL:-tokenmill}
+mkdir -p "$OUT"
+client() { # port tag concurrency num_prompts seed
+  "$V/vllm" bench serve --backend openai --base-url "http://127.0.0.1:$1" --model smol --tokenizer "$M" \
+    --dataset-name random --random-input-len 128 --random-output-len 128 --num-prompts "$4" --max-concurrency "$3" \
+    --ignore-eos --temperature 0 --seed "$5" --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 \
+    --save-result --result-dir "$OUT" --result-filename "$2.json" > "$OUT/$2.log" 2>&1
+  grep -E 'Output token throughput|Mean TTFT|P99 TTFT|Median TPOT|P99 TPOT' "$OUT/$2.log" | sed "s/^/$2: /"
+}
+wait_ready() { # port t0
+  for _ in $(seq 1 1200); do
+    curl -sf "http://127.0.0.1:$1/v1/models" >/dev/null && { echo "ready after $(( $(date +%s) - $2 )) s"; return 0; }
+    sleep 1
+  done
+  echo "not ready"; return 1
+}
+if [ "${SKIP_VLLM:-0}" != 1 ]; then
+  t0=$(date +%s)
+  VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=4 HF_HUB_OFFLINE=1 "$V/vllm" serve "$M" --served-model-name smol \
+    --port 8100 --dtype "$DTYPE" > "$OUT/vllm_server.log" 2>&1 &
+  VP=$!
+  echo "vllm: $(wait_ready 8100 "$t0")"
+  client 8100 vllm_warm 32 32 100 >/dev/null
+  for r in 1 2; do client 8100 "vllm_c32_r$r" 32 64 "$r"; done
+  for r in 1 2; do client 8100 "vllm_c1_r$r" 1 8 $((r + 10)); done
+  kill "$VP"; wait "$VP" 2>/dev/null; sleep 3
+fi
+T=${TAG:-tm}
+t0=$(date +%s)
+# shellcheck disable=SC2086
+"$TOKENMILL" serve "$M" --served-model-name smol --port 8200 --dtype "$DTYPE" ${TM_ARGS:-} > "$OUT/${T}_server.log" 2>&1 &
+TP=$!
+echo "tokenmill: $(wait_ready 8200 "$t0")"
+for _ in $(seq 1 900); do grep -q 'background compilation done' "$OUT/${T}_server.log" && break; sleep 1; done
+echo "tokenmill compile done after $(( $(date +%s) - t0 )) s"
+client 8200 "${T}_warm" 32 32 100 >/dev/null
+for r in 1 2; do client 8200 "${T}_c32_r$r" 32 64 "$r"; done
+for r in 1 2; do client 8200 "${T}_c1_r$r" 1 8 $((r + 10)); done
+kill "$TP"; wait "$TP" 2>/dev/null
