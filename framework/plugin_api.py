@@ -25,7 +25,8 @@ Contents, by what a plugin does with them:
   :func:`compute_slot_mapping`;
 * device graphs: :class:`GraphCapture` (what a platform implements), :class:`EmulatedGraphCapture` (the CPU
   emulator tests use), :class:`GraphCaptureError`;
-* kernels a platform may replace: :class:`QuantizedWeight` (``--quantization``), :class:`FusedMoEMethod`,
+* kernels a platform may replace: :class:`QuantizedWeight` (``--quantization``), :class:`UnquantizedLinearMethod`
+  (how full-precision linear layers multiply; custom op ``unquantized_linear``), :class:`FusedMoEMethod`,
   :class:`CustomOp` / :class:`CustomOpRegistry` / :data:`CUSTOM_OPS` (RMSNorm, rotary, activations, ...),
   :class:`LoRAMethod` (the batched LoRA shrink/expand ``Platform.get_lora_method_cls`` names; the portable
   :class:`TorchLoRAMethod`; its step mapping :class:`LoRABatchMapping`);
@@ -102,6 +103,7 @@ _LAZY: dict[str, str] = {
     "QuantizedWeight": "tokenmill.layers.quantization",
     "UnsupportedShapeError": "tokenmill.layers.quantization",
     "Int8WeightOnly": "tokenmill.layers.quantization",
+    "UnquantizedLinearMethod": "tokenmill.layers.linear_method",
     "CustomOp": "tokenmill.layers.custom_op",
     "CustomOpRegistry": "tokenmill.layers.custom_op",
     "CUSTOM_OPS": "tokenmill.layers.custom_op",

@@ -31,3 +31,31 @@ def compute_slot_mapping(block_table: torch.Tensor, positions: torch.Tensor, blo
     """
     positions = positions.long()
     return block_table.long()[positions // block_size] * block_size + positions % block_size
+
+
+def kv_cache_bytes_per_block(attn_backend: type, layers: list, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across ``layers`` (attention layers with ``num_kv_heads`` / ``head_size``) in
+    ``attn_backend``'s layout (``get_kv_cache_shape``) and ``dtype``."""
+    elements = 0
+    for layer in layers:
+        shape = attn_backend.get_kv_cache_shape(1, block_size, layer.num_kv_heads, layer.head_size)
+        n = 1
+        for d in shape:
+            n *= d
+        elements += n
+    return elements * torch.tensor([], dtype=dtype).element_size()
+
+
+def allocate_kv_caches(attn_backend: type, layers: list, num_blocks: int, block_size: int, dtype: torch.dtype,
+                       device: torch.device) -> list[torch.Tensor]:
+    """One zeroed cache of ``num_blocks`` blocks per layer (``Platform.allocate_kv_cache``), bound to the layer
+    (``layer.kv_cache``); returned in layer order."""
+    from tokenmill.platforms import get_current_platform
+
+    platform = get_current_platform()
+    caches = []
+    for layer in layers:
+        shape = attn_backend.get_kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_size)
+        layer.kv_cache = platform.allocate_kv_cache(tuple(shape), dtype, device)
+        caches.append(layer.kv_cache)
+    return caches

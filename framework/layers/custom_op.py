@@ -26,10 +26,13 @@ op name                       base class                                        
 ``fused_moe``                 :class:`tokenmill.layers.FusedMoEMethod`            the experts of MoE layers
 ``quant_linear.int8``         :class:`tokenmill.layers.QuantizedWeight`           ``--quantization int8`` kernel
 ``quant_linear.int4``         :class:`tokenmill.layers.QuantizedWeight`           ``--quantization int4`` kernel
+``unquantized_linear``        :class:`UnquantizedLinearMethod` (plugin API)       full-precision linear layers
 ============================  ==================================================  =============================
 
-The last three are not modules built by model code but the kernel classes the layers call; they resolve
-through the same four steps (the platform's step is ``get_fused_moe_cls`` / ``get_quant_method_cls``).
+The last four are not modules built by model code but the kernel classes the layers call; they resolve
+through the same four steps (the platform's step is ``get_fused_moe_cls`` / ``get_quant_method_cls`` /
+``get_custom_op_cls``). ``unquantized_linear`` is chosen once per model load
+(:mod:`tokenmill.layers.linear_method`).
 The conformance kit (``tokenmill plugins check``) compares every replacement a platform declares with the
 portable implementation.
 """
@@ -54,6 +57,7 @@ CUSTOM_OPS: dict[str, str] = {
     "fused_moe": "tokenmill.layers.fused_moe:FusedMoEMethod",
     "quant_linear.int8": "tokenmill.layers.quantization:QuantizedWeight",
     "quant_linear.int4": "tokenmill.layers.quantization:QuantizedWeight",
+    "unquantized_linear": "tokenmill.layers.linear_method:UnquantizedLinearMethod",
 }
 
 

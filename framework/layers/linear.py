@@ -8,10 +8,10 @@ that copies this rank's slice of a full checkpoint tensor.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed import get_tp_rank, get_tp_size, tp_all_reduce
+from tokenmill.layers.linear_method import DEFAULT_METHOD, UnquantizedLinearMethod
 from tokenmill.layers.quantization import QuantizedWeight
 
 
@@ -33,7 +33,13 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
 
 
 class LinearBase(nn.Module):
-    """``y = x W^T (+ b)`` with ``W`` ``[out_per_rank, in_per_rank]`` in the default dtype."""
+    """``y = x W^T (+ b)`` with ``W`` ``[out_per_rank, in_per_rank]`` in the default dtype.
+
+    Attributes:
+        linear_method: how the full-precision product is computed (``tokenmill.layers.linear_method``; the
+            model loader sets the platform's choice).
+        quant: a quantized copy used for inputs of at most ``quant_max_tokens`` rows, or ``None``.
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
@@ -48,6 +54,7 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
         self.quant: QuantizedWeight | None = None
         self.quant_max_tokens = 0
+        self.linear_method: UnquantizedLinearMethod = DEFAULT_METHOD
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         default_weight_loader(param, loaded)
@@ -65,7 +72,7 @@ class LinearBase(nn.Module):
         """``x [T, in] -> x W^T [T, out]`` (no bias, no cross-rank reduction)."""
         if self.quant is not None and x.shape[0] <= self.quant_max_tokens:
             return self.quant.matmul(x)
-        return F.linear(x, self.weight)
+        return self.linear_method.apply(self, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x)

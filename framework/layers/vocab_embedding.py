@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.layers.linear_method import DEFAULT_METHOD, UnquantizedLinearMethod
 from tokenmill.layers.quantization import QuantizedWeight
 from tokenmill.distributed import get_tp_rank, get_tp_size, tp_all_gather_last_dim, tp_all_reduce
 
@@ -47,6 +48,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(num_embeddings, embedding_dim)
         self.quant: QuantizedWeight | None = None  # a submodule once attached: never a class attribute (it shadows)
         self.quant_max_tokens = 0
+        self.linear_method: UnquantizedLinearMethod = DEFAULT_METHOD  # set by the model loader
 
     def attach_quantized(self, cls: type[QuantizedWeight], max_tokens: int) -> None:
         """Use a ``cls`` copy of the head for at most ``max_tokens`` rows (see layers.quantization).
@@ -63,6 +65,6 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.quant is not None and hidden_states.shape[0] <= self.quant_max_tokens:
             logits = self.quant.matmul(hidden_states)
         else:
-            logits = F.linear(hidden_states, self.weight)
+            logits = self.linear_method.apply(self, hidden_states)
         logits = tp_all_gather_last_dim(logits)
         return logits[:, : self.num_embeddings]

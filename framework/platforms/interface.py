@@ -131,9 +131,10 @@ class Platform:
     @classmethod
     def get_custom_op_cls(cls, name: str) -> str | None:
         """``"module:Class"`` replacing custom op ``name`` (``"rms_norm"``, ``"rotary_embedding"``,
-        ``"silu_and_mul"``, ``"gelu_and_mul"``; see :mod:`tokenmill.layers.custom_op`) on this platform, or
-        ``None`` (default): the built-in layer. The class must subclass the op's built-in class; the
-        conformance kit checks it against the built-in's ``forward_native``."""
+        ``"silu_and_mul"``, ``"gelu_and_mul"``, ``"unquantized_linear"``; see :mod:`tokenmill.layers.custom_op`)
+        on this platform, or ``None`` (default): the built-in. The class must subclass the op's built-in class;
+        the conformance kit checks it against the built-in (``forward_native``; ``F.linear`` for
+        ``unquantized_linear``)."""
         return None
 
     @classmethod

@@ -12,7 +12,7 @@ and tokenmill refuses to load a plugin whose requirement this version does not m
 
 from __future__ import annotations
 
-PLUGIN_API_VERSION = "1.0"
+PLUGIN_API_VERSION = "1.1"  # 1.1: Platform.allocate_kv_cache, UnquantizedLinearMethod
 REQUIREMENT_ATTR = "TOKENMILL_PLUGIN_API"
 
 

@@ -25,7 +25,9 @@ import torch
 
 from tokenmill.config import ModelConfig
 from tokenmill.forward_context import set_forward_context
+from tokenmill.attention.paged_cache import allocate_kv_caches, kv_cache_bytes_per_block
 from tokenmill.layers.attention import Attention
+from tokenmill.layers.linear_method import attach_linear_method
 from tokenmill.model_loader.loader import get_model, str_to_dtype
 from tokenmill.worker.input_batch import CachedRequestState, build_batch_inputs
 from tokenmill.worker.sampler import _mix_seed
@@ -71,32 +73,21 @@ class DraftModelProposer:
         # req_id -> [k, V] float32 distributions the last drafts were drawn from (random requests only)
         self.draft_probs: dict[str, torch.Tensor] = {}
 
-    def load_model(self) -> None:
+    def load_model(self, process_weights: bool = True) -> None:
+        """Build and load the draft model and attach the platform's linear method (see ``ModelRunner``)."""
         self.model = get_model(self.model_config, self.device)
+        attach_linear_method(self.model, process=process_weights)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
 
     def kv_cache_bytes_per_block(self) -> int:
-        n = 0
-        for layer in self.attn_layers:
-            shape = self.attn_backend.get_kv_cache_shape(1, self.block_size, layer.num_kv_heads, layer.head_size)
-            size = 1
-            for d in shape:
-                size *= d
-            n += size
-        return n * torch.tensor([], dtype=self.dtype).element_size()
+        return kv_cache_bytes_per_block(self.attn_backend, self.attn_layers, self.block_size, self.dtype)
 
     def model_memory_bytes(self) -> int:
         assert self.model is not None
         return sum(t.numel() * t.element_size() for t in self.model.parameters())
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        from tokenmill.platforms import get_current_platform
-
-        platform = get_current_platform()
-        for layer in self.attn_layers:
-            shape = self.attn_backend.get_kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads,
-                                                         layer.head_size)
-            layer.kv_cache = platform.allocate_kv_cache(tuple(shape), self.dtype, self.device)
+        allocate_kv_caches(self.attn_backend, self.attn_layers, num_blocks, self.block_size, self.dtype, self.device)
 
     def remove_requests(self, req_ids) -> None:
         for req_id in req_ids:

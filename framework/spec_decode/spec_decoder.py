@@ -58,9 +58,9 @@ class SpecDecoder:
 
     # -- model and cache ------------------------------------------------------------------------------
 
-    def load_model(self) -> None:
+    def load_model(self, process_weights: bool = True) -> None:
         if self.draft is not None:
-            self.draft.load_model()
+            self.draft.load_model(process_weights=process_weights)
 
     def model_memory_bytes(self) -> int:
         return self.draft.model_memory_bytes() if self.draft is not None else 0

@@ -64,6 +64,7 @@ def main(argv: list[str]) -> int:
     start = time.perf_counter()
     worker = resolve_qualname(get_current_platform().worker_cls)(config, local_rank=0, rank=0)
     worker.init_device()
+    worker.model_runner.process_weights = False  # the traced graphs call the linear method; nothing is prepacked
     worker.load_model()
     worker.initialize_cache(COMPILE_NUM_BLOCKS)
     model_runner = worker.model_runner

@@ -153,6 +153,9 @@ class CompiledRunner:
             quant = getattr(m, "quant", None)
             if isinstance(quant, torch.nn.Module):
                 layer_classes.add(f"{type(quant).__module__}.{type(quant).__qualname__}")
+            linear_method = getattr(m, "linear_method", None)  # tokenmill.layers.linear_method
+            if linear_method is not None:
+                layer_classes.add(f"{type(linear_method).__module__}.{type(linear_method).__qualname__}")
             method_path = getattr(m, "method_path", None)  # FusedMoE's expert method ("module:Class")
             if isinstance(method_path, str):
                 layer_classes.add(method_path.replace(":", "."))

@@ -11,6 +11,8 @@ from tokenmill.distributed import get_pp_size
 from tokenmill.forward_context import set_forward_context
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.pipeline import IntermediateTensors
+from tokenmill.attention.paged_cache import allocate_kv_caches, kv_cache_bytes_per_block
+from tokenmill.layers.linear_method import attach_linear_method
 from tokenmill.layers.quantization import quantize_model
 from tokenmill.lora.manager import LoRAModelManager
 from tokenmill.model_loader.loader import get_model, str_to_dtype
@@ -59,17 +61,21 @@ class ModelRunner:
             self.spec_decoder = SpecDecoder(spec_config, self.block_size, device, self.attn_backend,
                                             config.model_config.max_model_len)
         self.logits_processors = build_logits_processors(config, device)  # plugins' and --logits-processors
+        self.process_weights = True  # False in the compile worker: it traces, never runs, so nothing is prepacked
 
     def load_model(self) -> None:
+        """Build and load the model, attach quantized copies, then the platform's linear method (which may
+        prepare weights; not where :attr:`process_weights` is false), LoRA slots and the draft model."""
         self.model = get_model(self.config.model_config, self.device)
         if self.config.model_config.quantization:
             quantize_model(self.model, self.config.model_config.quantization)
+        attach_linear_method(self.model, process=self.process_weights)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         lc = self.config.lora_config
         if lc is not None:
             self.lora_manager = LoRAModelManager(self.model, lc.max_loras, lc.max_lora_rank, lc.max_cpu_loras)
         if self.spec_decoder is not None:
-            self.spec_decoder.load_model()
+            self.spec_decoder.load_model(process_weights=self.process_weights)
 
     def model_memory_bytes(self) -> int:
         assert self.model is not None
@@ -113,29 +119,15 @@ class ModelRunner:
         return max(0, peak - before)
 
     def kv_cache_bytes_per_block(self) -> int:
-        """Bytes one block takes across all attention layers of this rank."""
-        per_layer = 0
-        for layer in self.attn_layers:
-            shape = self.attn_backend.get_kv_cache_shape(1, self.block_size, layer.num_kv_heads, layer.head_size)
-            n = 1
-            for d in shape:
-                n *= d
-            per_layer += n
+        """Bytes one block takes across all attention layers of this rank (and the draft model's)."""
         draft = self.spec_decoder.kv_cache_bytes_per_block() if self.spec_decoder is not None else 0
-        return per_layer * torch.tensor([], dtype=self.dtype).element_size() + draft
+        return kv_cache_bytes_per_block(self.attn_backend, self.attn_layers, self.block_size, self.dtype) + draft
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate every layer's cache (zeros, through ``Platform.allocate_kv_cache``) and bind it to the layer."""
-        from tokenmill.platforms import get_current_platform
-
-        platform = get_current_platform()
-        self.kv_caches = []
         self.num_blocks = num_blocks
-        for layer in self.attn_layers:
-            shape = self.attn_backend.get_kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads, layer.head_size)
-            cache = platform.allocate_kv_cache(tuple(shape), self.dtype, self.device)
-            layer.kv_cache = cache
-            self.kv_caches.append(cache)
+        self.kv_caches = allocate_kv_caches(self.attn_backend, self.attn_layers, num_blocks, self.block_size,
+                                            self.dtype, self.device)
         if self.spec_decoder is not None:
             self.spec_decoder.initialize_kv_cache(num_blocks)
         if get_pp_size() > 1 or self.lora_manager is not None:

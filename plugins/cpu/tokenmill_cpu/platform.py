@@ -38,6 +38,14 @@ class CpuPlatform(Platform):
         return CPU_ATTN_BACKEND
 
     @classmethod
+    def get_custom_op_cls(cls, name: str) -> str | None:
+        """``unquantized_linear``: float32 / bfloat16 linear layers on oneDNN-packed weights
+        (``tokenmill_cpu.dense_linear``); every other op is the built-in."""
+        if name == "unquantized_linear":
+            return "tokenmill_cpu.dense_linear:CpuUnquantizedLinearMethod"
+        return None
+
+    @classmethod
     def get_quant_method_cls(cls, method: str) -> str | None:
         """``int8`` and ``int4`` in this plugin's VNNI kernels (``tokenmill_cpu.quant_linear``); torch's packed
         int8/int4 ops when the kernels cannot be built (or ``TOKENMILL_CPU_KERNELS=0``)."""
@@ -56,12 +64,12 @@ class CpuPlatform(Platform):
         and this plugin's kernels with the code path each runs (``tokenmill_cpu.kernels.isa``)."""
         import torch
 
-        from tokenmill_cpu import kernels
+        from tokenmill_cpu import dense_linear, kernels
 
         isa = kernels.isa()
         info = {
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "dense_matmul": "oneDNN (torch)" if torch.backends.mkldnn.is_available() else "torch",
+            "dense_matmul": dense_linear.describe(),
         }
         if kernels.ready():
             info["decode_attention"] = f"tokenmill_cpu.paged_decode ({isa['paged_decode']})"

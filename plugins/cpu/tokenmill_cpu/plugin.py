@@ -6,7 +6,7 @@ import os
 
 from tokenmill.plugin_api import PlatformSpec, hookimpl
 
-TOKENMILL_PLUGIN_API = ">=1.0,<2"
+TOKENMILL_PLUGIN_API = ">=1.1,<2"  # 1.1: UnquantizedLinearMethod, Platform.allocate_kv_cache
 
 
 def detect() -> tuple[bool, str]:

@@ -1,0 +1,151 @@
+"""tokenmill-cpu's prepacked linear layers (``tokenmill_cpu.dense_linear``, custom op ``unquantized_linear``)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill.layers import ReplicatedLinear
+from tokenmill.layers.linear_method import DEFAULT_METHOD, attach_linear_method, get_unquantized_linear_method
+from tokenmill_cpu import dense_linear
+from tokenmill_cpu.dense_linear import CpuUnquantizedLinearMethod
+
+
+def _layer(n: int = 48, k: int = 64, dtype: torch.dtype = torch.float32, seed: int = 0) -> ReplicatedLinear:
+    g = torch.Generator().manual_seed(seed)
+    layer = ReplicatedLinear(k, n, bias=False).to(dtype)
+    layer.weight.data.copy_((torch.randn(n, k, generator=g) * 0.1).to(dtype))
+    return layer
+
+
+def _can_pack(dtype: torch.dtype) -> bool:
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), None)
+    except RuntimeError:
+        return False
+    return True
+
+
+def test_the_cpu_platform_chooses_the_prepacking_method() -> None:
+    assert isinstance(get_unquantized_linear_method(), CpuUnquantizedLinearMethod)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 4, 9, 32, 257])
+def test_packed_product_matches_f_linear(dtype: torch.dtype, rows: int) -> None:
+    if not _can_pack(dtype):
+        pytest.skip(f"oneDNN cannot pack {dtype} on this CPU")
+    layer = _layer(dtype=dtype)
+    method = CpuUnquantizedLinearMethod()
+    assert method.process_weights_after_loading(layer) == layer.weight.numel() * layer.weight.element_size()
+    assert layer.weight.data_ptr() in dense_linear._TABLE
+    x = (torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)) * 0.5).to(dtype)
+    want = F.linear(x.double(), layer.weight.double())
+    got = method.apply(layer, x)
+    assert got.shape == (rows, 48) and got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(got.double(), want, atol=tol, rtol=tol)
+    assert torch.equal(dense_linear.dense_linear(x, layer.weight), got) or rows < dense_linear.min_packed_rows(dtype)
+
+
+def test_an_entry_leaves_the_table_when_its_weight_is_freed() -> None:
+    layer = _layer(seed=1)
+    assert dense_linear.pack(layer.weight)
+    key = layer.weight.data_ptr()
+    assert key in dense_linear._TABLE
+    del layer
+    gc.collect()
+    assert key not in dense_linear._TABLE
+
+
+def test_a_weight_that_cannot_be_packed_stays_on_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(weight: torch.Tensor, batch_size: int | None) -> torch.Tensor:
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw")
+
+    layer = _layer(seed=2)
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    method = CpuUnquantizedLinearMethod()
+    assert method.process_weights_after_loading(layer) == 0
+    assert layer.weight.data_ptr() not in dense_linear._TABLE
+    x = torch.randn(8, 64)
+    assert torch.equal(method.apply(layer, x), F.linear(x, layer.weight))
+
+
+def test_packing_stops_at_the_memory_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    layers = [_layer(seed=10 + i) for i in range(3)]
+    per_layer = layers[0].weight.numel() * 4
+    # budget = half the available RAM: room for two of the three copies
+    monkeypatch.setattr(dense_linear.memory, "available_memory_bytes", lambda: int(4.5 * per_layer))
+    method = CpuUnquantizedLinearMethod()
+    added = [method.process_weights_after_loading(layer) for layer in layers]
+    assert added == [per_layer, per_layer, 0]
+    assert layers[2].weight.data_ptr() not in dense_linear._TABLE
+
+
+def test_tokenmill_cpu_prepack_0_turns_packing_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOKENMILL_CPU_PREPACK", "0")
+    layer = _layer(seed=3)
+    assert CpuUnquantizedLinearMethod().process_weights_after_loading(layer) == 0
+    assert layer.weight.data_ptr() not in dense_linear._TABLE
+    assert "not prepacked" in dense_linear.describe()
+
+
+def test_a_graph_with_symbolic_rows_calls_the_opaque_op_and_matches_eager() -> None:
+    layer = _layer(seed=4)
+    method = CpuUnquantizedLinearMethod()
+    method.process_weights_after_loading(layer)
+    layer.linear_method = method
+    graphs: list[str] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm.code)
+        return gm.forward
+
+    compiled = torch.compile(layer, backend=backend, dynamic=True, fullgraph=True)
+    with torch.inference_mode():
+        for rows in (2, 33):  # traced with 2 rows (below the packed path's minimum), run with 33
+            x = torch.randn(rows, 64)
+            assert torch.allclose(compiled(x), F.linear(x, layer.weight), atol=1e-5)
+    assert graphs and all("tokenmill_cpu.dense_linear" in code for code in graphs)
+
+
+def test_attach_without_processing_packs_nothing_but_uses_the_op(tiny_llama_dir: str) -> None:
+    from tokenmill.layers.linear_method import UnquantizedLinearMethod
+    from tokenmill.model_loader.loader import get_model
+    from tokenmill.engine_args import EngineArgs
+
+    config = EngineArgs(model=tiny_llama_dir, dtype="float32").create_engine_config()
+    model = get_model(config.model_config, torch.device("cpu"))
+    before = dense_linear.packed_count()
+    assert attach_linear_method(model, process=False) == 0
+    assert dense_linear.packed_count() == before
+    methods = {type(m.linear_method) for m in model.modules() if hasattr(m, "linear_method")}
+    assert methods == {CpuUnquantizedLinearMethod}
+    assert attach_linear_method(model) > 0
+    assert dense_linear.packed_count() > before
+    assert issubclass(CpuUnquantizedLinearMethod, UnquantizedLinearMethod) and DEFAULT_METHOD is not None
+
+
+def test_engine_output_is_the_same_with_and_without_prepacking(
+    tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.models.test_llama_correctness import PROMPTS, run_engine
+    from tokenmill.engine.core import EngineCore
+    from tokenmill.engine_args import EngineArgs
+
+    def run() -> tuple[list[list[int]], int]:
+        args = EngineArgs(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=64, enforce_eager=True)
+        core = EngineCore(args.create_engine_config())
+        return run_engine(core, PROMPTS, max_tokens=8), dense_linear.packed_count()
+
+    gc.collect()
+    before = dense_linear.packed_count()
+    packed, count = run()
+    assert count >= before + 2 * 4 + 1  # every linear layer of the two decoder layers and the LM head
+    monkeypatch.setenv("TOKENMILL_CPU_PREPACK", "0")
+    gc.collect()
+    plain, _ = run()
+    assert packed == plain
