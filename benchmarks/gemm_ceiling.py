@@ -3,8 +3,9 @@
     python benchmarks/gemm_ceiling.py [--num-prompts 256 --input-len 128 --output-len 128] [--json FILE]
 
 For SmolLM2-135M's matmuls (per layer qkv 960 x 576, o 576 x 576, gate_up 3072 x 576, down 576 x 1536; 30
-layers; LM head 49,152 x 576) it times ``F.linear`` in float32 and bfloat16 at the row counts a throughput run
-has: prefill steps of ``--prefill-rows`` tokens (the scheduler's token budget) and decode steps of
+layers; LM head 49,152 x 576) it times ``F.linear`` and oneDNN on prepacked weights
+(``torch.ops.mkldnn._linear_pointwise``, what tokenmill-cpu's linear layers run) in float32 and bfloat16, and
+takes the faster of the two, at the row counts a throughput run has: prefill steps of ``--prefill-rows`` tokens (the scheduler's token budget) and decode steps of
 ``--num-prompts`` running requests. Each row count's GFLOP/s is 2 M N K summed over one step's matmuls divided
 by the median time of that step (distinct weights per layer, so they stream from memory as in the model).
 
@@ -34,19 +35,41 @@ HEAD = (49152, 576)
 NUM_LAYERS = 30
 
 
-def step_ms(rows: int, dtype: torch.dtype, layers: int, iters: int, head: bool) -> tuple[float, float]:
-    """Median ms of one step's matmuls at ``rows`` rows, and its GFLOP count."""
+def step_ms(rows: int, dtype: torch.dtype, layers: int, iters: int, head: bool, packed: bool) -> tuple[float, float]:
+    """Median ms of one step's matmuls at ``rows`` rows (``packed``: on oneDNN-prepacked weights), and its GFLOP
+    count. Raises ``RuntimeError`` where oneDNN cannot pack ``dtype``."""
     weights = [torch.randn(n, k, dtype=dtype) * 0.02 for _ in range(layers) for n, k in LAYER]
     if head:
         weights.append(torch.randn(*HEAD, dtype=dtype) * 0.02)
     xs = {k: torch.randn(rows, k, dtype=dtype) for k in {k for _, k in LAYER} | {HEAD[1]}}
     flops = sum(2.0 * rows * w.shape[0] * w.shape[1] for w in weights)
+    prepacked = [(torch.ops.mkldnn._reorder_linear_weight(w, None), w.shape[1]) for w in weights] if packed else []
 
     def run() -> None:
         for w in weights:
             F.linear(xs[w.shape[1]], w)
 
-    return median_ms(run, iters=iters, warmup=2), flops / 1e9
+    def run_packed() -> None:
+        for p, k in prepacked:
+            torch.ops.mkldnn._linear_pointwise(xs[k], p, None, "none", [], "")
+
+    return median_ms(run_packed if packed else run, iters=iters, warmup=2), flops / 1e9
+
+
+def best_step_ms(rows: int, dtype: torch.dtype, layers: int, iters: int, head: bool) -> tuple[float, float, dict]:
+    """The faster of ``F.linear`` and prepacked oneDNN at ``rows`` rows: (ms, GFLOP, ms of each path)."""
+    plain_ms, gflop = step_ms(rows, dtype, layers, iters, head, packed=False)
+    each = {"f_linear_ms": plain_ms, "prepacked_ms": None}
+    try:
+        each["prepacked_ms"], _ = step_ms(rows, dtype, layers, iters, head, packed=True)
+    except RuntimeError:  # e.g. bfloat16 where oneDNN lacks AVX-512
+        pass
+    return min(v for v in each.values() if v is not None), gflop, each
+
+
+def _pair(each: dict) -> str:
+    packed = each["prepacked_ms"]
+    return f"{each['f_linear_ms']:.1f} / " + (f"{packed:.1f}" if packed is not None else "-")
 
 
 def main() -> int:
@@ -72,8 +95,8 @@ def main() -> int:
           f"{result['torch_cpu_capability']}, ONEDNN_MAX_CPU_ISA={result['onednn_max_cpu_isa']}")
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
-        pre_ms, pre_gf = step_ms(args.prefill_rows, dtype, args.layers, args.iters, head=False)
-        dec_ms, dec_gf = step_ms(n, dtype, args.layers, args.iters, head=True)
+        pre_ms, pre_gf, pre_each = best_step_ms(args.prefill_rows, dtype, args.layers, args.iters, head=False)
+        dec_ms, dec_gf, dec_each = best_step_ms(n, dtype, args.layers, args.iters, head=True)
         pre_rate, dec_rate = pre_gf / pre_ms * 1e3, dec_gf / dec_ms * 1e3
         # the whole run: prompt tokens through every layer matmul, output tokens through layers and head
         layer_gflop_per_token = sum(2.0 * a * b for a, b in LAYER) * NUM_LAYERS / 1e9
@@ -85,11 +108,12 @@ def main() -> int:
             "prefill_rows": args.prefill_rows, "prefill_step_ms": pre_ms * scale, "prefill_gflops": pre_rate,
             "decode_rows": n, "decode_step_ms": dec_ms * scale if args.layers == NUM_LAYERS else None,
             "decode_gflops": dec_rate, "run_prefill_matmul_s": prefill_s, "run_decode_matmul_s": decode_s,
-            "ceiling_output_tokens_per_s": ceiling,
+            "ceiling_output_tokens_per_s": ceiling, "prefill_paths_ms": pre_each, "decode_paths_ms": dec_each,
         }
         print(f"{name:>9}: prefill M={args.prefill_rows} {pre_rate:7.1f} GFLOP/s, decode M={n} {dec_rate:7.1f} "
               f"GFLOP/s -> run matmuls {prefill_s:.1f} s + {decode_s:.1f} s, ceiling {ceiling:.0f} output tok/s "
-              f"(80%: {0.8 * ceiling:.0f})")
+              f"(80%: {0.8 * ceiling:.0f}); F.linear / prepacked step ms: prefill {_pair(pre_each)}, decode "
+              f"{_pair(dec_each)}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2)

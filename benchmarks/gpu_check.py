@@ -206,19 +206,23 @@ def random_paged_batch(
 
 
 def reference_attention(b: dict[str, Any], scale: float) -> torch.Tensor:
-    """Float64 softmax attention (CPU) from the full keys/values: ``[T, Hq, D]``."""
+    """Float64 softmax attention (CPU) from the full keys/values: ``[T, Hq, D]``, by the conformance kit's
+    reference (``tokenmill.conformance.reference.reference_attention``) per request."""
+    from tokenmill.conformance.reference import Request, Variant
+    from tokenmill.conformance.reference import reference_attention as kit_reference
+
     md = b["md"]
     q_all = b["q"].double().cpu()
     out = torch.empty(q_all.shape, dtype=torch.float64)
+    num_heads, head_size = q_all.shape[1], q_all.shape[2]
     for r, sl in enumerate(md.seq_lens_cpu):
         s, e = md.query_start_loc_cpu[r], md.query_start_loc_cpu[r + 1]
-        group = q_all.shape[1] // b["k_full"][r].shape[1]
-        k = b["k_full"][r].double().repeat_interleave(group, 1)
-        v = b["v_full"][r].double().repeat_interleave(group, 1)
-        scores = torch.einsum("qhd,khd->hqk", q_all[s:e], k) * scale
-        pos = torch.arange(e - s) + sl - (e - s)
-        scores = scores.masked_fill(torch.arange(sl)[None, None, :] > pos[None, :, None], float("-inf"))
-        out[s:e] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+        k, v = b["k_full"][r].double().cpu(), b["v_full"][r].double().cpu()
+        q = torch.zeros(sl, num_heads, head_size, dtype=torch.float64)  # only the last e - s positions query
+        q[sl - (e - s):] = q_all[s:e]
+        variant = Variant("gpu_check", num_heads, k.shape[1], head_size, scale=scale)
+        out[s:e] = kit_reference(Request(str(r), q, k, v, []), sl - (e - s), e - s, variant).reshape(e - s, num_heads,
+                                                                                                   head_size)
     return out
 
 

@@ -1,23 +1,29 @@
-"""How much a prepacked weight would speed up the dense float32 matmuls of small CPU steps.
+"""How much prepacked weights speed up the dense matmuls of one decoder step on a CPU (tokenmill_cpu.dense_linear).
 
-    python benchmarks/packed_linear.py [--rows 1,8,32,64,256] [--dtype float32] [--json FILE]
+    python benchmarks/packed_linear.py [--rows 1,4,32,256] [--dtype float32|bfloat16] [--json FILE]
 
-For each of SmolLM2-135M's matmul shapes (qkv 960 x 576, o 576 x 576, gate_up 3072 x 576, down 576 x 1536, LM
-head 49,152 x 576) and each row count, it times, in the same process (median of ``--iters`` after warm-up):
+For SmolLM2-135M's matmul shapes (per layer qkv 960 x 576, o 576 x 576, gate_up 3072 x 576, down 576 x 1536,
+with distinct weights for each of the 30 layers so that they stream from memory as in the model, plus the LM head
+49,152 x 576) and each row count, it times one step's matmuls (milliseconds, median of ``--iters`` after
+warm-up) three ways, in the same process:
 
-* ``F.linear(x, W)``: what tokenmill runs today (torch's CPU GEMM, which re-lays out the weight on every call);
-* oneDNN with the weight reordered once (``torch.ops.mkldnn._reorder_linear_weight`` then
-  ``torch.ops.mkldnn._linear_pointwise``): the packed copy serves any row count;
-* MKL's packed GEMM (``torch.ops.mkl._mkl_reorder_linear_weight`` / ``_mkl_linear``, float32 only), packed for
-  that exact row count (at any other count ``_mkl_linear`` falls back to the unpacked weight).
+* ``F.linear(x, W)``: torch's CPU GEMM, which re-lays out the weight on every call;
+* oneDNN with each weight reordered once (``torch.ops.mkldnn._reorder_linear_weight`` /
+  ``torch.ops.mkldnn._linear_pointwise``);
+* float32 only: MKL's packed GEMM with each weight packed once for 32 rows and told the step's row count
+  (``torch.ops.mkl._mkl_reorder_linear_weight`` / ``torch.ops.mkl._mkl_linear``), which is what tokenmill-cpu
+  runs; every product is checked against ``F.linear`` first.
 
-The figures behind the "prepacked weights" paragraph of docs/benchmarks.md (issue 16, seventh session).
+The figures behind the table in ``tokenmill_cpu/dense_linear.py`` and docs/benchmarks.md (issue 16, eighth
+session). With ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2`` an AVX-512 machine
+gives the AVX2 code paths.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -27,43 +33,53 @@ import torch.nn.functional as F
 from timing import median_ms  # benchmarks/timing.py: this script's folder is on sys.path
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
+NUM_LAYERS = 30
+MKL_PACK_ROWS = 32
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", default="1,8,32,64,256")
+    parser.add_argument("--rows", default="1,4,32,256")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--iters", type=int, default=12)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
+    use_mkl = dtype == torch.float32 and torch.backends.mkl.is_available()
     result: dict = {"benchmark": "packed_linear", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                     "command": " ".join(["python", *sys.argv]), "torch": torch.__version__,
                     "threads": torch.get_num_threads(), "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                    "dtype": args.dtype, "rows": {}}
+                    "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"),
+                    "mkl_enable_instructions": os.environ.get("MKL_ENABLE_INSTRUCTIONS"), "dtype": args.dtype,
+                    "step_ms": {}}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {result['torch_cpu_capability']}, {args.dtype}")
-    print(f"{'matmul':>8} {'rows':>5} {'F.linear ms':>12} {'oneDNN ms':>10} {'MKL ms':>8} {'oneDNN x':>9} {'MKL x':>6}")
+    weights = {}
     for name, (n, k) in SHAPES.items():
-        w = torch.randn(n, k, dtype=dtype) * 0.02
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-        for rows in (int(r) for r in args.rows.split(",")):
-            x = torch.randn(rows, k, dtype=dtype)
-            ref = F.linear(x, w)
-            got = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-            tol = 1e-3 if dtype == torch.float32 else 5e-2
-            if not torch.allclose(got.float(), ref.float(), atol=tol, rtol=tol):
-                raise RuntimeError(f"oneDNN packed result differs from F.linear for {name} at {rows} rows")
-            base = median_ms(lambda: F.linear(x, w), args.iters)
-            dnnl = median_ms(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), args.iters)
-            mkl = None
-            if dtype == torch.float32 and torch.backends.mkl.is_available():
-                mkl_w = torch.ops.mkl._mkl_reorder_linear_weight(w, rows)
-                mkl = median_ms(lambda: torch.ops.mkl._mkl_linear(x, mkl_w, w, None, rows), args.iters)
-            result["rows"].setdefault(name, {})[rows] = {"f_linear_ms": base, "onednn_packed_ms": dnnl,
-                                                          "mkl_packed_ms": mkl}
-            mkl_s = f"{mkl:8.3f}" if mkl is not None else f"{'-':>8}"
-            mkl_x = f"{base / mkl:6.2f}" if mkl is not None else f"{'-':>6}"
-            print(f"{name:>8} {rows:>5} {base:12.3f} {dnnl:10.3f} {mkl_s} {base / dnnl:9.2f} {mkl_x}")
+        ws = [(torch.randn(n, k) * 0.02).to(dtype) for _ in range(1 if name == "lm_head" else NUM_LAYERS)]
+        onednn = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in ws]
+        mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, MKL_PACK_ROWS) for w in ws] if use_mkl else []
+        weights[name] = (ws, onednn, mkl)
+    print(f"{'rows':>5} {'F.linear ms':>12} {'oneDNN ms':>10} {'MKL ms':>8}")
+    tol = 1e-3 if dtype == torch.float32 else 5e-2
+    for rows in (int(r) for r in args.rows.split(",")):
+        total = {"f_linear": 0.0, "onednn_packed": 0.0, "mkl_packed": 0.0 if use_mkl else None}
+        for name, (ws, onednn, mkl) in weights.items():
+            x = torch.randn(rows, SHAPES[name][1]).to(dtype)
+            ref = F.linear(x, ws[0])
+            checks = [torch.ops.mkldnn._linear_pointwise(x, onednn[0], None, "none", [], "")]
+            checks += [torch.ops.mkl._mkl_linear(x, mkl[0], ws[0], None, rows)] if use_mkl else []
+            for got in checks:
+                if not torch.allclose(got.float(), ref.float(), atol=tol, rtol=tol):
+                    raise RuntimeError(f"a packed product differs from F.linear for {name} at {rows} rows")
+            total["f_linear"] += median_ms(lambda: [F.linear(x, w) for w in ws], args.iters)
+            total["onednn_packed"] += median_ms(
+                lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in onednn], args.iters)
+            if use_mkl:
+                total["mkl_packed"] += median_ms(
+                    lambda: [torch.ops.mkl._mkl_linear(x, p, w, None, rows) for p, w in zip(mkl, ws)], args.iters)
+        result["step_ms"][rows] = total
+        mkl_s = f"{total['mkl_packed']:8.1f}" if use_mkl else f"{'-':>8}"
+        print(f"{rows:>5} {total['f_linear']:12.1f} {total['onednn_packed']:10.1f} {mkl_s}", flush=True)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2)

@@ -64,31 +64,38 @@ def _engine(t: ConformanceTarget, *, attention_backend: str | None, enforce_eage
     return core
 
 
-def _drive(core: Any) -> list[list[int]]:
-    """Three requests, two more after three steps (mixed steps, then decode batches of 3 and 5); checks that
-    every KV block is free when the engine is idle."""
+def drive_staggered(core: Any, prompts: list[list[int]] | None = None, max_tokens: int = MAX_TOKENS
+                    ) -> list[list[int]]:
+    """Greedy tokens of ``prompts`` (default: the kit's five): three requests, the rest added after three steps
+    (mixed steps, then decode batches of 3 and 5).
+
+    Raises:
+        ContractFailure: the engine needs more than 200 steps, or KV blocks are not free when it is idle.
+    """
     from tokenmill.engine.messages import EngineCoreRequest
     from tokenmill.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outs: dict[str, list[int]] = {f"k{i}": [] for i in range(len(PROMPTS))}
+    prompts = PROMPTS if prompts is None else prompts
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outs: dict[str, list[int]] = {f"k{i}": [] for i in range(len(prompts))}
     for i in range(3):
-        core.add_request(EngineCoreRequest(f"k{i}", PROMPTS[i], params))
+        core.add_request(EngineCoreRequest(f"k{i}", prompts[i], params))
     steps = 0
     while core.has_unfinished_requests():
         if steps == 3:
-            for i in range(3, len(PROMPTS)):
-                core.add_request(EngineCoreRequest(f"k{i}", PROMPTS[i], params))
+            for i in range(3, len(prompts)):
+                core.add_request(EngineCoreRequest(f"k{i}", prompts[i], params))
         for o in core.step().outputs:
             outs[o.request_id] += o.new_token_ids
         steps += 1
         if steps > 200:
-            raise ContractFailure("the engine did not finish 5 requests of 8 tokens in 200 steps")
+            raise ContractFailure(f"the engine did not finish {len(prompts)} requests of {max_tokens} tokens in 200 "
+                                  "steps")
     pool = core.scheduler.kv_cache_manager.block_pool
     if pool.get_num_free_blocks() != pool.num_blocks:
         raise ContractFailure(f"the engine is idle but {pool.num_blocks - pool.get_num_free_blocks()} KV blocks are "
                               "not free")
-    return [outs[f"k{i}"] for i in range(len(PROMPTS))]
+    return [outs[f"k{i}"] for i in range(len(prompts))]
 
 
 def _graphs_claimed(t: ConformanceTarget) -> bool:
@@ -120,7 +127,7 @@ def _engine_under_test(t: ConformanceTarget) -> Any:
             return out
 
         graphs.run = checked_run
-    t.cache["tokens"] = _drive(core)
+    t.cache["tokens"] = drive_staggered(core)
     return core
 
 
@@ -159,7 +166,7 @@ def check_e2e(t: ConformanceTarget) -> None:
     the same platform; every KV block is free when the engine is idle."""
     ours = _engine_under_test(t)
     reference = _engine(t, attention_backend="TORCH_PAGED", enforce_eager=True)
-    want = _drive(reference)
+    want = drive_staggered(reference)
     got = t.cache["tokens"]
     dtype = ours.config.model_config.dtype
     t.note(f"{len(PROMPTS)} prompts x {MAX_TOKENS} tokens in {dtype}; reference TORCH_PAGED, eager")

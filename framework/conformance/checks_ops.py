@@ -60,8 +60,8 @@ def _layer_cases(name: str, cls: type, dtype: torch.dtype, device: torch.device)
 
 def check_custom_ops(t: ConformanceTarget) -> None:
     """Every layer the platform replaces (``get_custom_op_cls``) subclasses the built-in and its ``forward``
-    matches the built-in's ``forward_native`` on the same inputs; a platform fused-MoE method matches the
-    portable one."""
+    matches the built-in's ``forward_native`` on the same inputs; a platform ``unquantized_linear`` method
+    matches ``F.linear``; a platform fused-MoE method matches the portable one."""
     from tokenmill.layers.custom_op import CUSTOM_OPS
     from tokenmill.plugins.qualname import resolve_qualname
 
@@ -83,12 +83,49 @@ def check_custom_ops(t: ConformanceTarget) -> None:
                 worst = max(worst, _close(name, layer(*args), base.forward_native(layer, *args), _tol(dtype)))
         replaced.append(name)
         t.note(f"{name}: {path} within {worst:.1e} of the built-in")
+    linear = t.run_cls.get_custom_op_cls("unquantized_linear")
+    if linear is not None:
+        _check_unquantized_linear(t, linear, dtype)
+        replaced.append("unquantized_linear")
     moe = t.run_cls.get_fused_moe_cls()
     if moe and moe != "tokenmill.layers.fused_moe:TorchFusedMoEMethod":
         _check_fused_moe(t, moe, dtype)
         replaced.append("fused_moe")
     if not replaced:
         raise ItemSkipped("the platform replaces no custom op (get_custom_op_cls returns None, default fused MoE)")
+
+
+def _check_unquantized_linear(t: ConformanceTarget, path: str, dtype: torch.dtype) -> None:
+    """The method's ``apply`` matches ``F.linear`` at several row counts, before and after
+    ``process_weights_after_loading``, which leaves the layer's weight in place and unchanged."""
+    from tokenmill.layers.linear import ReplicatedLinear
+    from tokenmill.layers.linear_method import UnquantizedLinearMethod
+    from tokenmill.plugins.qualname import resolve_qualname
+
+    cls = resolve_qualname(path)
+    if not (isinstance(cls, type) and issubclass(cls, UnquantizedLinearMethod)):
+        raise ContractFailure(f"unquantized_linear: {path} is not an UnquantizedLinearMethod subclass")
+    g = torch.Generator().manual_seed(3)
+    layer = ReplicatedLinear(96, 80, bias=False).to(dtype).to(t.device)
+    weight = (torch.randn(80, 96, generator=g) * 0.1).to(dtype).to(t.device)
+    layer.weight.data.copy_(weight)
+    method = cls()
+    worst = 0.0
+    with torch.inference_mode():
+        for processed in (False, True):
+            if processed:
+                added = method.process_weights_after_loading(layer)
+                if not isinstance(added, int) or added < 0:
+                    raise ContractFailure(f"unquantized_linear: process_weights_after_loading returned {added!r}, "
+                                          "not the bytes it added")
+                if not torch.equal(layer.weight, weight):
+                    raise ContractFailure("unquantized_linear: process_weights_after_loading changed layer.weight")
+            for rows in (1, 3, 8, 33):
+                x = torch.randn(rows, 96, generator=g).to(dtype).to(t.device)
+                got = method.apply(layer, x)
+                worst = max(worst, _close("unquantized_linear", got, torch.nn.functional.linear(x, weight),
+                                          _tol(dtype)))
+    t.note(f"unquantized_linear: {path} within {worst:.1e} of F.linear")
 
 
 def _check_fused_moe(t: ConformanceTarget, path: str, dtype: torch.dtype) -> None:

@@ -28,11 +28,10 @@ import torch
 from tokenmill.worker.sampler import (
     SamplingMetadata,
     _mix_seed,
-    apply_min_p,
-    apply_top_k,
-    apply_top_p,
+    exponential_noise,
     gather_logprobs,
     process_logits,
+    sampling_probs,
 )
 
 LogprobEntry = tuple[list[int], list[float], int]
@@ -186,30 +185,11 @@ class RejectionSampler:
 
 def target_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """``[R, V]`` float32 sampling distribution of each row, as :class:`tokenmill.worker.sampler.Sampler`
-    draws from it: processed logits / temperature, then top-k, top-p, softmax and min-p (unnormalised after
-    min-p, as the sampler's exponential race needs no normalisation; rows are renormalised here)."""
-    temp = md.temperature.clamp(min=1e-5).unsqueeze(1)
-    x = logits / temp
-    if md.top_k is not None:
-        x = apply_top_k(x, md.top_k)
-    if md.top_p is not None:
-        x = apply_top_p(x, md.top_p)
-    probs = torch.softmax(x, dim=-1)
+    draws from it (:func:`tokenmill.worker.sampler.sampling_probs`), renormalised after min-p."""
+    probs = sampling_probs(logits, md)
     if md.min_p is not None:
-        probs = apply_min_p(probs, md.min_p)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
-
-
-def exponential_noise(probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """``Exp(1)`` noise of the exponential race, drawn exactly as the sampler draws it (seeded rows from
-    ``(seed, output position)``), so ``argmax(p / noise)`` is the token the sampler would pick."""
-    q = torch.empty_like(probs).exponential_()
-    for row, seed in md.seeds.items():
-        gen = torch.Generator(device=probs.device)
-        gen.manual_seed(_mix_seed(seed, md.output_positions[row]))
-        q[row].exponential_(generator=gen)
-    return q
 
 
 def uniform_noise(rows: list[int], md: SamplingMetadata, device: torch.device) -> torch.Tensor:

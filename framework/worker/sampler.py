@@ -126,27 +126,41 @@ class Sampler:
         return out
 
     def _sample(self, logits: torch.Tensor, md: SamplingMetadata, greedy: torch.Tensor) -> torch.Tensor:
-        temp = md.temperature.clamp(min=1e-5).unsqueeze(1)
-        x = logits / temp
-        if md.top_k is not None:
-            x = apply_top_k(x, md.top_k)
-        if md.top_p is not None:
-            x = apply_top_p(x, md.top_p)
-        probs = torch.softmax(x, dim=-1)
-        if md.min_p is not None:
-            probs = apply_min_p(probs, md.min_p)
-        q = torch.empty_like(probs).exponential_()
-        for row, seed in md.seeds.items():
-            gen = torch.Generator(device=probs.device)
-            gen.manual_seed(_mix_seed(seed, md.output_positions[row]))
-            q[row].exponential_(generator=gen)
-        sampled = (probs / q).argmax(dim=-1)
+        probs = sampling_probs(logits, md)
+        sampled = (probs / exponential_noise(probs, md)).argmax(dim=-1)
         return torch.where(md.temperature < 1e-5, greedy, sampled)
 
     @staticmethod
     def _gather_logprobs(raw: torch.Tensor, sampled: torch.Tensor, k: int, out: SamplerOutput) -> None:
         ids, lps, ranks = gather_logprobs(raw, sampled, k)
         out.logprob_token_ids, out.logprobs, out.sampled_ranks = ids, lps, ranks
+
+
+def sampling_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """``[R, V]`` float32 weights the sampler draws each row from: processed ``logits`` / temperature, then
+    top-k, top-p, softmax and min-p. Rows sum to 1 except after min-p (the exponential race needs no
+    normalisation; the rejection sampler renormalises)."""
+    x = logits / md.temperature.clamp(min=1e-5).unsqueeze(1)
+    if md.top_k is not None:
+        x = apply_top_k(x, md.top_k)
+    if md.top_p is not None:
+        x = apply_top_p(x, md.top_p)
+    probs = torch.softmax(x, dim=-1)
+    if md.min_p is not None:
+        probs = apply_min_p(probs, md.min_p)
+    return probs
+
+
+def exponential_noise(probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """``Exp(1)`` noise of the exponential race (``argmax(p / noise)`` samples from ``p``), shaped like ``probs``;
+    a seeded row draws from its own generator seeded by ``(seed, output position)``, so a seeded request's
+    tokens do not depend on the batch it runs in."""
+    q = torch.empty_like(probs).exponential_()
+    for row, seed in md.seeds.items():
+        gen = torch.Generator(device=probs.device)
+        gen.manual_seed(_mix_seed(seed, md.output_positions[row]))
+        q[row].exponential_(generator=gen)
+    return q
 
 
 def gather_logprobs(

@@ -115,17 +115,23 @@ def serve_default_model(tmp_path_factory: pytest.TempPathFactory, extra_args: tu
         pytest.skip(str(exc))
     if importlib.util.find_spec("tokenmill.engine.async_llm") is None:
         pytest.skip("tokenmill.engine.async_llm is not implemented yet")
+    yield from run_server(str(tmp_path_factory.mktemp("server")),
+                          ["--max-model-len", "2048", "--kv-cache-memory", "512MiB", *extra_args])
+
+
+def run_server(log_dir: str, args: list[str], timeout_s: float = SERVER_START_TIMEOUT_S) -> Iterator[RealServer]:
+    """Run ``tokenmill serve ARGS --port <free port>`` (log in ``log_dir/server.log``) until it is healthy, yield
+    it, then SIGTERM it and check the clean shutdown: exit status 0 and no engine-core process left behind."""
     port = free_port()
-    log_path = str(tmp_path_factory.mktemp("server") / "server.log")
-    cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--port", str(port),
-           "--max-model-len", "2048", "--kv-cache-memory", "512MiB", *extra_args]
+    log_path = os.path.join(log_dir, "server.log")
+    cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", *args, "--port", str(port)]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     env.pop("TOKENMILL_API_KEY", None)
     with open(log_path, "wb") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     server = RealServer(f"http://127.0.0.1:{port}", process, log_path)
     try:
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
         while True:
             if process.poll() is not None:
                 pytest.fail(f"tokenmill serve exited with {process.returncode}:\n{server.log_tail()}")
@@ -133,12 +139,10 @@ def serve_default_model(tmp_path_factory: pytest.TempPathFactory, extra_args: tu
                 if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
                     break
             if time.monotonic() > deadline:
-                pytest.fail(f"tokenmill serve not healthy after {SERVER_START_TIMEOUT_S:.0f} s:\n"
-                            f"{server.log_tail()}")
+                pytest.fail(f"tokenmill serve not healthy after {timeout_s:.0f} s:\n{server.log_tail()}")
             time.sleep(0.5)
         yield server
     finally:
         code, left = _stop(process)
-    # SIGTERM is a clean shutdown: exit status 0 and no engine-core process left behind.
     assert code == 0, f"tokenmill serve exited with {code} after SIGTERM:\n{server.log_tail()}"
     assert not left, f"processes {left} outlived the server"

@@ -156,6 +156,22 @@ def _layer0_lora_shapes(worker) -> dict:
             for n, m in worker.model_runner.lora_manager.layers.items() if n.startswith("model.layers.0.")}
 
 
+def run_mixed(core: EngineCore, prompts: list[list[int]], kinds: list[LoRARequest | None],
+              params: SamplingParams) -> dict[str, list[int]]:
+    """Every (prompt ``i``, adapter ``j``) pair as request ``r{i}-{j}``, run to completion; the tokens per
+    request. Asserts that every KV block is free afterwards."""
+    for i, p in enumerate(prompts):
+        for j, lora in enumerate(kinds):
+            core.add_request(EngineCoreRequest(f"r{i}-{j}", p, params, lora_request=lora))
+    outs: dict[str, list[int]] = {}
+    while core.has_unfinished_requests():
+        for o in core.step().outputs:
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    pool = core.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_blocks, "KV blocks leaked"
+    return outs
+
+
 def test_tensor_parallel_2_shards_adapters_like_the_base_layers(lora_llama_dir, llama_adapters):
     """TP 2 (multiproc, gloo): q/k/v heads and gate/up halves of lora_B follow the base rows on each rank,
     lora_A of o_proj / down_proj is split by input columns; the tokens equal transformers + peft."""
@@ -168,15 +184,7 @@ def test_tensor_parallel_2_shards_adapters_like_the_base_layers(lora_llama_dir, 
         assert isinstance(core.executor, MultiprocExecutor)
         kinds = [LoRARequest("a1", 1, llama_adapters["a1"]), LoRARequest("a3", 3, llama_adapters["a3"]), None]
         prompts = PROMPTS[:2]
-        for i, p in enumerate(prompts):
-            for j, lora in enumerate(kinds):
-                core.add_request(EngineCoreRequest(f"r{i}-{j}", p, GREEDY, lora_request=lora))
-        outs: dict[str, list[int]] = {}
-        while core.has_unfinished_requests():
-            for o in core.step().outputs:
-                outs.setdefault(o.request_id, []).extend(o.new_token_ids)
-        pool = core.scheduler.kv_cache_manager.block_pool
-        assert pool.get_num_free_blocks() == pool.num_blocks
+        outs = run_mixed(core, prompts, kinds, GREEDY)
         for j, lora in enumerate(kinds):
             ref = peft_greedy(lora_llama_dir, lora.lora_path if lora else None, prompts, MAX_TOKENS)
             assert [outs[f"r{i}-{j}"] for i in range(len(prompts))] == ref, lora
@@ -236,16 +244,7 @@ def test_default_model_with_adapters_matches_peft(default_model_path, tmp_path):
     del hf
     core = EngineCore(EngineArgs(max_model_len=512, kv_cache_memory="64MiB", enable_lora=True, max_loras=2,
                                  max_lora_rank=16).create_engine_config())
-    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        for j, lora in enumerate(kinds):
-            core.add_request(EngineCoreRequest(f"r{i}-{j}", p, params, lora_request=lora))
-    outs: dict[str, list[int]] = {}
-    while core.has_unfinished_requests():
-        for o in core.step().outputs:
-            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
-    pool = core.scheduler.kv_cache_manager.block_pool
-    assert pool.get_num_free_blocks() == pool.num_blocks
+    outs = run_mixed(core, prompts, kinds, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     for j, lora in enumerate(kinds):
         lid = 0 if lora is None else lora.lora_int_id
         assert [outs[f"r{i}-{j}"] for i in range(len(prompts))] == refs[lid], lora

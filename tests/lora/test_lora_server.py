@@ -7,16 +7,12 @@ test_lora_correctness.py), and unload / reload cleanly; bad adapters get a 400 w
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
-import sys
-import time
 
 import httpx
 import openai
 import pytest
 
-from tests.entrypoints.conftest import _stop, free_port
+from tests.entrypoints.conftest import run_server
 from tests.entrypoints.helpers import assert_error, metric
 from tests.lora.adapters import make_peft_adapter
 from tokenmill.entrypoints.llm import LLM
@@ -46,31 +42,11 @@ def test_load_use_unload_reload_through_the_server(lora_llama_dir, llama_adapter
     expected = _offline_texts(lora_llama_dir, {k: llama_adapters[k] for k in ("a1", "a2", "a3")})
     assert len(set(expected.values())) == 4  # each adapter changes the text
 
-    port = free_port()
-    log_path = str(tmp_path / "server.log")
-    cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", lora_llama_dir, "--port", str(port),
-           "--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "16MiB", "--served-model-name", NAME,
-           "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
-           "--lora-modules", f"a1={llama_adapters['a1']}"]
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    env.pop("TOKENMILL_API_KEY", None)
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-    def log_tail() -> str:
-        with open(log_path, encoding="utf-8", errors="replace") as f:
-            return f.read()[-4000:]
-
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert process.poll() is None, f"tokenmill serve exited with {process.returncode}:\n{log_tail()}"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, f"server not healthy:\n{log_tail()}"
-            time.sleep(0.5)
+    args = [lora_llama_dir, "--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "16MiB",
+            "--served-model-name", NAME, "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
+            "--lora-modules", f"a1={llama_adapters['a1']}"]
+    with contextlib.contextmanager(run_server)(str(tmp_path), args) as server:
+        url = server.url
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
         http = httpx.Client(base_url=url, timeout=120)
 
@@ -139,7 +115,3 @@ def test_load_use_unload_reload_through_the_server(lora_llama_dir, llama_adapter
         text = http.get("/metrics").text
         assert metric(text, "tokenmill:kv_cache_usage_perc", NAME) == 0.0
         assert metric(text, "tokenmill:num_requests_running", NAME) == 0.0
-    finally:
-        code, left = _stop(process)
-    assert code == 0, log_tail()
-    assert not left

@@ -48,7 +48,7 @@ def test_packed_product_matches_f_linear(dtype: torch.dtype, rows: int) -> None:
     assert got.shape == (rows, 48) and got.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(got.double(), want, atol=tol, rtol=tol)
-    assert torch.equal(dense_linear.dense_linear(x, layer.weight), got) or rows < dense_linear.min_packed_rows(dtype)
+    assert torch.equal(dense_linear.dense_linear(x, layer.weight), got) or rows < dense_linear.packed_rows(dtype)[0]
 
 
 def test_an_entry_leaves_the_table_when_its_weight_is_freed() -> None:
@@ -67,11 +67,71 @@ def test_a_weight_that_cannot_be_packed_stays_on_f_linear(monkeypatch: pytest.Mo
 
     layer = _layer(seed=2)
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    monkeypatch.setattr(torch.ops.mkl, "_mkl_reorder_linear_weight", refuse)
     method = CpuUnquantizedLinearMethod()
     assert method.process_weights_after_loading(layer) == 0
     assert layer.weight.data_ptr() not in dense_linear._TABLE
     x = torch.randn(8, 64)
     assert torch.equal(method.apply(layer, x), F.linear(x, layer.weight))
+
+
+def test_float32_uses_mkl_and_checks_each_row_count_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not torch.backends.mkl.is_available():
+        pytest.skip("torch without MKL")
+    layer = _layer(n=80, k=48, seed=5)
+    assert dense_linear.pack(layer.weight)
+    assert dense_linear._TABLE[layer.weight.data_ptr()].library == dense_linear.MKL
+    calls = []
+    real = torch.ops.mkl._mkl_linear
+
+    def spy(x, packed, weight, bias, rows):
+        calls.append(rows)
+        return real(x, packed, weight, bias, rows)
+
+    monkeypatch.setattr(torch.ops.mkl, "_mkl_linear", spy)
+    for rows in (3, 3, 40):
+        x = torch.randn(rows, 48)
+        assert torch.allclose(dense_linear.dense_linear(x, layer.weight), F.linear(x, layer.weight), atol=1e-5)
+    # the first product at 3 and at 40 rows is checked against F.linear on random data (one extra MKL call each)
+    assert calls == [3, 3, 3, 40, 40]
+    assert dense_linear._MKL_VERIFIED[(80, 48, 3)] and dense_linear._MKL_VERIFIED[(80, 48, 40)]
+
+
+def test_a_wrong_mkl_product_sends_that_shape_and_row_count_to_f_linear(monkeypatch: pytest.MonkeyPatch,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    if not torch.backends.mkl.is_available():
+        pytest.skip("torch without MKL")
+    layer = _layer(n=96, k=48, seed=6)
+    assert dense_linear.pack(layer.weight)
+    real = torch.ops.mkl._mkl_linear
+
+    def wrong_at_5(x, packed, weight, bias, rows):
+        y = real(x, packed, weight, bias, rows)
+        return y + 1.0 if rows == 5 else y
+
+    monkeypatch.setattr(torch.ops.mkl, "_mkl_linear", wrong_at_5)
+    x5, x6 = torch.randn(5, 48), torch.randn(6, 48)
+    with caplog.at_level("WARNING", logger="tokenmill_cpu.dense_linear"):
+        assert torch.equal(dense_linear.dense_linear(x5, layer.weight), F.linear(x5, layer.weight))
+    assert dense_linear._MKL_VERIFIED[(96, 48, 5)] is False and "wrong product at 5 rows" in caplog.text
+    assert torch.allclose(dense_linear.dense_linear(x6, layer.weight), F.linear(x6, layer.weight), atol=1e-5)
+    assert dense_linear._MKL_VERIFIED[(96, 48, 6)] is True
+
+
+def test_float32_uses_the_packed_copy_from_1_to_64_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not torch.backends.mkl.is_available():
+        pytest.skip("torch without MKL")
+    assert dense_linear.packed_rows(torch.float32) == (1, 64)
+    assert dense_linear.packed_rows(torch.bfloat16)[0] == 1
+    layer = _layer(n=64, k=32, seed=7)
+    assert dense_linear.pack(layer.weight)
+    calls = []
+    real = torch.ops.mkl._mkl_linear
+    monkeypatch.setattr(torch.ops.mkl, "_mkl_linear", lambda *a: calls.append(a[-1]) or real(*a))
+    for rows in (1, 64, 65, 300):
+        x = torch.randn(rows, 32)
+        assert torch.allclose(dense_linear.dense_linear(x, layer.weight), F.linear(x, layer.weight), atol=1e-5)
+    assert set(calls) == {1, 64}
 
 
 def test_packing_stops_at_the_memory_budget(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -93,7 +153,7 @@ def test_tokenmill_cpu_prepack_0_turns_packing_off(monkeypatch: pytest.MonkeyPat
     assert "not prepacked" in dense_linear.describe()
 
 
-def test_a_graph_with_symbolic_rows_calls_the_opaque_op_and_matches_eager() -> None:
+def test_a_graph_with_symbolic_rows_calls_the_opaque_op_and_matches_eager(monkeypatch: pytest.MonkeyPatch) -> None:
     layer = _layer(seed=4)
     method = CpuUnquantizedLinearMethod()
     method.process_weights_after_loading(layer)
@@ -110,6 +170,18 @@ def test_a_graph_with_symbolic_rows_calls_the_opaque_op_and_matches_eager() -> N
             x = torch.randn(rows, 64)
             assert torch.allclose(compiled(x), F.linear(x, layer.weight), atol=1e-5)
     assert graphs and all("tokenmill_cpu.dense_linear" in code for code in graphs)
+
+    # a graph of one row (static) where one row is below the packed range (float32 on oneDNN, without MKL):
+    # F.linear directly
+    monkeypatch.setattr(dense_linear, "HAS_MKL", False)
+    assert dense_linear.packed_rows(torch.float32)[0] > 1
+    torch._dynamo.reset()
+    graphs.clear()
+    static = torch.compile(layer, backend=backend, dynamic=False, fullgraph=True)
+    with torch.inference_mode():
+        x = torch.randn(1, 64)
+        assert torch.allclose(static(x), F.linear(x, layer.weight), atol=1e-6)
+    assert graphs and not any("tokenmill_cpu.dense_linear" in code for code in graphs)
 
 
 def test_attach_without_processing_packs_nothing_but_uses_the_op(tiny_llama_dir: str) -> None:

@@ -30,7 +30,7 @@ def test_plugins_lists_installed_distributions_platforms_and_registries(
                  "tokenmill-layerscale-llama"):
         assert name in dists, name
     cpu = dists["tokenmill-cpu"]["entry_points"][0]
-    assert cpu["loaded"] and cpu["requires_plugin_api"] == ">=1.0,<2"
+    assert cpu["loaded"] and cpu["requires_plugin_api"] == ">=1.1,<2"
     assert cpu["hooks"] == ["tokenmill_platform", "tokenmill_register_attention_backends"]
     assert dists["tokenmill-layerscale-llama"]["entry_points"][0]["hooks"] == ["tokenmill_register_models"]
     tried = {p["name"]: p for p in d["platforms"]}
@@ -43,7 +43,10 @@ def test_plugins_lists_installed_distributions_platforms_and_registries(
         "target": "layerscale_llama:LayerScaleLlamaForCausalLM", "source": "plugin tokenmill.plugins:layerscale_llama"}
     assert d["architectures"]["LlamaForCausalLM"]["source"] == "plugin tokenmill.plugins:builtin_models"
     assert set(d["attention_backends"]) >= {"CPU_PAGED", "TORCH_PAGED", "TRITON_PAGED"}
-    assert set(d["custom_ops"]) >= {"rms_norm", "rotary_embedding", "fused_moe", "quant_linear.int4"}
+    assert set(d["custom_ops"]) >= {"rms_norm", "rotary_embedding", "fused_moe", "quant_linear.int4",
+                                    "unquantized_linear"}
+    assert d["custom_ops"]["unquantized_linear"] == {"class": "tokenmill_cpu.dense_linear:CpuUnquantizedLinearMethod",
+                                                     "source": "platform cpu"}
     assert set(d["quantization_methods"]) == {"int8", "int4"}
     assert "tool_parsers" in d
     assert d["warnings"] == []

@@ -22,6 +22,7 @@ if "triton" not in sys.modules:  # the interpreter must be chosen before triton'
 import pytest
 import torch
 
+from tokenmill.conformance.checks_engine import drive_staggered
 from tokenmill.forward_context import get_forward_context, set_forward_context
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.graph_runner import GraphCapture, GraphRunner, graph_batch_sizes
@@ -221,28 +222,6 @@ def test_platforms_without_graphs() -> None:
 # -- the whole engine ----------------------------------------------------------------------------------------
 
 
-def _drive(core: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Three requests first, two more after three steps (a mixed step, then a batch of five decodes)."""
-    from tokenmill.engine.messages import EngineCoreRequest
-
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    outs: dict[str, list[int]] = {f"q{i}": [] for i in range(len(prompts))}
-    for i in range(3):
-        core.add_request(EngineCoreRequest(f"q{i}", prompts[i], params))
-    steps = 0
-    while core.has_unfinished_requests():
-        if steps == 3:
-            for i in range(3, len(prompts)):
-                core.add_request(EngineCoreRequest(f"q{i}", prompts[i], params))
-        for o in core.step().outputs:
-            outs[o.request_id] += o.new_token_ids
-        steps += 1
-        assert steps < 100
-    pool = core.scheduler.kv_cache_manager.block_pool
-    assert pool.get_num_free_blocks() == pool.num_blocks
-    return [outs[f"q{i}"] for i in range(len(prompts))]
-
-
 @triton_interpreted
 def test_engine_decode_graphs_match_eager_and_transformers(graph_platform, tiny_llama_dir: str) -> None:
     from tests.conftest import hf_greedy
@@ -264,11 +243,11 @@ def test_engine_decode_graphs_match_eager_and_transformers(graph_platform, tiny_
         return execute(so)
 
     core.executor.execute_model = recording
-    ours = _drive(core, prompts, max_tokens=5)
+    ours = drive_staggered(core, prompts, max_tokens=5)
 
     eager_core = EngineCore(args.replace(enforce_eager=True).create_engine_config())
     assert eager_core.executor.worker.model_runner.graph_runner is None
-    assert _drive(eager_core, prompts, max_tokens=5) == ours
+    assert drive_staggered(eager_core, prompts, max_tokens=5) == ours
     assert ours == hf_greedy(tiny_llama_dir, prompts, 5)
 
     decode_sizes = [n for decode_only, n in seen if decode_only]

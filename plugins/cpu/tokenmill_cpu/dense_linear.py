@@ -2,34 +2,47 @@
 
 Why not plain ``F.linear``: for float32 torch calls MKL's ``sgemm`` and for bfloat16 oneDNN's matmul, and both
 re-lay out (pack) the whole weight into their kernel's blocked format on every call. For the few rows of a
-decode step that repacking costs as much as the multiplication. oneDNN can pack a weight once
-(``torch.ops.mkldnn._reorder_linear_weight``) and multiply any number of rows by the packed copy
-(``torch.ops.mkldnn._linear_pointwise``), the pair Inductor's CPU weight-prepacking pass uses.
+decode step that repacking costs as much as the multiplication. Both libraries can pack a weight once:
 
-``python benchmarks/packed_linear.py`` (SmolLM2-135M's shapes, 2 cores, AVX-512 Xeon, 2026-12-01; sum of one
-decoder step's 30 layers plus the LM head):
+* float32: MKL's packed GEMM (``torch.ops.mkl._mkl_reorder_linear_weight`` / ``torch.ops.mkl._mkl_linear``, the
+  pair Inductor's CPU freezing pass uses). torch packs for one row count and falls back to the plain weight at
+  any other; MKL's packed layout does not depend on the row count here (products at 1 to 2,048 rows with a copy
+  packed for 32 equal ``F.linear`` to rounding, AVX-512 and AVX2), so one copy is packed for
+  :data:`MKL_PACK_ROWS` and told the step's count. That is outside MKL's documented contract, so the first
+  product of each weight shape and row count is checked against ``F.linear`` on random data, and a mismatch
+  sends that shape and count to ``F.linear`` for good (with a warning).
+* bfloat16, and float32 where torch has no MKL: oneDNN (``torch.ops.mkldnn._reorder_linear_weight`` /
+  ``torch.ops.mkldnn._linear_pointwise``), whose packed copy serves any row count.
 
-==========  =========================  ==========================
-rows        float32 F.linear / packed  bfloat16 F.linear / packed
-==========  =========================  ==========================
-1           13.0 / 15.3 ms             22.3 / 11.2 ms
-4           22.5 / 14.5 ms             13.1 / 7.9 ms
-32          63.2 / 42.3 ms             21.5 / 15.2 ms
-256         381 / 341 ms               48.2 / 40.3 ms
-==========  =========================  ==========================
+``python benchmarks/packed_linear.py`` (SmolLM2-135M's shapes, distinct weights for each of the 30 layers so
+that they stream from memory as in the model, plus the LM head; 2 cores of an AVX-512 Xeon, 2026-12-01;
+milliseconds per step; results in ``benchmarks/results/packed_linear_cpu_*_streaming.json``):
 
-With oneDNN limited to AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2``) float32 at 32 rows is 73.4 / 66.0 ms, and oneDNN
-cannot pack bfloat16 there (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT): such weights stay on ``F.linear``.
-So float32 uses the packed copy from :data:`MIN_PACKED_ROWS_FLOAT32` rows up, bfloat16 always.
+=====  =====================  =====================  ===================
+rows   float32 F.linear /     AVX2 proxy, float32    bfloat16 F.linear /
+       oneDNN / MKL packed    (same three)           oneDNN packed
+=====  =====================  =====================  ===================
+1      15.7 / 19.5 / 16.1     21.0 / 26.1 / 20.8     30.6 / 21.5
+4      26.9 / 21.2 / 18.5     51.9 / 41.8 / 28.7     25.5 / 20.5
+32     61.5 / 54.6 / 47.6     126.9 / 115.4 / 97.4   32.2 / 20.3
+64     102.6 / 96.2 / 99.0    172.4 / 184.7 / 175.9
+256    389.5 / 364.6 / 443.9  595.5 / 595.2 / 637.8  110.0 / 76.9
+=====  =====================  =====================  ===================
 
-How the graphs reach the packed copy: oneDNN's packed tensor is an opaque (MKLDNN-layout) tensor that
-torch.compile cannot take as a graph input, so it stays out of the graph. ``torch.ops.tokenmill_cpu.dense_linear
-(x, weight)`` receives the layer's ordinary weight (a graph input like every weight) and finds the packed copy
-in a table keyed by the weight's storage address (an entry leaves the table when its weight is freed). A weight
-with no entry (not packed, or a graph traced by the compile worker, which never packs) is multiplied with
-``F.linear``, so every graph is correct with or without packing.
+(AVX2 proxy: ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2``. Runs vary by
+about 10% on this shared machine.) Hence :func:`packed_rows`: float32 on MKL's copy at 1 to
+:data:`MKL_MAX_ROWS` rows (above that MKL's copy packed for 32 rows is slower than ``F.linear``), bfloat16 on
+oneDNN's at every count. oneDNN cannot pack bfloat16 without AVX-512 BW/VL/DQ or AVX-NE-CONVERT: such weights stay
+on ``F.linear``.
 
-Memory: one packed copy per weight (same size as the weight). :class:`CpuUnquantizedLinearMethod` packs layers
+How the graphs reach the packed copy: a packed copy is an opaque (MKLDNN-layout) tensor that torch.compile cannot
+take as a graph input, so it stays out of the graph. ``torch.ops.tokenmill_cpu.dense_linear(x, weight)`` receives
+the layer's ordinary weight (a graph input like every weight) and finds the packed copy in a table keyed by the
+weight's storage address (an entry leaves the table when its weight is freed). A weight with no entry (not
+packed, or a graph traced by the compile worker, which never packs) is multiplied with ``F.linear``, so every
+graph is correct with or without packing.
+
+Memory: one packed copy per weight (about the weight's size). :class:`CpuUnquantizedLinearMethod` packs layers
 until the copies would take half of the RAM available when packing started; the rest stay on ``F.linear``.
 ``TOKENMILL_CPU_PREPACK=0`` turns packing off.
 """
@@ -44,38 +57,84 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from tokenmill.plugin_api import UnquantizedLinearMethod
 from tokenmill_cpu import memory
 
 logger = logging.getLogger(__name__)
 
-MIN_PACKED_ROWS_FLOAT32 = 4  # fewer rows: F.linear (MKL) is faster than oneDNN's packed path (table above)
+MIN_ONEDNN_ROWS_FLOAT32 = 4  # float32 without MKL: fewer rows are faster on F.linear
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 MEMORY_FRACTION = 0.5  # packed copies may take at most this share of the RAM available when packing starts
+MKL_PACK_ROWS = 32  # the row count MKL is told at packing (its packed layout serves every count: see below)
+MKL_MAX_ROWS = 64  # more rows: F.linear is as fast or faster than the copy packed for 32 rows (table below)
+MKL = "MKL packed sgemm"
+ONEDNN = "oneDNN packed"
 
 
 @dataclass
 class _Packed:
-    packed: torch.Tensor  # MKLDNN-layout copy of the weight
+    packed: torch.Tensor  # opaque (MKLDNN-layout) copy of the weight
+    library: str  # MKL or ONEDNN
     shape: tuple[int, int]
     dtype: torch.dtype
 
 
+HAS_MKL = torch.backends.mkl.is_available()  # read once: graphs trace packed_rows, torch.compile cannot trace this
 _TABLE: dict[int, _Packed] = {}  # weight storage address -> packed copy
+_MKL_VERIFIED: dict[tuple[int, int, int], bool] = {}  # (N, K, rows) -> MKL's packed product matched F.linear
+_refused: set[torch.dtype] = set()
 
 
-def min_packed_rows(dtype: torch.dtype) -> int:
-    """Rows from which the packed copy is used (below: ``F.linear``)."""
-    return MIN_PACKED_ROWS_FLOAT32 if dtype == torch.float32 else 1
+def _use_mkl(dtype: torch.dtype) -> bool:
+    return dtype == torch.float32 and HAS_MKL
+
+
+def packed_rows(dtype: torch.dtype) -> tuple[int, int]:
+    """The row counts ``[lo, hi]`` whose products use the packed copy of a ``dtype`` weight (others: ``F.linear``),
+    from the measurements in the module docstring (the same on AVX-512 and AVX2)."""
+    if _use_mkl(dtype):
+        return 1, MKL_MAX_ROWS
+    if dtype == torch.float32:
+        return MIN_ONEDNN_ROWS_FLOAT32, 1 << 30
+    return 1, 1 << 30
+
+
+def _mkl_matches(entry: _Packed, weight: torch.Tensor, rows: int) -> bool:
+    """Whether MKL's product on ``entry`` (packed for :data:`MKL_PACK_ROWS` rows) equals ``F.linear`` at ``rows``
+    rows, on random data; checked once per shape and row count (see the module docstring)."""
+    key = (*entry.shape, rows)
+    ok = _MKL_VERIFIED.get(key)
+    if ok is None:
+        g = torch.Generator().manual_seed(rows)
+        x = torch.randn(rows, entry.shape[1], generator=g)
+        want = F.linear(x, weight)
+        got = torch.ops.mkl._mkl_linear(x, entry.packed, weight, None, rows)
+        ok = bool(torch.allclose(got, want, rtol=1e-3, atol=1e-3 * float(want.abs().max().clamp(min=1e-6))))
+        _MKL_VERIFIED[key] = ok
+        if not ok:
+            logger.warning("MKL's packed weight [%d, %d] gives a wrong product at %d rows here; those products "
+                           "use F.linear", *entry.shape, rows)
+    return ok
 
 
 def _dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     entry = _TABLE.get(weight.data_ptr())
-    if (entry is None or entry.shape != tuple(weight.shape) or entry.dtype != weight.dtype
-            or x.dim() != 2 or x.shape[0] < min_packed_rows(weight.dtype) or x.dtype != weight.dtype):
+    if entry is None or entry.shape != tuple(weight.shape) or entry.dtype != weight.dtype or x.dim() != 2 \
+            or x.dtype != weight.dtype:
         return F.linear(x, weight)
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), entry.packed, None, "none", [], "")
+    rows = x.shape[0]
+    lo, hi = packed_rows(weight.dtype)
+    if not lo <= rows <= hi:
+        return F.linear(x, weight)
+    x = x.contiguous()
+    if entry.library == MKL:
+        if not _mkl_matches(entry, weight, rows):
+            return F.linear(x, weight)
+        # _mkl_linear uses the packed copy when the count it is given equals the input's rows
+        return torch.ops.mkl._mkl_linear(x, entry.packed, weight, None, rows)
+    return torch.ops.mkldnn._linear_pointwise(x, entry.packed, None, "none", [], "")
 
 
 def _dense_linear_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -90,34 +149,37 @@ torch.library.register_fake("tokenmill_cpu::dense_linear", _dense_linear_fake, l
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x [..., K] @ weight [N, K]^T`` -> ``[..., N]`` in ``weight``'s dtype, on the packed copy of ``weight`` when
-    :func:`pack` made one and ``T`` is at least :func:`min_packed_rows`, else with ``F.linear``."""
+    :func:`pack` made one and the row count is within :func:`packed_rows`, else with ``F.linear``."""
     return torch.ops.tokenmill_cpu.dense_linear(x, weight)
 
 
 def pack(weight: torch.Tensor) -> bool:
-    """Make (once) the packed copy :func:`dense_linear` uses for ``weight`` (2-D, float32 or bfloat16, CPU);
-    whether there is one. Never raises: oneDNN refusing the weight (e.g. bfloat16 without AVX-512) is logged
-    once and the weight stays on ``F.linear``."""
+    """Make (once) the packed copy :func:`dense_linear` uses for ``weight`` (2-D, float32 or bfloat16, CPU):
+    MKL's for float32 where torch has MKL, oneDNN's otherwise; whether there is one. Never raises: a library
+    refusing the weight (oneDNN and bfloat16 without AVX-512) is logged once and the weight stays on
+    ``F.linear``."""
     if weight.dim() != 2 or weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES:
         return False
     key = weight.data_ptr()
     if key in _TABLE:
         return True
+    library = MKL if _use_mkl(weight.dtype) else ONEDNN
     try:
         with torch.no_grad():
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+            w = weight.detach().contiguous()
+            if library == MKL:
+                packed = torch.ops.mkl._mkl_reorder_linear_weight(w, MKL_PACK_ROWS)
+            else:
+                packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
     except RuntimeError as exc:
         if weight.dtype not in _refused:
             _refused.add(weight.dtype)
-            logger.info("oneDNN cannot prepack %s weights here (%s); they use F.linear", weight.dtype,
+            logger.info("%s: cannot prepack %s weights here (%s); they use F.linear", library, weight.dtype,
                         str(exc).splitlines()[0])
         return False
-    _TABLE[key] = _Packed(packed, tuple(weight.shape), weight.dtype)
+    _TABLE[key] = _Packed(packed, library, tuple(weight.shape), weight.dtype)
     weakref.finalize(weight, _TABLE.pop, key, None)
     return True
-
-
-_refused: set[torch.dtype] = set()
 
 
 def packed_count() -> int:
@@ -126,12 +188,14 @@ def packed_count() -> int:
 
 
 def prepack_enabled() -> bool:
-    """Whether ``TOKENMILL_CPU_PREPACK`` allows packing (default on; ``0`` turns it off) and torch has oneDNN."""
+    """Whether ``TOKENMILL_CPU_PREPACK`` allows packing (default on; ``0`` turns it off) and torch has oneDNN
+    (which it has wherever it has MKL)."""
     return os.environ.get("TOKENMILL_CPU_PREPACK", "1") != "0" and torch.backends.mkldnn.is_available()
 
 
 class CpuUnquantizedLinearMethod(UnquantizedLinearMethod):
-    """Linear layers on oneDNN-packed copies of their weights (module docstring); one instance per model.
+    """Linear layers on packed copies of their weights (MKL's for float32, oneDNN's for bfloat16; module
+    docstring); one instance per model.
 
     Attributes:
         budget_bytes: RAM the packed copies may still take (set by the first layer: :data:`MEMORY_FRACTION` of
@@ -158,9 +222,10 @@ class CpuUnquantizedLinearMethod(UnquantizedLinearMethod):
         return nbytes
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        # A graph always calls the op, which chooses at run time: torch.compile would bake a Python test of the
-        # row count into a graph with a symbolic one (the dummy step it traces has 2 rows).
-        if not torch.compiler.is_compiling() and x.shape[0] < min_packed_rows(layer.weight.dtype):
+        # Only a row count known without guards picks F.linear here (eager steps; the one-request graph, whose
+        # row count is the constant 1). A graph with a symbolic row count calls the op, which chooses at run time:
+        # a plain Python test would bake the traced dummy step's choice into the graph.
+        if statically_known_true(x.shape[0] < packed_rows(layer.weight.dtype)[0]):
             return F.linear(x, layer.weight)
         return dense_linear(x, layer.weight)
 
@@ -170,5 +235,6 @@ def describe() -> str:
     base = "MKL sgemm (float32), oneDNN (bfloat16), through torch"
     if not prepack_enabled():
         return f"{base}; weights not prepacked"
-    return (f"oneDNN on prepacked weights (float32 from {MIN_PACKED_ROWS_FLOAT32} rows, bfloat16 where oneDNN can "
-            f"pack it); otherwise {base}")
+    lo, hi = packed_rows(torch.float32)
+    f32 = f"{MKL if _use_mkl(torch.float32) else ONEDNN} for {lo}" + ("+ rows" if hi >= 1 << 30 else f"-{hi} rows")
+    return f"prepacked weights: float32 {f32}, bfloat16 {ONEDNN} where oneDNN can pack it; otherwise {base}"
