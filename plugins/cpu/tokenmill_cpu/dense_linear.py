@@ -44,7 +44,8 @@ graph is correct with or without packing.
 
 Memory: one packed copy per weight (about the weight's size). :class:`CpuUnquantizedLinearMethod` packs layers
 until the copies would take half of the RAM available when packing started; the rest stay on ``F.linear``.
-``TOKENMILL_CPU_PREPACK=0`` turns packing off.
+``TOKENMILL_CPU_PREPACK=0`` turns packing off; ``TOKENMILL_CPU_PREPACK=onednn`` packs float32 weights with oneDNN
+instead of MKL (for comparisons).
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ class _Packed:
     dtype: torch.dtype
 
 
-HAS_MKL = torch.backends.mkl.is_available()  # read once: graphs trace packed_rows, torch.compile cannot trace this
+# read once: graphs trace packed_rows, torch.compile cannot trace these; TOKENMILL_CPU_PREPACK=onednn: no MKL
+HAS_MKL = torch.backends.mkl.is_available() and os.environ.get("TOKENMILL_CPU_PREPACK") != "onednn"
 _TABLE: dict[int, _Packed] = {}  # weight storage address -> packed copy
 _MKL_VERIFIED: dict[tuple[int, int, int], bool] = {}  # (N, K, rows) -> MKL's packed product matched F.linear
 _refused: set[torch.dtype] = set()
