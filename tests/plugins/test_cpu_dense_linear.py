@@ -145,6 +145,18 @@ def test_packing_stops_at_the_memory_budget(monkeypatch: pytest.MonkeyPatch) -> 
     assert layers[2].weight.data_ptr() not in dense_linear._TABLE
 
 
+def test_tokenmill_cpu_prepack_onednn_packs_float32_with_onednn() -> None:
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch; from tokenmill_cpu import dense_linear as d; w = torch.randn(32, 16); d.pack(w); "
+            "print(d.HAS_MKL, d._TABLE[w.data_ptr()].library)")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TOKENMILL_CPU_PREPACK": "onednn"},
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "oneDNN", "packed"]
+
+
 def test_tokenmill_cpu_prepack_0_turns_packing_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TOKENMILL_CPU_PREPACK", "0")
     layer = _layer(seed=3)
