@@ -4,8 +4,8 @@ Every :class:`tokenmill.layers.LinearBase` (and the LM head) computes ``y = x W^
 :class:`UnquantizedLinearMethod` chosen per model: the built-in one calls ``F.linear``; a platform (or a plugin,
 or a script, through :mod:`tokenmill.layers.custom_op`) may replace it with a subclass that re-lays out each
 weight once after loading, as vLLM's ``UnquantizedLinearMethod.process_weights_after_loading`` does on CPUs.
-The CPU plugin's method keeps a oneDNN-packed copy of each float32 / bfloat16 weight, because torch's CPU GEMM
-re-packs the weight on every call, which dominates the small matmuls of decode steps.
+The CPU plugin's method keeps a packed copy of each weight (MKL's for float32, oneDNN's for bfloat16), because
+torch's CPU GEMM re-packs the weight on every call, which dominates the small matmuls of decode steps.
 
 Contract of a replacement (checked by ``tokenmill plugins check``, item ``custom_ops``):
 
