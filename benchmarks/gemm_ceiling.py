@@ -19,7 +19,6 @@ ONEDNN_MAX_CPU_ISA=AVX2`` an AVX-512 machine gives the figures of its AVX2 code 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -28,7 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from timing import median_ms  # benchmarks/timing.py: this script's folder is on sys.path
+from timing import median_ms, write_json  # benchmarks/timing.py: this script's folder is on sys.path
 
 LAYER = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (N, K) of qkv, o, gate_up, down
 HEAD = (49152, 576)
@@ -114,10 +113,7 @@ def main() -> int:
               f"GFLOP/s -> run matmuls {prefill_s:.1f} s + {decode_s:.1f} s, ceiling {ceiling:.0f} output tok/s "
               f"(80%: {0.8 * ceiling:.0f}); F.linear / prepacked step ms: prefill {_pair(pre_each)}, decode "
               f"{_pair(dec_each)}")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
-            f.write("\n")
+    write_json(args.json, result)
     return 0
 
 

@@ -22,7 +22,6 @@ gives the AVX2 code paths.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -30,7 +29,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from timing import median_ms  # benchmarks/timing.py: this script's folder is on sys.path
+from timing import median_ms, write_json  # benchmarks/timing.py: this script's folder is on sys.path
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 NUM_LAYERS = 30
@@ -80,10 +79,7 @@ def main() -> int:
         result["step_ms"][rows] = total
         mkl_s = f"{total['mkl_packed']:8.1f}" if use_mkl else f"{'-':>8}"
         print(f"{rows:>5} {total['f_linear']:12.1f} {total['onednn_packed']:10.1f} {mkl_s}", flush=True)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
-            f.write("\n")
+    write_json(args.json, result)
     return 0
 
 

@@ -49,7 +49,11 @@ def kv_cache_bytes_per_block(attn_backend: type, layers: list, block_size: int, 
 def allocate_kv_caches(attn_backend: type, layers: list, num_blocks: int, block_size: int, dtype: torch.dtype,
                        device: torch.device) -> list[torch.Tensor]:
     """One zeroed cache of ``num_blocks`` blocks per layer (``Platform.allocate_kv_cache``), bound to the layer
-    (``layer.kv_cache``); returned in layer order."""
+    (``layer.kv_cache``); returned in layer order, each in ``attn_backend``'s layout and ``dtype``.
+
+    Raises:
+        ValueError: as ``Platform.allocate_kv_cache`` (a device the platform cannot use).
+    """
     from tokenmill.platforms import get_current_platform
 
     platform = get_current_platform()

@@ -22,6 +22,7 @@ Contract of a replacement (checked by ``tokenmill plugins check``, item ``custom
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +73,7 @@ def attach_linear_method(model: nn.Module, process: bool = True) -> int:
         bytes of memory the method added (0 without ``process``).
     """
     method = get_unquantized_linear_method()
+    start = time.perf_counter()
     layers = added = 0
     for module in model.modules():
         if not hasattr(module, "linear_method") or getattr(module, "weight", None) is None:
@@ -81,6 +83,6 @@ def attach_linear_method(model: nn.Module, process: bool = True) -> int:
         if process:
             added += method.process_weights_after_loading(module)
     if method is not DEFAULT_METHOD:
-        logger.info("linear layers: %s for %d layers (%.1f MiB of prepared weights)", type(method).__qualname__,
-                    layers, added / 2**20)
+        logger.info("linear layers: %s for %d layers (%.1f MiB of prepared weights in %.2f s)",
+                    type(method).__qualname__, layers, added / 2**20, time.perf_counter() - start)
     return added
