@@ -14,6 +14,7 @@ QUANTIZATION_METHODS = ("int8", "int4")  # see tokenmill.layers.quantization
 COMPILE_MODES = ("background", "blocking")  # see tokenmill.worker.compiled_runner
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # see CacheConfig.cache_dtype
 
 
 @dataclass
@@ -81,6 +82,10 @@ class CacheConfig:
 
     Attributes:
         block_size: tokens per KV block.
+        cache_dtype: element type of the KV cache, ``"float32"``, ``"bfloat16"`` or ``"float16"`` once resolved
+            (``"auto"``, the model's dtype, before). vLLM's ``--kv-cache-dtype``: a float32 model with a
+            bfloat16 cache reads half the KV bytes per decode step; keys and values are rounded once when they
+            are written, queries and outputs stay in the model dtype.
         kv_cache_memory: bytes for the KV cache on CPU (``None``: the platform decides).
         gpu_memory_utilization: fraction of accelerator memory the engine may use.
         enable_prefix_caching: share full blocks between requests by content hash.
@@ -89,6 +94,7 @@ class CacheConfig:
     """
 
     block_size: int = 16
+    cache_dtype: str = "auto"
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True

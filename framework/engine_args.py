@@ -19,6 +19,7 @@ from tokenmill.config import (
     DATA_PARALLEL_BACKENDS,
     DATA_PARALLEL_ROUTING,
     DISTRIBUTED_EXECUTOR_BACKENDS,
+    KV_CACHE_DTYPES,
     QUANTIZATION_METHODS,
     CacheConfig,
     DeviceConfig,
@@ -70,6 +71,7 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
     block_size: int = 16
+    kv_cache_dtype: str = "auto"
     kv_cache_memory: str | int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
@@ -111,6 +113,9 @@ class EngineArgs:
         g.add_argument("--long-prefill-token-threshold", type=int, default=d.long_prefill_token_threshold)
         g.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"])
         g.add_argument("--block-size", type=int, default=d.block_size, help="Tokens per KV-cache block.")
+        g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
+                       help="Element type of the KV cache (default auto: the model's dtype). A float32 model with "
+                            "a bfloat16 cache reads half the KV bytes per decode step.")
         g.add_argument("--kv-cache-memory", default=d.kv_cache_memory,
                        help="KV cache size on CPU, e.g. 4GiB (default: min(4 GiB, 1/4 of available RAM)).")
         g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
@@ -253,10 +258,15 @@ class EngineArgs:
             max_batched = min(max(2048, self.max_num_seqs), 8192)
         if max_batched < 1:
             raise ValueError(f"max_num_batched_tokens: must be at least 1, got {max_batched}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            hint = " (fp8 KV caches are not supported yet)" if str(self.kv_cache_dtype).startswith("fp8") else ""
+            raise ValueError(f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}{hint}")
         config = EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
                 block_size=self.block_size,
+                cache_dtype=self.kv_cache_dtype,
                 kv_cache_memory=parse_size(self.kv_cache_memory),
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 enable_prefix_caching=self.enable_prefix_caching,

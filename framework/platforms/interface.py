@@ -368,12 +368,14 @@ class Platform:
     def check_and_update_config(cls, config: EngineConfig) -> None:
         """Validate ``config`` for this platform and fill in what the platform decides.
 
-        Resolves ``model_config.dtype == "auto"`` to :attr:`default_dtype`, records the platform in
+        Resolves ``model_config.dtype == "auto"`` to :attr:`default_dtype` and ``cache_config.cache_dtype ==
+        "auto"`` to the model's dtype, records the platform in
         ``config.device_config`` and, unless :attr:`ranks_share_device`, checks that at least
         :meth:`local_ranks_needed` devices are visible (without creating a device context).
 
         Raises:
-            ValueError: ``dtype`` is not one of :attr:`supported_dtypes` (the message names ``dtype``), or
+            ValueError: ``dtype`` or the KV cache dtype is not one of :attr:`supported_dtypes` (the message names
+                ``dtype`` or ``kv_cache_dtype``), or
                 there are fewer visible devices than local ranks (the message names ``--tensor-parallel-size``,
                 ``--pipeline-parallel-size`` and ``--data-parallel-size``).
         """
@@ -384,6 +386,14 @@ class Platform:
             raise ValueError(
                 f"dtype={model_config.dtype!r} is not supported on platform {cls.name!r}; "
                 f"choose one of {', '.join(cls.supported_dtypes)} (or 'auto' for {cls.default_dtype})"
+            )
+        cache_config = config.cache_config
+        if cache_config.cache_dtype == "auto":
+            cache_config.cache_dtype = model_config.dtype
+        if cache_config.cache_dtype not in cls.supported_dtypes:
+            raise ValueError(
+                f"kv_cache_dtype={cache_config.cache_dtype!r} is not supported on platform {cls.name!r}; "
+                f"choose one of {', '.join(cls.supported_dtypes)} (or 'auto' for the model's dtype)"
             )
         config.device_config.platform = cls.name
         config.device_config.device_type = cls.device_type

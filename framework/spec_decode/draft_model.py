@@ -55,11 +55,13 @@ class DraftModelProposer:
         block_size: the target's block size.
         device: where the model runs.
         attn_backend: the target's attention backend class (the draft's layers use it too).
+        kv_cache_dtype: element type of the draft's KV cache (``None``: the draft model's dtype); the target's
+            ``--kv-cache-dtype`` applies to both.
     """
 
     def __init__(
         self, model_config: ModelConfig, num_speculative_tokens: int, block_size: int, device: torch.device,
-        attn_backend: type,
+        attn_backend: type, kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.model_config = model_config
         self.k = num_speculative_tokens
@@ -67,6 +69,7 @@ class DraftModelProposer:
         self.device = device
         self.attn_backend = attn_backend
         self.dtype = str_to_dtype(model_config.dtype)
+        self.kv_cache_dtype = kv_cache_dtype or self.dtype
         self.model: torch.nn.Module | None = None
         self.attn_layers: list[Attention] = []
         self.states: dict[str, _DraftState] = {}
@@ -80,14 +83,15 @@ class DraftModelProposer:
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
 
     def kv_cache_bytes_per_block(self) -> int:
-        return kv_cache_bytes_per_block(self.attn_backend, self.attn_layers, self.block_size, self.dtype)
+        return kv_cache_bytes_per_block(self.attn_backend, self.attn_layers, self.block_size, self.kv_cache_dtype)
 
     def model_memory_bytes(self) -> int:
         assert self.model is not None
         return sum(t.numel() * t.element_size() for t in self.model.parameters())
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        allocate_kv_caches(self.attn_backend, self.attn_layers, num_blocks, self.block_size, self.dtype, self.device)
+        allocate_kv_caches(self.attn_backend, self.attn_layers, num_blocks, self.block_size, self.kv_cache_dtype,
+                           self.device)
 
     def remove_requests(self, req_ids) -> None:
         for req_id in req_ids:

@@ -37,10 +37,12 @@ class SpecDecoder:
     device: the worker's device.
     attn_backend: the attention backend class (a draft model's layers use it).
     max_model_len: context length (no draft goes past it).
+    kv_cache_dtype: element type of a draft model's KV cache (``None``: the draft's dtype).
     """
 
     def __init__(
-        self, config: SpeculativeConfig, block_size: int, device: torch.device, attn_backend: type, max_model_len: int
+        self, config: SpeculativeConfig, block_size: int, device: torch.device, attn_backend: type, max_model_len: int,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
@@ -54,7 +56,8 @@ class SpecDecoder:
         else:
             from tokenmill.spec_decode.draft_model import DraftModelProposer
 
-            self.draft = DraftModelProposer(config.draft_model_config, self.k, block_size, device, attn_backend)
+            self.draft = DraftModelProposer(config.draft_model_config, self.k, block_size, device, attn_backend,
+                                            kv_cache_dtype)
 
     # -- model and cache ------------------------------------------------------------------------------
 

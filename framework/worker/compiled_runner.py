@@ -164,6 +164,7 @@ class CompiledRunner:
             "architecture": hf.to_json_string(use_diff=False) if hasattr(hf, "to_json_string") else repr(hf),
             "model_class": f"{type(self.model).__module__}.{type(self.model).__qualname__}",
             "dtype": config.model_config.dtype,
+            "kv_cache_dtype": str(runner.kv_cache_dtype).removeprefix("torch."),
             "quantization": config.model_config.quantization,
             "block_size": self.block_size,
             "quant_max_rows": self.quant_max_rows,

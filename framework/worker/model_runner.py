@@ -40,6 +40,8 @@ class ModelRunner:
         self.device = device
         self.block_size = config.cache_config.block_size
         self.dtype = str_to_dtype(config.model_config.dtype)
+        cache_dtype = config.cache_config.cache_dtype
+        self.kv_cache_dtype = self.dtype if cache_dtype == "auto" else str_to_dtype(cache_dtype)
         self.attn_backend = load_backend_cls(attn_backend_path)
         set_attn_backend(self.attn_backend)
         self.model: torch.nn.Module | None = None
@@ -59,7 +61,7 @@ class ModelRunner:
             from tokenmill.spec_decode.spec_decoder import SpecDecoder
 
             self.spec_decoder = SpecDecoder(spec_config, self.block_size, device, self.attn_backend,
-                                            config.model_config.max_model_len)
+                                            config.model_config.max_model_len, self.kv_cache_dtype)
         self.logits_processors = build_logits_processors(config, device)  # plugins' and --logits-processors
         self.process_weights = True  # False in the compile worker: it traces, never runs, so nothing is prepacked
 
@@ -121,13 +123,14 @@ class ModelRunner:
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes one block takes across all attention layers of this rank (and the draft model's)."""
         draft = self.spec_decoder.kv_cache_bytes_per_block() if self.spec_decoder is not None else 0
-        return kv_cache_bytes_per_block(self.attn_backend, self.attn_layers, self.block_size, self.dtype) + draft
+        return (kv_cache_bytes_per_block(self.attn_backend, self.attn_layers, self.block_size, self.kv_cache_dtype)
+                + draft)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate every layer's cache (zeros, through ``Platform.allocate_kv_cache``) and bind it to the layer."""
         self.num_blocks = num_blocks
         self.kv_caches = allocate_kv_caches(self.attn_backend, self.attn_layers, num_blocks, self.block_size,
-                                            self.dtype, self.device)
+                                            self.kv_cache_dtype, self.device)
         if self.spec_decoder is not None:
             self.spec_decoder.initialize_kv_cache(num_blocks)
         if get_pp_size() > 1 or self.lora_manager is not None:

@@ -94,8 +94,9 @@ class Worker:
             self.config, model_memory_bytes=weights, peak_activation_bytes=peak
         )
         if self.rank == 0:
-            logger.info("KV cache: %.2f GiB (weights %.2f GiB, profiled peak activations %.2f GiB)",
-                        budget / GiB, weights / GiB, peak / GiB)
+            logger.info("KV cache: %.2f GiB of %s (weights %.2f GiB, profiled peak activations %.2f GiB)",
+                        budget / GiB, str(self.model_runner.kv_cache_dtype).removeprefix("torch."), weights / GiB,
+                        peak / GiB)
         num_blocks = budget // per_block
         if num_blocks < 1:
             raise ValueError(

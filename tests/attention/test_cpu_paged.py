@@ -63,8 +63,10 @@ def test_kernel_rejects_bad_inputs_with_errors_not_crashes():
     bad_table[1, 0] = cache.shape[2]  # one past the last block
     with pytest.raises(RuntimeError, match="out of range"):
         kernels.paged_decode(batch.q, cache, bad_table, sl, 0.2)
-    with pytest.raises(RuntimeError, match="same dtype"):
-        kernels.paged_decode(batch.q.bfloat16(), cache, bt, sl, 0.2)
+    with pytest.raises(RuntimeError, match="must have q's dtype"):
+        kernels.paged_decode(batch.q.bfloat16(), cache, bt, sl, 0.2)  # only float32 queries widen a cache
+    with pytest.raises(RuntimeError, match="must have q's dtype"):
+        kernels.paged_decode(batch.q.double(), cache.bfloat16(), bt, sl, 0.2)
     with pytest.raises(RuntimeError, match="int32"):
         kernels.paged_decode(batch.q, cache, bt.long(), sl, 0.2)
     with pytest.raises(RuntimeError, match="kv_cache"):
@@ -99,6 +101,42 @@ def test_cpu_backend_mixed_batch_matches_fp64_reference(use_kernel):
     out = impl.forward(batch.q.reshape(len(batch.q), -1), k.reshape(len(k), -1), v.reshape(len(v), -1),
                        head_major(batch.kv_cache), batch.md)
     assert rel_err(out.view_as(batch.q), reference_attention(batch, head_size**-0.5)) < 1e-5
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_size", [(9, 3, 64), (12, 1, 72)], ids=["gqa3", "group12-tail"])
+def test_kernel_widens_a_reduced_cache_under_float32_queries(cache_dtype, num_heads, num_kv_heads, head_size):
+    # --kv-cache-dtype under a float32 model: the cache's values are exact in float32, so with float32 queries and
+    # float32 arithmetic the result must match the float64 reference to float32 accuracy (a kernel that rounded
+    # the queries or the output to the cache dtype would be off by about 1e-2).
+    seq_lens = [1, 15, 16, 17, 33, 100]
+    batch = make_batch([1] * len(seq_lens), seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                       head_size=head_size, block_size=16, dtype=cache_dtype)
+    q = torch.randn(batch.q.shape, generator=torch.Generator().manual_seed(3))
+    batch.q = q
+    scale = head_size**-0.5
+    out = kernels.paged_decode(q, head_major(batch.kv_cache), batch.md.block_table, batch.md.seq_lens, scale)
+    assert out.dtype == torch.float32
+    assert rel_err(out.view_as(q), reference_attention(batch, scale)) < 1e-5
+
+
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "torch-fallback"])
+def test_cpu_backend_float32_model_with_a_bfloat16_cache(use_kernel):
+    num_heads, num_kv_heads, head_size, block_size = 8, 2, 16, 8
+    batch = make_batch(MIXED_Q_LENS, MIXED_SEQ_LENS, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                       head_size=head_size, block_size=block_size, fill_cache=False, poison=1.0e4,
+                       dtype=torch.bfloat16)  # keys and values exact in bfloat16, so the reference is exact
+    batch.q = torch.randn(batch.q.shape, generator=torch.Generator().manual_seed(5))
+    impl = CpuPagedAttentionBackend.get_impl_cls()(num_heads, head_size, head_size**-0.5, num_kv_heads)
+    impl.use_kernel = use_kernel
+    k, v = new_kv(batch)
+    cache = head_major(batch.kv_cache)
+    out = impl.forward(batch.q.reshape(len(batch.q), -1), k.float().reshape(len(k), -1),
+                       v.float().reshape(len(v), -1), cache, batch.md)
+    assert out.dtype == torch.float32 and cache.dtype == torch.bfloat16
+    assert rel_err(out.view_as(batch.q), reference_attention(batch, head_size**-0.5)) < 1e-5
+    written = cache[0].view(num_kv_heads, -1, head_size)[:, batch.md.slot_mapping].transpose(0, 1)
+    assert torch.equal(written, k)  # the step's keys went into the cache, rounded to its dtype
 
 
 def test_cpu_platform_picks_the_kernel_backend():

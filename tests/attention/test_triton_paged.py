@@ -235,3 +235,14 @@ def test_engine_greedy_with_triton_backend_matches_transformers(tiny_llama_dir, 
     core = EngineCore(args.create_engine_config())
     assert core.executor.worker.model_runner.attn_backend is TritonPagedAttentionBackend
     assert run_engine(core, prompts, max_tokens=6) == hf_greedy(tiny_llama_dir, prompts, 6)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_float32_queries_over_a_reduced_cache(cache_dtype):
+    # --kv-cache-dtype under a float32 model: values exact in the cache dtype, arithmetic in float32.
+    batch = make_batch(MIXED_Q_LENS, MIXED_SEQ_LENS, num_heads=4, num_kv_heads=2, head_size=16, block_size=8,
+                       dtype=cache_dtype)
+    batch.q = torch.randn(batch.q.shape, generator=torch.Generator().manual_seed(7))
+    out = _run_kernel(batch, 0.25)
+    assert out.dtype == torch.float32
+    assert rel_err(out, reference_attention(batch, 0.25)) < 1e-5

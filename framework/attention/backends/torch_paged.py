@@ -81,6 +81,7 @@ class TorchPagedAttentionImpl(AttentionImpl):
             else:
                 first = 0 if self.sliding_window is None else max(0, offset - self.sliding_window + 1) // bs
                 k_ctx, v_ctx = gather_kv(kv_cache, attn_metadata.block_table[i], seq_len, bs, first_block=first)
+                k_ctx, v_ctx = k_ctx.to(q.dtype), v_ctx.to(q.dtype)  # a cache in another dtype (--kv-cache-dtype)
                 ctx_start = first * bs
             out[start:end] = self._sdpa(q[start:end], k_ctx, v_ctx, causal_offset=offset - ctx_start)
         return out.reshape(num_tokens, -1)
@@ -145,7 +146,8 @@ class TorchPagedAttentionImpl(AttentionImpl):
 
         Args:
             q: ``[B, Hq, D]`` in the model dtype, already rotated.
-            kv_cache: this layer's cache, model dtype.
+            kv_cache: this layer's cache, in the model dtype or in the ``--kv-cache-dtype`` (an override must
+                accept both; the default computes in ``q``'s dtype).
             block_table: ``[B, nb]`` int32; ``nb`` may exceed what a request needs (the extra columns are
                 padding); the default reads every column (only the window's with ``sliding_window``) and masks
                 positions ``>= seq_lens``.
@@ -176,7 +178,7 @@ class TorchPagedAttentionImpl(AttentionImpl):
         # Masked positions get probability 0, but 0 * NaN is NaN: values outside the context (block-table padding,
         # stale slots, possibly another request's blocks) must not reach the output even if they are not finite.
         v_ctx = kv_cache[1][:, blocks].view(hkv, num, span, d).masked_fill(~valid.view(1, num, span, 1), 0)
-        qh = q.reshape(num, hkv, group, d).transpose(0, 1).to(k_ctx.dtype)  # [Hkv, B, G, D]
+        qh = q.reshape(num, hkv, group, d).transpose(0, 1)  # [Hkv, B, G, D]
         cap = self.logits_soft_cap
         if torch.compiler.is_compiling():
             # Traced: as broadcast products and sums the compiler fuses with the gather into loops over the
@@ -188,6 +190,8 @@ class TorchPagedAttentionImpl(AttentionImpl):
             probs = torch.softmax(scores, dim=-1)
             o = (probs.unsqueeze(-1) * v_ctx.float().unsqueeze(2)).sum(-2).transpose(0, 1)
             return o.reshape(num, self.num_heads * d).to(q.dtype)
+        if k_ctx.dtype != q.dtype:  # a cache in another dtype (--kv-cache-dtype): compute in q's
+            k_ctx, v_ctx = k_ctx.to(q.dtype), v_ctx.to(q.dtype)
         scores = torch.matmul(qh, k_ctx.transpose(-1, -2)).float() * self.scale  # [Hkv, B, G, S]
         if cap is not None:
             scores = torch.tanh(scores / cap) * cap

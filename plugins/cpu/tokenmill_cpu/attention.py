@@ -15,6 +15,8 @@ import torch
 from tokenmill.plugin_api import AttentionImpl, TorchPagedAttentionBackend, TorchPagedAttentionImpl
 from tokenmill_cpu import kernels
 
+_WIDENED = (torch.bfloat16, torch.float16)  # caches the kernel reads under float32 queries (--kv-cache-dtype)
+
 
 class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
     name = "CPU_PAGED"
@@ -57,8 +59,11 @@ class CpuPagedAttentionImpl(TorchPagedAttentionImpl):
         (:meth:`TorchPagedAttentionImpl.forward_decode`)."""
         if not self.use_kernel or kv_cache.device.type != "cpu":
             return super().forward_decode(q, kv_cache, block_table, seq_lens, block_size)
+        dtype = q.dtype
+        if q.dtype != kv_cache.dtype and not (q.dtype == torch.float32 and kv_cache.dtype in _WIDENED):
+            q = q.to(kv_cache.dtype)  # a combination the kernel does not widen
         out = kernels.paged_decode(
-            q.to(kv_cache.dtype), kv_cache, block_table.to(torch.int32).contiguous(), seq_lens.to(torch.int32),
+            q, kv_cache, block_table.to(torch.int32).contiguous(), seq_lens.to(torch.int32),
             self.scale, self.sliding_window, self.logits_soft_cap,
         )
-        return out.to(q.dtype)
+        return out.to(dtype)

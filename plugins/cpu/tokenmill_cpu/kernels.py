@@ -259,7 +259,8 @@ def paged_decode(
 
     Args:
         q: ``[B, Hq, D]`` float32, bfloat16 or float16 (rows contiguous), already rotated.
-        kv_cache: ``[2, Hkv, num_blocks, block_size, D]`` contiguous, ``q``'s dtype (keys, then values).
+        kv_cache: ``[2, Hkv, num_blocks, block_size, D]`` contiguous (keys, then values), ``q``'s dtype, or
+            bfloat16 / float16 under float32 ``q`` (rows widened to float32 as they are read).
         block_table: ``[B, nb]`` int32; request ``i`` reads blocks ``block_table[i, :ceil(seq_lens[i] / block_size)]``.
         seq_lens: ``[B]`` int32, tokens of context per request (the new token's key/value already written).
         scale: softmax scale (usually ``D ** -0.5``).

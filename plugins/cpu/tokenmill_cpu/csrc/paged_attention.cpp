@@ -4,7 +4,8 @@
 // One work item is one (request, KV head) pair: its G = Hq / Hkv query heads share every key and value row,
 // so each row is loaded from memory once and used G times. Scores are kept in a per-thread buffer, the
 // softmax is exact (max, exp, sum over the whole context), and the weighted sum of values accumulates in
-// float32 for every input dtype. With a sliding window W only the last W positions are attended to and the
+// float32 for every input dtype. The cache may hold bfloat16 or float16 under float32 queries (a float32 model
+// with --kv-cache-dtype bfloat16): rows are widened as they are loaded. With a sliding window W only the last W positions are attended to and the
 // blocks before them are never touched; with a soft cap c the scaled scores become c * tanh(s / c).
 
 #include <ATen/ATen.h>
@@ -189,7 +190,8 @@ inline void prefetch_block(const T* p, int64_t n) {
   for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(c + off);
 }
 
-template <typename T>
+// TQ: query and output dtype; TC: cache dtype (TQ, or bfloat16 / float16 under float32 queries).
+template <typename TQ, typename TC>
 void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                    const at::Tensor& seq_lens, double scale, int64_t sliding_window, double soft_cap,
                    at::Tensor& out) {
@@ -197,12 +199,12 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
   const int64_t num_kv_heads = kv_cache.size(1), num_blocks = kv_cache.size(2), block_size = kv_cache.size(3);
   const int64_t group = num_heads / num_kv_heads, table_width = block_table.size(1);
   const int64_t vec_end = head_size - head_size % W;
-  const T* q_ptr = q.const_data_ptr<T>();
-  const T* k_base = kv_cache.const_data_ptr<T>();
-  const T* v_base = k_base + num_kv_heads * num_blocks * block_size * head_size;
+  const TQ* q_ptr = q.const_data_ptr<TQ>();
+  const TC* k_base = kv_cache.const_data_ptr<TC>();
+  const TC* v_base = k_base + num_kv_heads * num_blocks * block_size * head_size;
   const int32_t* bt = block_table.const_data_ptr<int32_t>();
   const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
-  T* out_ptr = out.data_ptr<T>();
+  TQ* out_ptr = out.data_ptr<TQ>();
   const int64_t q_stride = q.stride(0), head_stride = q.stride(1);
   const int64_t head_cache = num_blocks * block_size * head_size;  // elements per KV head
   const int64_t block_elems = block_size * head_size;
@@ -227,7 +229,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_size), acc(group * head_size), scores;
 #ifdef TOKENMILL_BF16_DOT
-    constexpr bool kBf16 = std::is_same_v<T, at::BFloat16>;
+    constexpr bool kBf16 = std::is_same_v<TQ, at::BFloat16> && std::is_same_v<TC, at::BFloat16>;
     const bool bf16_dot = kBf16 && head_size % 32 == 0;
     std::vector<at::BFloat16> qb(bf16_dot ? group * head_size : 0);
 #endif
@@ -239,7 +241,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
       std::fill(acc.begin(), acc.end(), 0.f);
       if (n > 0) {
         for (int64_t g = 0; g < group; ++g) {
-          const T* src = q_ptr + s * q_stride + (h * group + g) * head_stride;
+          const TQ* src = q_ptr + s * q_stride + (h * group + g) * head_stride;
           for (int64_t i = 0; i < head_size; ++i) qf[g * head_size + i] = static_cast<float>(src[i]) * fscale;
 #ifdef TOKENMILL_BF16_DOT
           if constexpr (kBf16) {
@@ -254,7 +256,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
         // Scores: one pass over the keys, each row used by the G query heads of this KV head.
         for (int64_t j = j0, t0 = j0 * block_size; t0 < len; t0 += block_size, ++j) {
           const int64_t skip = std::max<int64_t>(begin - t0, 0);  // rows of this block before the window
-          const T* k_blk = k_base + h * head_cache + blocks[j] * block_elems + skip * head_size;
+          const TC* k_blk = k_base + h * head_cache + blocks[j] * block_elems + skip * head_size;
           const int64_t rows = std::min(block_size, len - t0) - skip;
           float* out_scores = scores.data() + (t0 + skip - begin);
           if (t0 + block_size < len) prefetch_block(k_base + h * head_cache + blocks[j + 1] * block_elems, block_elems);
@@ -280,7 +282,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
         // Weighted sum of the values, again one pass over the rows.
         for (int64_t j = j0, t0 = j0 * block_size; t0 < len; t0 += block_size, ++j) {
           const int64_t skip = std::max<int64_t>(begin - t0, 0);
-          const T* v_blk = v_base + h * head_cache + blocks[j] * block_elems + skip * head_size;
+          const TC* v_blk = v_base + h * head_cache + blocks[j] * block_elems + skip * head_size;
           const int64_t rows = std::min(block_size, len - t0) - skip;
           if (t0 + block_size < len) prefetch_block(v_base + h * head_cache + blocks[j + 1] * block_elems, block_elems);
           for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
@@ -291,8 +293,8 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
           }
         }
       }
-      T* dst = out_ptr + s * num_heads * head_size + h * group * head_size;
-      for (int64_t i = 0; i < group * head_size; ++i) dst[i] = static_cast<T>(acc[i]);
+      TQ* dst = out_ptr + s * num_heads * head_size + h * group * head_size;
+      for (int64_t i = 0; i < group * head_size; ++i) dst[i] = static_cast<TQ>(acc[i]);
     }
   });
 }
@@ -304,7 +306,10 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const a
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, Hq, D] with contiguous rows");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be a contiguous [2, Hkv, num_blocks, block_size, D] tensor");
-  TORCH_CHECK(kv_cache.scalar_type() == q.scalar_type(), "q and kv_cache must have the same dtype");
+  const bool widened = q.scalar_type() == at::kFloat
+                       && (kv_cache.scalar_type() == at::kBFloat16 || kv_cache.scalar_type() == at::kHalf);
+  TORCH_CHECK(kv_cache.scalar_type() == q.scalar_type() || widened,
+              "kv_cache must have q's dtype, or be bfloat16 / float16 under float32 q");
   TORCH_CHECK(kv_cache.size(1) > 0 && kv_cache.size(3) > 0 && q.size(2) > 0,
               "kv_cache needs at least one KV head, a block size and a head size above 0");
   TORCH_CHECK(kv_cache.size(4) == q.size(2) && q.size(1) % kv_cache.size(1) == 0,
@@ -314,9 +319,15 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const a
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.numel() == q.size(0) && seq_lens.is_contiguous(),
               "seq_lens must be a contiguous [B] int32 tensor");
   at::Tensor out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    decode_kernel<scalar_t>(q, kv_cache, block_table, seq_lens, scale, sliding_window, soft_cap, out);
-  });
+  if (widened) {
+    AT_DISPATCH_REDUCED_FLOATING_TYPES(kv_cache.scalar_type(), "paged_decode", [&] {
+      decode_kernel<float, scalar_t>(q, kv_cache, block_table, seq_lens, scale, sliding_window, soft_cap, out);
+    });
+  } else {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+      decode_kernel<scalar_t, scalar_t>(q, kv_cache, block_table, seq_lens, scale, sliding_window, soft_cap, out);
+    });
+  }
   return out;
 }
 
