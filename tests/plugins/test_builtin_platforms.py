@@ -137,6 +137,28 @@ def test_cpu_kv_cache_is_zero_and_takes_no_memory_until_written(dtype: torch.dty
         CpuPlatform.allocate_kv_cache(shape, dtype, torch.device("meta"))
 
 
+def _vm_flags(address: int) -> list[str]:
+    """The ``VmFlags`` of the mapping of this process that holds ``address`` (``/proc/self/smaps``)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
+                    reason="needs Linux transparent huge pages")
+def test_cpu_kv_cache_asks_for_transparent_huge_pages() -> None:
+    # "hg": the mapping was madvise(MADV_HUGEPAGE)d, so decode attention's scattered block reads take few TLB
+    # misses even where THP is only enabled on request ("madvise", a common default).
+    cache = CpuPlatform.allocate_kv_cache((2, 64, 16, 4, 64), torch.float32, torch.device("cpu"))
+    assert "hg" in _vm_flags(cache.data_ptr())
+
+
 def test_the_model_runner_allocates_the_kv_cache_through_the_platform(
     tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

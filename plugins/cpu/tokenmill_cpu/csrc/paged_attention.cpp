@@ -126,8 +126,8 @@ inline void pv_rows(const float* probs, int64_t stride, const T* v, int64_t rows
     }
 }
 
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
-#define TOKENMILL_BF16_DOT 1
+#if defined(CPU_CAPABILITY_AVX512)
+#define TOKENMILL_REDUCE4 1
 // The totals of four 16-lane partial sums, as four floats.
 inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
   const __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xEE));
@@ -137,6 +137,49 @@ inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
   z = _mm512_add_ps(z, _mm512_permute_ps(z, 0xB1));
   return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), z));
 }
+#elif defined(CPU_CAPABILITY_AVX2)
+#define TOKENMILL_REDUCE4 1
+// The totals of four 8-lane partial sums, as four floats.
+inline __m128 reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));  // lane halves: a0..a3 partials
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+#endif
+
+#ifdef TOKENMILL_REDUCE4
+// Scores of `rows` key rows against `group` float32 query rows (qf: [group, D], pre-scaled, D % W == 0), one
+// query head at a time over four key rows, so that one horizontal reduction serves four scores (a per-row
+// reduction costs more than the row's multiply-adds at D = 64). The block's rows stay in L1 across the heads.
+template <typename T>
+inline void qk_rows4(const float* qf, int64_t group, const T* k, int64_t rows, int64_t head_size, float* scores,
+                     int64_t stride) {
+  for (int64_t g = 0; g < group; ++g) {
+    const float* qg = qf + g * head_size;
+    float* out = scores + g * stride;
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) {
+      const T* kr = k + r * head_size;
+      Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
+      for (int64_t i = 0; i < head_size; i += W) {
+        const Vec qv = Vec::loadu(qg + i);
+        a0 = at::vec::fmadd(qv, load_float(kr + i), a0);
+        a1 = at::vec::fmadd(qv, load_float(kr + head_size + i), a1);
+        a2 = at::vec::fmadd(qv, load_float(kr + 2 * head_size + i), a2);
+        a3 = at::vec::fmadd(qv, load_float(kr + 3 * head_size + i), a3);
+      }
+      _mm_storeu_ps(out + r, reduce4(a0, a1, a2, a3));
+    }
+    for (; r < rows; ++r) {
+      Vec a(0.f);
+      for (int64_t i = 0; i < head_size; i += W) a = at::vec::fmadd(Vec::loadu(qg + i), load_float(k + r * head_size + i), a);
+      out[r] = hsum(a);
+    }
+  }
+}
+#endif
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+#define TOKENMILL_BF16_DOT 1
 
 // Scores of `rows` bfloat16 key rows against `group` bfloat16 query rows (qb: [group, D], D % 32 == 0) with
 // the AVX-512 BF16 pair dot product (exact bf16 products, float32 sums), four rows per horizontal reduction.
@@ -266,6 +309,12 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
               qk_rows_bf16(qb.data(), group, k_blk, rows, head_size, fscale, out_scores, n);
               continue;
             }
+          }
+#endif
+#ifdef TOKENMILL_REDUCE4
+          if (vec_end == head_size) {
+            qk_rows4(qf.data(), group, k_blk, rows, head_size, out_scores, n);
+            continue;
           }
 #endif
           for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
