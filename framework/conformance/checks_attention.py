@@ -150,13 +150,20 @@ def _check_reference(t: ConformanceTarget) -> None:
     variants = ref.standard_variants(getattr(backend, "supports_sliding_window", False),
                                      getattr(backend, "supports_logits_soft_cap", False))
     checked = 0
+    # (query dtype, cache dtype, block sizes): each model dtype over its own cache, then float32 queries over
+    # every reduced cache dtype the platform supports (--kv-cache-dtype), within the cache dtype's tolerance.
+    runs = [(dtype, dtype, BLOCK_SIZES) for dtype in _dtypes(t)]
+    if torch.float32 in _dtypes(t):
+        runs += [(torch.float32, DTYPES[n], BLOCK_SIZES[-1:]) for n in ("bfloat16", "float16")
+                 if n in t.run_cls.supported_dtypes]
     with torch.inference_mode():
-        for dtype in _dtypes(t):
-            for bs in BLOCK_SIZES:
+        for dtype, cache_dtype, block_sizes in runs:
+            for bs in block_sizes:
                 for vi, variant in enumerate(variants):
                     scenario = ref.make_scenario(variant, bs, dtype, seed=100 * bs + vi)
                     impl = _impl(backend, variant)
-                    cache = _new_cache(backend, scenario.num_blocks, bs, variant, dtype, t.device, seed=bs + vi)
+                    cache = _new_cache(backend, scenario.num_blocks, bs, variant, cache_dtype, t.device,
+                                       seed=bs + vi)
                     used = {b for r in scenario.requests.values() for b in r.blocks}
                     _poison_blocks(cache, layout, used)
                     for si, step in enumerate(scenario.steps):
@@ -165,11 +172,15 @@ def _check_reference(t: ConformanceTarget) -> None:
                                            | _blocks_written(scenario, step))
                         q, k, v, md, expected = ref.step_inputs(scenario, step, variant, dtype, t.device)
                         out = impl.forward(q, k, v, cache, md)
-                        _compare(out, expected, step, md, dtype, bs, variant, t)
+                        _compare(out, expected, step, md, dtype, bs, variant, t, cache_dtype)
                         checked += 1
-    t.note(f"{checked} steps checked: block sizes {BLOCK_SIZES}, dtypes "
-           f"{', '.join(str(d).removeprefix('torch.') for d in _dtypes(t))}, variants: "
+    t.note(f"{checked} steps checked: block sizes {BLOCK_SIZES}, query / cache dtypes "
+           f"{', '.join(_name(d) + ('' if d == c else ' / ' + _name(c)) for d, c, _ in runs)}, variants: "
            + "; ".join(v.label for v in variants))
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _blocks_written(scenario: ref.Scenario, step: ref.Step) -> set[int]:
@@ -178,20 +189,23 @@ def _blocks_written(scenario: ref.Scenario, step: ref.Step) -> set[int]:
 
 
 def _compare(out: torch.Tensor, expected: list[torch.Tensor], step: ref.Step, md: AttentionMetadata,
-             dtype: torch.dtype, block_size: int, variant: ref.Variant, t: ConformanceTarget) -> None:
+             dtype: torch.dtype, block_size: int, variant: ref.Variant, t: ConformanceTarget,
+             cache_dtype: torch.dtype | None = None) -> None:
     if out.shape != (md.num_actual_tokens, variant.num_heads * variant.head_size):
         raise ContractFailure(f"forward returned shape {tuple(out.shape)}, expected "
                               f"[{md.num_actual_tokens}, {variant.num_heads * variant.head_size}]")
     if out.dtype != dtype:
         raise ContractFailure(f"forward returned {out.dtype} for {dtype} inputs (the output has the query's dtype)")
-    tol = ref.tolerance(dtype)
+    tol = max(ref.tolerance(dtype), ref.tolerance(cache_dtype or dtype))
     qsl = md.query_start_loc_cpu
     for i, (name, start, count) in enumerate(step.chunks):
         err = ref.max_abs_diff(out[qsl[i] : qsl[i + 1]], expected[i])
         if not err <= tol:
             what = "NaN (it read a block it must not read)" if err == float("inf") else f"{err:.3g} > {tol:g}"
             raise ContractFailure(
-                f"{t.backend_choice().name}, {str(dtype).removeprefix('torch.')}, block_size {block_size}, "
+                f"{t.backend_choice().name}, {_name(dtype)}"
+                + (f" over a {_name(cache_dtype)} cache" if cache_dtype not in (None, dtype) else "")
+                + f", block_size {block_size}, "
                 f"variant '{variant.label}': step '{step.label}', request {name} (positions {start}..{start + count - 1}"
                 f" of {start + count}): max |out - reference| = {what}"
             )

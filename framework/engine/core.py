@@ -20,6 +20,7 @@ from tokenmill.core.request import Request
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.input_processor import check_token_ids_in_vocab
 from tokenmill.engine.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from tokenmill.engine.step_log import StepLog
 from tokenmill.errors import InvalidRequestError
 from tokenmill.lora.request import LoRALoadError, LoRARequest
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -59,6 +60,7 @@ class EngineCore:
         self.batch_queue: deque[tuple[FutureOutput, SchedulerOutput, dict[str, int]]] = deque()
         self.lora_requests: dict[int, LoRARequest] = {}  # adapters loaded on the workers, by id
         self._lora_removals: set[int] = set()  # unloaded while requests still use them: dropped when they finish
+        self.step_log = StepLog()  # TOKENMILL_STEP_LOG (tokenmill.engine.step_log)
         logger.info(
             "engine core ready in %.1f s: %d KV blocks of %d tokens (%d tokens)",
             time.perf_counter() - start,
@@ -155,9 +157,11 @@ class EngineCore:
             return self.step_with_batch_queue()
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(timestamp=time.monotonic(), scheduler_stats=self.scheduler.make_stats())
+        start = time.monotonic()
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.step_log.record(start, scheduler_output)
         if scheduler_output.is_empty and not outputs.outputs:
             # Only requests whose grammars still compile: wait for one instead of spinning.
             self.structured_output_manager.wait_for_grammars(

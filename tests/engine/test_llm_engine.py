@@ -169,3 +169,20 @@ def test_bad_words_are_tokenized(tok: Any) -> None:
     params = ip.process("r", [5], SamplingParams(bad_words=["fox"], bad_words_token_ids=[[7]])).params
     fox, space_fox = tok.encode("fox", add_special_tokens=False), tok.encode(" fox", add_special_tokens=False)
     assert params.bad_words_token_ids == [[7], fox, space_fox]
+
+
+
+def test_step_log_writes_one_line_per_step_with_tokens(tmp_path, monkeypatch) -> None:
+    from tokenmill.engine.step_log import ENV, StepLog
+
+    monkeypatch.delenv(ENV, raising=False)
+    assert StepLog().file is None
+    monkeypatch.setenv(ENV, str(tmp_path / "steps"))
+    log = StepLog()
+    out = SimpleNamespace(is_empty=False, num_scheduled_tokens={"a": 1, "b": 7, "c": 1}, total_num_scheduled_tokens=9)
+    log.record(0.0, out)  # type: ignore[arg-type]
+    log.record(1.0, SimpleNamespace(is_empty=True, num_scheduled_tokens={}, total_num_scheduled_tokens=0))  # type: ignore[arg-type]
+    lines = next(tmp_path.iterdir()).read_text().splitlines()
+    assert len(lines) == 1
+    start, ms, tokens, reqs, prefills = lines[0].split()
+    assert (float(start), int(tokens), int(reqs), int(prefills)) == (0.0, 9, 3, 1) and float(ms) > 0
