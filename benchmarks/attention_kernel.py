@@ -41,6 +41,9 @@ def main() -> None:
     p.add_argument("--cache-dtype", default=None, help="KV cache dtype (default: --dtype)")
     p.add_argument("--no-huge-pages", action="store_true", help="cache in an ordinary tensor, not the engine's mapping")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--layers", type=int, default=1,
+                   help="distinct caches per call (30: a SmolLM2-135M step's worth, streaming from memory as in "
+                        "the engine; 1 may stay in the last-level cache)")
     args = p.parse_args()
     if not kernels.load():
         raise SystemExit("tokenmill-cpu's kernel did not build; see the log above")
@@ -52,14 +55,16 @@ def main() -> None:
     cache_dtype = getattr(torch, args.cache_dtype or args.dtype)
     shape = (2, args.num_kv_heads, num_blocks, bs, d)
     values = torch.randn(shape, generator=g).to(cache_dtype)
-    if args.no_huge_pages:
-        cache = values
-    else:
-        from tokenmill_cpu.memory import lazily_zeroed_tensor
+    caches = []
+    for _ in range(args.layers):
+        if args.no_huge_pages:
+            caches.append(values.clone())
+        else:
+            from tokenmill_cpu.memory import lazily_zeroed_tensor
 
-        cache = lazily_zeroed_tensor(shape, cache_dtype)
-        cache.copy_(values)
-        del values
+            caches.append(lazily_zeroed_tensor(shape, cache_dtype).copy_(values))
+    del values
+    cache = caches[0]
     table = (torch.randperm(num_blocks - 1, generator=g)[: b * nb] + 1).view(b, nb).int()
     seq_lens = torch.full((b,), args.context, dtype=torch.int32)
     q = torch.randn(b, args.num_heads, d, generator=g).to(dtype)
@@ -68,19 +73,20 @@ def main() -> None:
 
     with torch.inference_mode():
         ref = impl.forward_decode(q.double(), cache.double(), table, seq_lens, bs)
-        results = {
-            "torch eager (gather + bmm)": (lambda: impl.forward_decode(q, cache, table, seq_lens, bs)),
-            "torch.compile (Inductor loops)": (lambda: compiled(q, cache, table, seq_lens, bs)),
-            "tokenmill-cpu C++ kernel": (lambda: kernels.paged_decode(q, cache, table, seq_lens, d**-0.5)),
+        results = {  # each returns the first layer's output
+            "torch eager (gather + bmm)": (lambda: [impl.forward_decode(q, c, table, seq_lens, bs) for c in caches][0]),
+            "torch.compile (Inductor loops)": (lambda: [compiled(q, c, table, seq_lens, bs) for c in caches][0]),
+            "tokenmill-cpu C++ kernel": (lambda: [kernels.paged_decode(q, c, table, seq_lens, d**-0.5)
+                                                  for c in caches][0]),
         }
         if cache_dtype != dtype:  # the engine's compiled decode graphs call the C++ kernel; no second trace here
             del results["torch.compile (Inductor loops)"]
         big = torch.empty(1 << 28, dtype=torch.bfloat16).fill_(1)
         bw = big.numel() * big.element_size() / (median_ms(big.sum, 5) / 1000)
-        kv_bytes = 2 * b * args.context * args.num_kv_heads * d * cache.element_size()
+        kv_bytes = 2 * b * args.context * args.num_kv_heads * d * cache.element_size() * args.layers
         print(f"{b} requests x {args.context} tokens, {args.num_heads}/{args.num_kv_heads} heads of {d}, {args.dtype} "
               f"queries, {cache_dtype} cache ({'ordinary pages' if args.no_huge_pages else 'huge pages asked'}), "
-              f"{torch.get_num_threads()} threads")
+              f"{torch.get_num_threads()} threads, {args.layers} layer(s) per call")
         print(f"{'path':34s} {'ms/call':>8s} {'rel. error':>11s}")
         for name, fn in results.items():
             err = ((fn().double() - ref).abs().max() / ref.abs().max()).item()

@@ -90,9 +90,10 @@ def lazily_zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Te
 
     The mapping asks for transparent huge pages (``madvise(MADV_HUGEPAGE)``, Linux; where THP is off it is a
     no-op). Decode attention reads each request's blocks from scattered places of the cache, one 4 KiB-page
-    TLB miss per block with ordinary pages: 2 MiB pages made the paged decode kernel 1.29x faster over float32
-    caches and 1.15x over bfloat16 ones (256 requests of 192 tokens, 30 layers, two cores of an AVX-512 Xeon;
-    docs/benchmarks.md, "Issue 16, ninth session").
+    TLB miss per block with ordinary pages: 2 MiB pages made the paged decode kernel 1.1-1.3x faster over float32
+    and bfloat16 caches (256 requests of 192 tokens, 30 layers, two cores of an AVX-512 Xeon;
+    ``python benchmarks/attention_kernel.py --dtype float32 --layers 30 [--no-huge-pages]``; docs/benchmarks.md,
+    "Issue 16, ninth session").
 
     Args:
         shape: the tensor's shape.
