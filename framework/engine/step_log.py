@@ -3,7 +3,8 @@
 One line per step that ran tokens: ``start duration_ms tokens requests prefill_requests``, where ``start`` is
 ``time.monotonic()`` in seconds (comparable between processes of one machine, so a client's marks can cut the
 log into runs), ``duration_ms`` the wall time of schedule + execute + update in milliseconds, ``tokens`` the
-step's scheduled tokens and ``prefill_requests`` the requests that computed more than one token. Each engine core
+step's scheduled tokens and ``prefill_requests`` the requests that computed more than one token (a
+one-token prompt counts as a decode, a speculative verification as a prefill). Each engine core
 process appends to ``path.<pid>``. Where a serving run's time goes (prefill against decode steps, step time
 against batch size) is read off this file; nothing is written when the variable is unset.
 """
