@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import pickle
@@ -82,6 +83,20 @@ def quant_row_limit(model: torch.nn.Module) -> int:
         (getattr(m, "quant_max_tokens", 0) for m in model.modules() if getattr(m, "quant", None) is not None),
         default=0,
     )
+
+
+# Config entries that say where or how a checkpoint was saved, not what the graph computes: a copied or moved
+# checkpoint (an HF-layout copy of the same model) loads the same graphs. The engine's dtype is its own fact.
+_NOT_ARCHITECTURE = ("_name_or_path", "_commit_hash", "transformers_version", "dtype", "torch_dtype")
+
+
+def architecture_fact(hf_config: Any) -> str:
+    """The model configuration as the compile-cache key sees it: every entry except :data:`_NOT_ARCHITECTURE`,
+    as sorted JSON (``repr`` for an object that is not a transformers config)."""
+    if not hasattr(hf_config, "to_dict"):
+        return repr(hf_config)
+    d = {k: v for k, v in hf_config.to_dict().items() if k not in _NOT_ARCHITECTURE}
+    return json.dumps(d, sort_keys=True, default=str)
 
 
 class CompiledRunner:
@@ -161,7 +176,7 @@ class CompiledRunner:
                 layer_classes.add(method_path.replace(":", "."))
         plugins = [s for s in get_plugin_status() if s.loaded]
         facts = {
-            "architecture": hf.to_json_string(use_diff=False) if hasattr(hf, "to_json_string") else repr(hf),
+            "architecture": architecture_fact(hf),
             "model_class": f"{type(self.model).__module__}.{type(self.model).__qualname__}",
             "dtype": config.model_config.dtype,
             "kv_cache_dtype": str(runner.kv_cache_dtype).removeprefix("torch."),

@@ -121,6 +121,26 @@ def test_compile_cache_key_follows_the_architecture_not_the_weights(compile_on, 
     assert str(CompileCache(base, []).directory).startswith(str(tmp_path / "cache"))
 
 
+def test_compile_cache_key_is_the_same_for_a_copied_checkpoint(tiny_llama_dir, tmp_path, monkeypatch) -> None:
+    """The key holds the architecture, not where the checkpoint lies: a copy (an HF-layout copy served from
+    another directory) loads the graphs compiled for the original instead of compiling for minutes."""
+    import json
+    import shutil
+
+    monkeypatch.setenv("TOKENMILL_COMPILE", "0")  # the key only: nothing compiles
+
+    def key(path: str) -> str:
+        runner = _compiled_core(path).executor.worker.model_runner
+        return CompiledRunner(runner.model, 4, runner.block_size).cache_for(runner).key
+
+    copy = shutil.copytree(tiny_llama_dir, tmp_path / "copy")
+    assert key(str(copy)) == key(tiny_llama_dir)
+    config = json.loads((copy / "config.json").read_text())
+    config["rms_norm_eps"] = config.get("rms_norm_eps", 1e-6) * 10
+    (copy / "config.json").write_text(json.dumps(config))
+    assert key(str(copy)) != key(tiny_llama_dir)  # an architecture entry still counts
+
+
 def test_compile_cache_key_changes_with_a_custom_op_and_with_plugin_sources(tiny_llama_dir, tmp_path,
                                                                             monkeypatch) -> None:
     """A plugin's replacement layer changes the traced graph, so it must change the key (a stale graph would
