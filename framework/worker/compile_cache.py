@@ -1,6 +1,7 @@
 """On-disk cache of compiled forward passes (``torch.compile`` ahead-of-time artifacts), one file per step kind.
 
-A compiled graph depends on the model's architecture (its config), dtype, quantization, KV block size, the
+A compiled graph depends on the model's architecture (its config, less where and with which transformers version
+it was saved), dtype, KV cache dtype, quantization, KV block size, the
 source code that was traced (tokenmill, the model's package, the attention backend's package, kernels
 included), the torch and Python versions and the CPU capability torch dispatches to; never on the weights
 (they are graph inputs). All of that goes into the cache key, so a key's directory holds graphs that any
