@@ -379,22 +379,10 @@ class Platform:
                 there are fewer visible devices than local ranks (the message names ``--tensor-parallel-size``,
                 ``--pipeline-parallel-size`` and ``--data-parallel-size``).
         """
-        model_config = config.model_config
-        if model_config.dtype == "auto":
-            model_config.dtype = cls.default_dtype
-        if model_config.dtype not in cls.supported_dtypes:
-            raise ValueError(
-                f"dtype={model_config.dtype!r} is not supported on platform {cls.name!r}; "
-                f"choose one of {', '.join(cls.supported_dtypes)} (or 'auto' for {cls.default_dtype})"
-            )
-        cache_config = config.cache_config
-        if cache_config.cache_dtype == "auto":
-            cache_config.cache_dtype = model_config.dtype
-        if cache_config.cache_dtype not in cls.supported_dtypes:
-            raise ValueError(
-                f"kv_cache_dtype={cache_config.cache_dtype!r} is not supported on platform {cls.name!r}; "
-                f"choose one of {', '.join(cls.supported_dtypes)} (or 'auto' for the model's dtype)"
-            )
+        model_config, cache_config = config.model_config, config.cache_config
+        model_config.dtype = cls._resolve_dtype("dtype", model_config.dtype, cls.default_dtype, cls.default_dtype)
+        cache_config.cache_dtype = cls._resolve_dtype("kv_cache_dtype", cache_config.cache_dtype, model_config.dtype,
+                                                      "the model's dtype")
         config.device_config.platform = cls.name
         config.device_config.device_type = cls.device_type
         if not cls.ranks_share_device and cls.device_type != "cpu":
@@ -409,6 +397,21 @@ class Platform:
                     f"{getattr(pc, 'data_parallel_size', 1)}: {needed} local ranks need {needed} {cls.name} "
                     f"devices but only {count} are visible{where}"
                 )
+
+    @classmethod
+    def _resolve_dtype(cls, name: str, value: str, auto: str, auto_meaning: str) -> str:
+        """``value`` with ``"auto"`` replaced by ``auto``.
+
+        Raises:
+            ValueError: the result is not one of :attr:`supported_dtypes` (the message starts with ``name=``).
+        """
+        resolved = auto if value == "auto" else value
+        if resolved not in cls.supported_dtypes:
+            raise ValueError(
+                f"{name}={resolved!r} is not supported on platform {cls.name!r}; "
+                f"choose one of {', '.join(cls.supported_dtypes)} (or 'auto' for {auto_meaning})"
+            )
+        return resolved
 
     @classmethod
     def is_cpu(cls) -> bool:

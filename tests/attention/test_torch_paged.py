@@ -37,30 +37,6 @@ def test_torch_backend_mixed_batch_matches_fp64_reference(block_size, num_heads,
     assert rel_err(out, reference_attention(batch, scale)) < 1e-5
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (6, 2)], ids=["mha", "gqa3"])
-def test_runs_of_equal_fresh_prefills_are_batched_and_match_the_reference(num_heads, num_kv_heads, monkeypatch):
-    # Three 5-token prompts in a row (one batched call), a decode, a lone 5-token prompt, two 4-token prompts of
-    # which the second is a chunk on a cached prefix (not fresh: it must not join the run).
-    q_lens, seq_lens = [5, 5, 5, 1, 5, 4, 4], [5, 5, 5, 9, 5, 4, 10]
-    batch = make_batch(q_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=16,
-                       block_size=4, fill_cache=False, poison=1.0e4)
-    impl = TorchPagedAttentionBackend.get_impl_cls()(num_heads, 16, 0.25, num_kv_heads)
-    batched: list[set[int]] = []
-    original = impl._batched_prefills
-
-    def spy(*args):
-        done = original(*args)
-        batched.append(done)
-        return done
-
-    monkeypatch.setattr(impl, "_batched_prefills", spy)
-    k, v = new_kv(batch)
-    out = impl.forward(batch.q.reshape(len(batch.q), -1), k.reshape(len(k), -1), v.reshape(len(v), -1),
-                       batch.kv_cache.permute(0, 3, 1, 2, 4).contiguous(), batch.md)
-    assert batched == [{0, 1, 2}]
-    assert rel_err(out.view_as(batch.q), reference_attention(batch, 0.25)) < 1e-5
-
-
 def test_torch_backend_dummy_run_is_causal_attention():
     torch.manual_seed(0)
     num_heads, num_kv_heads, head_size, t = 4, 2, 16, 9

@@ -107,6 +107,11 @@ def test_check_and_update_config_resolves_auto_dtype() -> None:
 def test_check_and_update_config_rejects_unsupported_dtype() -> None:
     with pytest.raises(ValueError, match="dtype='float8'"):
         CpuPlatform.check_and_update_config(_config("float8"))
+    with pytest.raises(ValueError, match="^kv_cache_dtype='float8'.*'auto' for the model's dtype"):
+        CpuPlatform.check_and_update_config(_config("float32", cache_dtype="float8"))
+    config = _config("bfloat16")
+    CpuPlatform.check_and_update_config(config)
+    assert config.cache_config.cache_dtype == "bfloat16"  # auto: the model's dtype
 
 
 def test_cpu_kv_cache_bytes() -> None:
