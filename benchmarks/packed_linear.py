@@ -12,7 +12,10 @@ warm-up) three ways, in the same process:
   ``torch.ops.mkldnn._linear_pointwise``);
 * float32 only: MKL's packed GEMM with each weight packed once for 32 rows and told the step's row count
   (``torch.ops.mkl._mkl_reorder_linear_weight`` / ``torch.ops.mkl._mkl_linear``), which is what tokenmill-cpu
-  runs; every product is checked against ``F.linear`` first.
+  ran before the tenth session; every product is checked against ``F.linear`` first;
+* float32 only: tokenmill-cpu's panel kernel (``torch.ops.tokenmill_cpu.dense_gemm`` on
+  ``tokenmill_cpu.dense_linear.pack_panels``), what tokenmill-cpu runs now at 1 to 256 rows; built for the
+  capability torch reports, so ``ATEN_CPU_CAPABILITY=avx2`` times its AVX2 build.
 
 The figures behind the table in ``tokenmill_cpu/dense_linear.py`` and docs/benchmarks.md (issue 16, eighth
 session). With ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2`` an AVX-512 machine
@@ -45,11 +48,18 @@ def main() -> int:
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     use_mkl = dtype == torch.float32 and torch.backends.mkl.is_available()
+    use_panel = False
+    if dtype == torch.float32:
+        from tokenmill_cpu import dense_linear, kernels
+
+        use_panel = kernels.load()
+        width = int(torch.ops.tokenmill_cpu.dense_gemm_panel()) if use_panel else 0
     result: dict = {"benchmark": "packed_linear", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                     "command": " ".join(["python", *sys.argv]), "torch": torch.__version__,
                     "threads": torch.get_num_threads(), "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
                     "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"),
                     "mkl_enable_instructions": os.environ.get("MKL_ENABLE_INSTRUCTIONS"), "dtype": args.dtype,
+                    "dense_gemm_isa": str(torch.ops.tokenmill_cpu.dense_gemm_isa()) if use_panel else None,
                     "step_ms": {}}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {result['torch_cpu_capability']}, {args.dtype}")
     weights = {}
@@ -57,16 +67,20 @@ def main() -> int:
         ws = [(torch.randn(n, k) * 0.02).to(dtype) for _ in range(1 if name == "lm_head" else NUM_LAYERS)]
         onednn = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in ws]
         mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, MKL_PACK_ROWS) for w in ws] if use_mkl else []
-        weights[name] = (ws, onednn, mkl)
-    print(f"{'rows':>5} {'F.linear ms':>12} {'oneDNN ms':>10} {'MKL ms':>8}")
+        panels = [dense_linear.pack_panels(w, width) for w in ws] if use_panel else []
+        weights[name] = (ws, onednn, mkl, panels)
+    print(f"{'rows':>5} {'F.linear ms':>12} {'oneDNN ms':>10} {'MKL ms':>8} {'panel ms':>9}")
     tol = 1e-3 if dtype == torch.float32 else 5e-2
     for rows in (int(r) for r in args.rows.split(",")):
-        total = {"f_linear": 0.0, "onednn_packed": 0.0, "mkl_packed": 0.0 if use_mkl else None}
-        for name, (ws, onednn, mkl) in weights.items():
+        total = {"f_linear": 0.0, "onednn_packed": 0.0, "mkl_packed": 0.0 if use_mkl else None,
+                 "panel": 0.0 if use_panel else None}
+        for name, (ws, onednn, mkl, panels) in weights.items():
             x = torch.randn(rows, SHAPES[name][1]).to(dtype)
             ref = F.linear(x, ws[0])
             checks = [torch.ops.mkldnn._linear_pointwise(x, onednn[0], None, "none", [], "")]
             checks += [torch.ops.mkl._mkl_linear(x, mkl[0], ws[0], None, rows)] if use_mkl else []
+            n = SHAPES[name][0]
+            checks += [torch.ops.tokenmill_cpu.dense_gemm(x, panels[0], n)] if use_panel else []
             for got in checks:
                 if not torch.allclose(got.float(), ref.float(), atol=tol, rtol=tol):
                     raise RuntimeError(f"a packed product differs from F.linear for {name} at {rows} rows")
@@ -76,9 +90,13 @@ def main() -> int:
             if use_mkl:
                 total["mkl_packed"] += median_ms(
                     lambda: [torch.ops.mkl._mkl_linear(x, p, w, None, rows) for p, w in zip(mkl, ws)], args.iters)
+            if use_panel:
+                total["panel"] += median_ms(
+                    lambda: [torch.ops.tokenmill_cpu.dense_gemm(x, p, n) for p in panels], args.iters)
         result["step_ms"][rows] = total
         mkl_s = f"{total['mkl_packed']:8.1f}" if use_mkl else f"{'-':>8}"
-        print(f"{rows:>5} {total['f_linear']:12.1f} {total['onednn_packed']:10.1f} {mkl_s}", flush=True)
+        panel_s = f"{total['panel']:9.1f}" if use_panel else f"{'-':>9}"
+        print(f"{rows:>5} {total['f_linear']:12.1f} {total['onednn_packed']:10.1f} {mkl_s} {panel_s}", flush=True)
     write_json(args.json, result)
     return 0
 

@@ -66,6 +66,7 @@ def test_a_weight_that_cannot_be_packed_stays_on_f_linear(monkeypatch: pytest.Mo
         raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw")
 
     layer = _layer(seed=2)
+    monkeypatch.setattr(dense_linear, "PANEL_WIDTH", None)  # float32 on the libraries' packers
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
     monkeypatch.setattr(torch.ops.mkl, "_mkl_reorder_linear_weight", refuse)
     method = CpuUnquantizedLinearMethod()
@@ -78,6 +79,7 @@ def test_a_weight_that_cannot_be_packed_stays_on_f_linear(monkeypatch: pytest.Mo
 def test_float32_uses_mkl_and_checks_each_row_count_once(monkeypatch: pytest.MonkeyPatch) -> None:
     if not torch.backends.mkl.is_available():
         pytest.skip("torch without MKL")
+    monkeypatch.setattr(dense_linear, "PANEL_WIDTH", None)  # MKL's packed GEMM, as without the panel kernel
     layer = _layer(n=80, k=48, seed=5)
     assert dense_linear.pack(layer.weight)
     assert dense_linear._TABLE[layer.weight.data_ptr()].library == dense_linear.MKL
@@ -101,6 +103,7 @@ def test_a_wrong_mkl_product_sends_that_shape_and_row_count_to_f_linear(monkeypa
                                                                        caplog: pytest.LogCaptureFixture) -> None:
     if not torch.backends.mkl.is_available():
         pytest.skip("torch without MKL")
+    monkeypatch.setattr(dense_linear, "PANEL_WIDTH", None)  # MKL's packed GEMM, as without the panel kernel
     layer = _layer(n=96, k=48, seed=6)
     assert dense_linear.pack(layer.weight)
     real = torch.ops.mkl._mkl_linear
@@ -118,9 +121,10 @@ def test_a_wrong_mkl_product_sends_that_shape_and_row_count_to_f_linear(monkeypa
     assert dense_linear._MKL_VERIFIED[(96, 48, 6)] is True
 
 
-def test_float32_uses_the_packed_copy_from_1_to_64_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_float32_on_mkl_uses_the_packed_copy_from_1_to_64_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     if not torch.backends.mkl.is_available():
         pytest.skip("torch without MKL")
+    monkeypatch.setattr(dense_linear, "PANEL_WIDTH", None)  # MKL's packed GEMM, as without the panel kernel
     assert dense_linear.packed_rows(torch.float32) == (1, 64)
     assert dense_linear.packed_rows(torch.bfloat16)[0] == 1
     layer = _layer(n=64, k=32, seed=7)
@@ -168,6 +172,7 @@ def test_tokenmill_cpu_prepack_0_turns_packing_off(monkeypatch: pytest.MonkeyPat
 def test_a_graph_with_symbolic_rows_calls_the_opaque_op_and_matches_eager(monkeypatch: pytest.MonkeyPatch) -> None:
     # float32 on oneDNN (as without MKL): packed from 4 rows, so a 2-row trace is below the packed range
     monkeypatch.setattr(dense_linear, "HAS_MKL", False)
+    monkeypatch.setattr(dense_linear, "PANEL_WIDTH", None)
     assert dense_linear.packed_rows(torch.float32)[0] > 2
     layer = _layer(seed=4)
     method = CpuUnquantizedLinearMethod()

@@ -61,7 +61,7 @@ from torch import nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from tokenmill.plugin_api import UnquantizedLinearMethod
-from tokenmill_cpu import memory
+from tokenmill_cpu import kernels, memory
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +70,12 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 MEMORY_FRACTION = 0.5  # packed copies may take at most this share of the RAM available when packing starts
 MKL_PACK_ROWS = 32  # the row count MKL is told at packing (its packed layout serves every count: see below)
 MKL_MAX_ROWS = 64  # more rows: F.linear is as fast or faster than the copy packed for 32 rows (table below)
+# more rows than this: F.linear is as fast or faster than the panel kernel (table above), per ATen capability
+_PANEL_MAX_ROWS = {"AVX512": 256, "AVX2": 64}
 MKL = "MKL packed sgemm"
 ONEDNN = "oneDNN packed"
+PANEL = "tokenmill-cpu panel sgemm"
+_PANEL_WIDTH = {"AVX512": 48, "AVX2": 16}  # csrc/dense_gemm.cpp's kPanel per ATen capability
 
 
 @dataclass
@@ -83,7 +87,22 @@ class _Packed:
 
 
 # read once: graphs trace packed_rows, torch.compile cannot trace these; TOKENMILL_CPU_PREPACK=onednn: no MKL
-HAS_MKL = torch.backends.mkl.is_available() and os.environ.get("TOKENMILL_CPU_PREPACK") != "onednn"
+_PREPACK = os.environ.get("TOKENMILL_CPU_PREPACK", "1")
+HAS_MKL = torch.backends.mkl.is_available() and _PREPACK != "onednn"
+
+
+def _panel_width() -> int | None:
+    """The panel width of the ``dense_gemm`` kernel this machine's build has (``csrc/dense_gemm.cpp``), or
+    ``None`` where float32 weights are not packed for it: no AVX2/AVX-512 build, ``TOKENMILL_CPU_KERNELS=0``, or
+    ``TOKENMILL_CPU_PREPACK=mkl|onednn`` (the libraries' packed GEMMs instead, for comparisons)."""
+    if os.environ.get("TOKENMILL_CPU_KERNELS", "1") == "0" or _PREPACK in ("mkl", "onednn"):
+        return None
+    return _PANEL_WIDTH.get(torch.backends.cpu.get_cpu_capability())
+
+
+PANEL_WIDTH = _panel_width()
+PANEL_MAX_ROWS = _PANEL_MAX_ROWS.get(torch.backends.cpu.get_cpu_capability(), 0)
+_panel_ready = False  # the kernels are loaded and their panel width is PANEL_WIDTH
 _TABLE: dict[int, _Packed] = {}  # weight storage address -> packed copy
 _MKL_VERIFIED: dict[tuple[int, int, int], bool] = {}  # (N, K, rows) -> MKL's packed product matched F.linear
 _refused: set[torch.dtype] = set()
@@ -93,10 +112,19 @@ def _use_mkl(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and HAS_MKL
 
 
+def _library(dtype: torch.dtype) -> str:
+    if dtype == torch.float32 and PANEL_WIDTH is not None:
+        return PANEL
+    return MKL if _use_mkl(dtype) else ONEDNN
+
+
 def packed_rows(dtype: torch.dtype) -> tuple[int, int]:
     """The row counts ``[lo, hi]`` whose products use the packed copy of a ``dtype`` weight (others: ``F.linear``),
     from the measurements in the module docstring (the same on AVX-512 and AVX2)."""
-    if _use_mkl(dtype):
+    library = _library(dtype)
+    if library == PANEL:
+        return 1, PANEL_MAX_ROWS
+    if library == MKL:
         return 1, MKL_MAX_ROWS
     if dtype == torch.float32:
         return MIN_ONEDNN_ROWS_FLOAT32, 1 << 30
@@ -131,12 +159,39 @@ def _dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if not lo <= rows <= hi:
         return F.linear(x, weight)
     x = x.contiguous()
+    if entry.library == PANEL:
+        if not (_panel_ready or _check_panel_kernel()):
+            return F.linear(x, weight)
+        return torch.ops.tokenmill_cpu.dense_gemm(x, entry.packed, entry.shape[0])
     if entry.library == MKL:
         if not _mkl_matches(entry, weight, rows):
             return F.linear(x, weight)
         # _mkl_linear uses the packed copy when the count it is given equals the input's rows
         return torch.ops.mkl._mkl_linear(x, entry.packed, weight, None, rows)
     return torch.ops.mkldnn._linear_pointwise(x, entry.packed, None, "none", [], "")
+
+
+def _check_panel_kernel() -> bool:
+    """Whether ``dense_gemm`` can run the panel copies now: the kernels are loaded (a build in progress: not yet;
+    until then products use ``F.linear``) and were built for :data:`PANEL_WIDTH`."""
+    global _panel_ready
+    if not kernels.ready():
+        return False
+    width = int(torch.ops.tokenmill_cpu.dense_gemm_panel())
+    if width != PANEL_WIDTH:
+        raise RuntimeError(f"tokenmill-cpu's dense_gemm was built for panels of {width}, the weights were packed "
+                           f"for {PANEL_WIDTH}")
+    _panel_ready = True
+    return True
+
+
+def pack_panels(weight: torch.Tensor, width: int) -> torch.Tensor:
+    """``weight [N, K]`` -> ``[ceil(N / width), K, width]``: panel ``p`` is rows ``p * width`` to
+    ``(p + 1) * width`` transposed, rows past ``N`` zero (``csrc/dense_gemm.cpp``'s layout)."""
+    n, k = weight.shape
+    panels = -(-n // width)
+    padded = F.pad(weight, (0, 0, 0, panels * width - n))
+    return padded.view(panels, width, k).transpose(1, 2).contiguous()
 
 
 def _dense_linear_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -157,7 +212,8 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def pack(weight: torch.Tensor) -> bool:
     """Make (once) the packed copy :func:`dense_linear` uses for ``weight`` (2-D, float32 or bfloat16, CPU):
-    MKL's for float32 where torch has MKL, oneDNN's otherwise; whether there is one. Never raises: a library
+    for float32 the panels of tokenmill-cpu's ``dense_gemm`` where it has an AVX2 or AVX-512 build, else MKL's
+    where torch has MKL, else oneDNN's; oneDNN's for bfloat16; whether there is one. Never raises: a library
     refusing the weight (oneDNN and bfloat16 without AVX-512) is logged once and the weight stays on
     ``F.linear``."""
     if weight.dim() != 2 or weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES:
@@ -165,11 +221,14 @@ def pack(weight: torch.Tensor) -> bool:
     key = weight.data_ptr()
     if key in _TABLE:
         return True
-    library = MKL if _use_mkl(weight.dtype) else ONEDNN
+    library = _library(weight.dtype)
     try:
         with torch.no_grad():
             w = weight.detach().contiguous()
-            if library == MKL:
+            if library == PANEL:
+                kernels.load_async()  # usually started already by the attention backend
+                packed = pack_panels(w, PANEL_WIDTH)
+            elif library == MKL:
                 packed = torch.ops.mkl._mkl_reorder_linear_weight(w, MKL_PACK_ROWS)
             else:
                 packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
@@ -238,5 +297,8 @@ def describe() -> str:
     if not prepack_enabled():
         return f"{base}; weights not prepacked"
     lo, hi = packed_rows(torch.float32)
-    f32 = f"{MKL if _use_mkl(torch.float32) else ONEDNN} for {lo}" + ("+ rows" if hi >= 1 << 30 else f"-{hi} rows")
+    library = _library(torch.float32)
+    f32 = f"{library} for {lo}" + ("+ rows" if hi >= 1 << 30 else f"-{hi} rows")
+    if library == PANEL and not kernels.ready():
+        f32 += " (F.linear until the kernels are loaded)"
     return f"prepacked weights: float32 {f32}, bfloat16 {ONEDNN} where oneDNN can pack it; otherwise {base}"

@@ -1,6 +1,7 @@
 """tokenmill-cpu's C++ kernels (``csrc/``), compiled on first use with ``torch.utils.cpp_extension``:
-``paged_decode`` (``csrc/paged_attention.cpp``, below) and the quantized matmuls ``q8_linear`` / ``q4_linear``
-(``csrc/quant_linear.cpp``, why: ``tokenmill_cpu.quant_linear``).
+``paged_decode`` (``csrc/paged_attention.cpp``, below), the quantized matmuls ``q8_linear`` / ``q4_linear``
+(``csrc/quant_linear.cpp``, why: ``tokenmill_cpu.quant_linear``) and the float32 panel matmul ``dense_gemm``
+(``csrc/dense_gemm.cpp``, why: its header and ``tokenmill_cpu.dense_linear``).
 
 Why a custom attention kernel: decode attention over the paged cache is a memory-bound loop over the blocks of
 every request. Neither eager torch (gather the blocks, then two batched matmuls of a few rows each) nor
@@ -43,7 +44,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("paged_attention.cpp", "quant_linear.cpp")
+SOURCES = ("paged_attention.cpp", "quant_linear.cpp", "dense_gemm.cpp")
 _CAPABILITY_FLAGS = {
     "AVX512": ["-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"],
     "AVX2": ["-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"],
@@ -112,14 +113,16 @@ def ready() -> bool:
 
 def isa() -> dict[str, str]:
     """The code paths of the loaded kernels: ``capability`` (the ATen level they were built for),
-    ``quant_linear`` (``avx512_vnni``, ``avx2`` or ``scalar``) and ``paged_decode`` (``avx512_bf16``,
-    ``avx512``, ``avx2`` or ``scalar``); ``{"status": "not loaded"}`` before :func:`load` succeeded."""
+    ``quant_linear`` (``avx512_vnni``, ``avx2`` or ``scalar``), ``paged_decode`` (``avx512_bf16``,
+    ``avx512``, ``avx2`` or ``scalar``) and ``dense_gemm`` (``avx512``, ``avx2`` or ``scalar``);
+    ``{"status": "not loaded"}`` before :func:`load` succeeded."""
     if not ready():
         return {"status": "not loaded"}
     return {
         "capability": torch.backends.cpu.get_cpu_capability(),
         "quant_linear": str(torch.ops.tokenmill_cpu.quant_linear_isa()),
         "paged_decode": _paged_decode_isa(),
+        "dense_gemm": str(torch.ops.tokenmill_cpu.dense_gemm_isa()),
     }
 
 
@@ -240,6 +243,10 @@ def _register_fake() -> None:
     @torch.library.register_fake("tokenmill_cpu::q8_linear")
     def _(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         return x.new_empty(x.shape[0], packed.shape[0] * 16)
+
+    @torch.library.register_fake("tokenmill_cpu::dense_gemm")
+    def _(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+        return x.new_empty(x.shape[0], n)
 
     @torch.library.register_fake("tokenmill_cpu::q4_linear")
     def _(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,198 @@
+// Float32 linear layers for the row counts of decode steps: y[M, N] = x[M, K] @ W^T, W prepacked in panels.
+//
+// Why not torch's op: F.linear (MKL sgemm) re-lays out the whole weight on every call, and MKL's own packed
+// GEMM (torch.ops.mkl._mkl_linear), which does not, reaches about 180 GFLOP/s at 32 rows on 2 AVX-512 cores
+// where these loops reach about 220 (benchmarks/dense_gemm.py). A decode step's weights stream from memory once
+// per step; at a few dozen rows the multiply-adds per weight byte are just above what the cores can do per byte
+// of memory bandwidth, so the product is only fast when the next weights are already in flight while the
+// current ones are multiplied. These loops prefetch the next panel while they multiply the current one.
+//
+// Layout (tokenmill_cpu/dense_linear.py packs it): panels of kPanel output rows, panel p = W[p * kPanel :
+// (p + 1) * kPanel, :] transposed to [K][kPanel], zero rows past N; packed [P, K, kPanel] with P = ceil(N / kPanel).
+// A micro-kernel keeps kRows x kPanel sums in registers: per input channel k it loads the panel's kPanel weights
+// once and multiplies them by the kRows broadcast activations x[m, k]. Threads take contiguous ranges of panels.
+//   AVX-512: kPanel 48 (three 16-lane vectors), kRows 8  (24 accumulators of 32 registers)
+//   AVX2:    kPanel 16 (two 8-lane vectors),    kRows 6  (12 accumulators of 16 registers)
+//   other:   kPanel 16, plain C++ loops (same sums, in the same order per output).
+// Every output is one ordered sum over k, so the result does not depend on the row count or thread count.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512F__)
+#define TOKENMILL_GEMM_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define TOKENMILL_GEMM_AVX2 1
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+namespace {
+
+#if defined(TOKENMILL_GEMM_AVX512)
+constexpr int64_t kPanel = 48;
+constexpr int kRows = 8;
+#elif defined(TOKENMILL_GEMM_AVX2)
+constexpr int64_t kPanel = 16;
+constexpr int kRows = 6;
+#else
+constexpr int64_t kPanel = 16;
+constexpr int kRows = 4;
+#endif
+
+// Prefetches one panel's worth of cache lines, spread over the k iterations of the current panel.
+struct Prefetcher {
+  const char* next = nullptr;  // the next panel of this thread, or nullptr
+  const char* end = nullptr;
+  int64_t stride = 0;  // bytes per k iteration
+  inline void step() {
+#if defined(TOKENMILL_GEMM_AVX512) || defined(TOKENMILL_GEMM_AVX2)
+    if (next < end) {
+      for (int64_t b = 0; b < stride; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
+      next += stride;
+    }
+#endif
+  }
+};
+
+// y[r, 0:kPanel] = sum_k x[r, k] * panel[k, 0:kPanel] for r < R (ldx, ldy: row strides in elements).
+template <int R>
+inline void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_t K, float* y, int64_t ldy,
+                         Prefetcher& pf) {
+#if defined(TOKENMILL_GEMM_AVX512)
+  __m512 acc[R][3];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 3; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const float* b = panel + k * kPanel;
+    const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16), b2 = _mm512_loadu_ps(b + 32);
+    pf.step();
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 a = _mm512_set1_ps(x[r * ldx + k]);
+      acc[r][0] = _mm512_fmadd_ps(a, b0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(a, b1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(a, b2, acc[r][2]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 3; ++j) _mm512_storeu_ps(y + r * ldy + 16 * j, acc[r][j]);
+#elif defined(TOKENMILL_GEMM_AVX2)
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 2; ++j) acc[r][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const float* b = panel + k * kPanel;
+    const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+    pf.step();
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
+      acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 2; ++j) _mm256_storeu_ps(y + r * ldy + 8 * j, acc[r][j]);
+#else
+  float acc[R][kPanel] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    const float* b = panel + k * kPanel;
+    pf.step();
+    for (int r = 0; r < R; ++r) {
+      const float a = x[r * ldx + k];
+      for (int64_t j = 0; j < kPanel; ++j) acc[r][j] += a * b[j];
+    }
+  }
+  for (int r = 0; r < R; ++r) std::memcpy(y + r * ldy, acc[r], sizeof(acc[r]));
+#endif
+}
+
+template <int R>
+inline void rows_tail(int rows, const float* x, int64_t ldx, const float* panel, int64_t K, float* y, int64_t ldy,
+                      Prefetcher& pf) {
+  if constexpr (R > 0) {
+    if (rows == R) {
+      micro_kernel<R>(x, ldx, panel, K, y, ldy, pf);
+      return;
+    }
+    rows_tail<R - 1>(rows, x, ldx, panel, K, y, ldy, pf);
+  }
+}
+
+// One panel for all M rows; columns past N go to a scratch tile.
+void panel_product(const float* x, int64_t M, int64_t K, const float* panel, int64_t col0, int64_t N, float* y,
+                   Prefetcher& pf) {
+  const int64_t cols = std::min<int64_t>(kPanel, N - col0);
+  alignas(64) float tile[kRows * kPanel];
+  for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
+    float* out = cols == kPanel ? y + m0 * N + col0 : tile;
+    const int64_t ldy = cols == kPanel ? N : kPanel;
+    rows_tail<kRows>(rows, x + m0 * K, K, panel, K, out, ldy, pf);
+    if (cols < kPanel)
+      for (int r = 0; r < rows; ++r) std::memcpy(y + (m0 + r) * N + col0, tile + r * kPanel, cols * sizeof(float));
+  }
+}
+
+at::Tensor dense_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "dense_gemm: CPU tensors expected");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat,
+              "dense_gemm: float32 x and packed weight expected, got ", x.scalar_type(), " and ",
+              packed.scalar_type());
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "dense_gemm: x must be a contiguous [M, K] tensor");
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == kPanel,
+              "dense_gemm: packed weight must be a contiguous [P, K, ", kPanel, "] tensor, got ", packed.sizes());
+  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
+  TORCH_CHECK(packed.size(1) == K, "dense_gemm: x has ", K, " input channels, the packed weight ", packed.size(1));
+  TORCH_CHECK(n > (P - 1) * kPanel && n <= P * kPanel, "dense_gemm: ", n, " output rows do not fit ", P,
+              " panels of ", kPanel);
+  at::Tensor y = at::empty({M, n}, x.options());
+  if (M == 0 || K == 0) return y.zero_();
+  const float* xs = x.data_ptr<float>();
+  const float* ws = packed.data_ptr<float>();
+  float* ys = y.data_ptr<float>();
+  const int64_t panel_floats = K * kPanel;
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const float* panel = ws + p * panel_floats;
+      Prefetcher pf;
+      if (p + 1 < p1) {
+        const int64_t bytes = panel_floats * static_cast<int64_t>(sizeof(float));
+        const int64_t iters = ((M + kRows - 1) / kRows) * K;
+        pf.next = reinterpret_cast<const char*>(panel + panel_floats);
+        pf.end = pf.next + bytes;
+        pf.stride = 64 * ((bytes / 64 + iters - 1) / iters);
+      }
+      panel_product(xs, M, K, panel, p * kPanel, n, ys, pf);
+    }
+  });
+  return y;
+}
+
+int64_t dense_gemm_panel() { return kPanel; }
+
+std::string dense_gemm_isa() {
+#if defined(TOKENMILL_GEMM_AVX512)
+  return "avx512";
+#elif defined(TOKENMILL_GEMM_AVX2)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
+  m.def("dense_gemm(Tensor x, Tensor packed, int n) -> Tensor");
+  m.def("dense_gemm_panel() -> int", &dense_gemm_panel);
+  m.def("dense_gemm_isa() -> str", &dense_gemm_isa);
+}
+
+TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) { m.impl("dense_gemm", &dense_gemm); }

@@ -1,0 +1,126 @@
+"""tokenmill-cpu's float32 panel matmul (``csrc/dense_gemm.cpp``, ``torch.ops.tokenmill_cpu.dense_gemm``) and how
+``tokenmill_cpu.dense_linear`` uses it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill_cpu import dense_linear, kernels
+
+pytestmark = pytest.mark.skipif(not kernels.load(), reason="tokenmill-cpu's C++ kernels cannot be built here")
+
+
+def _width() -> int:
+    return int(torch.ops.tokenmill_cpu.dense_gemm_panel())
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want).abs().max() / want.abs().max().clamp(min=1e-12))
+
+
+@pytest.mark.parametrize(("n", "k"), [(48, 64), (100, 33), (7, 5), (960, 576), (17, 1)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 8, 9, 13, 32, 70])
+def test_panel_product_matches_the_fp64_reference(n: int, k: int, rows: int) -> None:
+    g = torch.Generator().manual_seed(n * 1000 + k * 10 + rows)
+    w = torch.randn(n, k, generator=g)
+    x = torch.randn(rows, k, generator=g)
+    got = torch.ops.tokenmill_cpu.dense_gemm(x, dense_linear.pack_panels(w, _width()), n)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    assert _rel_err(got, F.linear(x.double(), w.double())) < 1e-5
+
+
+def test_the_result_does_not_depend_on_the_row_count_or_the_threads() -> None:
+    """Each output is one ordered sum over the input channels: a row's product is the same alone or in a batch."""
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(200, 96, generator=g), torch.randn(37, 96, generator=g)
+    packed = dense_linear.pack_panels(w, _width())
+    batch = torch.ops.tokenmill_cpu.dense_gemm(x, packed, 200)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = torch.cat([torch.ops.tokenmill_cpu.dense_gemm(x[i:i + 1], packed, 200) for i in range(37)])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(batch, one)
+
+
+def test_zero_rows_and_pack_layout() -> None:
+    w = torch.arange(3 * 4, dtype=torch.float32).view(3, 4)
+    packed = dense_linear.pack_panels(w, 2)
+    assert packed.shape == (2, 4, 2)
+    assert torch.equal(packed[0], w[:2].T) and torch.equal(packed[1, :, 0], w[2]) and not packed[1, :, 1].any()
+    out = torch.ops.tokenmill_cpu.dense_gemm(torch.empty(0, 64), dense_linear.pack_panels(torch.ones(10, 64), _width()), 10)
+    assert out.shape == (0, 10)
+
+
+def test_bad_inputs_raise_errors_not_crashes() -> None:
+    width = _width()
+    w = torch.randn(40, 16)
+    packed = dense_linear.pack_panels(w, width)
+    x = torch.randn(3, 16)
+    gemm = torch.ops.tokenmill_cpu.dense_gemm
+    with pytest.raises(RuntimeError, match="float32"):
+        gemm(x.double(), packed, 40)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        gemm(torch.randn(16, 3).T, packed, 40)
+    with pytest.raises(RuntimeError, match="input channels"):
+        gemm(torch.randn(3, 17), packed, 40)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        gemm(x, packed, packed.shape[0] * width + 1)
+    with pytest.raises(RuntimeError, match="packed weight must be"):
+        gemm(x, dense_linear.pack_panels(w, width * 2), 40)
+
+
+@pytest.mark.skipif(dense_linear.PANEL_WIDTH is None, reason="float32 weights are not packed for the panel kernel here")
+def test_float32_layers_use_the_panel_kernel_from_1_to_256_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    top = dense_linear.PANEL_MAX_ROWS
+    assert dense_linear.packed_rows(torch.float32) == (1, top) and top in (64, 256)
+    w = torch.randn(64, 32)
+    assert dense_linear.pack(w) and dense_linear._TABLE[w.data_ptr()].library == dense_linear.PANEL
+    calls = []
+    real = torch.ops.tokenmill_cpu.dense_gemm
+    monkeypatch.setattr(torch.ops.tokenmill_cpu, "dense_gemm", lambda x, p, n: calls.append(len(x)) or real(x, p, n))
+    for rows in (1, 31, top, top + 1, 600):
+        x = torch.randn(rows, 32)
+        assert _rel_err(dense_linear.dense_linear(x, w), F.linear(x.double(), w.double())) < 1e-5
+    assert calls == [1, 31, top]
+    assert f"panel sgemm for 1-{top} rows" in dense_linear.describe()
+
+
+@pytest.mark.skipif(dense_linear.PANEL_WIDTH is None, reason="float32 weights are not packed for the panel kernel here")
+def test_until_the_kernels_are_loaded_products_use_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine serves while the kernels build (``kernels.load_async``): the panel copies wait for them."""
+    w = torch.randn(48, 16)
+    assert dense_linear.pack(w)
+    monkeypatch.setattr(dense_linear, "_panel_ready", False)
+    monkeypatch.setattr(kernels, "ready", lambda: False)
+    monkeypatch.setattr(torch.ops.tokenmill_cpu, "dense_gemm", lambda *a: pytest.fail("kernel called before load"))
+    x = torch.randn(4, 16)
+    assert torch.equal(dense_linear.dense_linear(x, w), F.linear(x, w))
+    assert "until the kernels are loaded" in dense_linear.describe()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("capability", "isa"), [("default", "scalar"), ("avx2", "avx2")])
+def test_lower_isa_builds_match_the_fp64_reference(capability: str, isa: str) -> None:
+    """The plain C++ loops and the AVX2/FMA build (CPUs without AVX-512; on an AVX-512 machine built with AVX2
+    flags only), each checked by this file's tests in a subprocess."""
+    import os
+    import subprocess
+    import sys
+
+    if isa == "avx2" and not {"avx2", "fma", "f16c"} <= kernels.cpu_flags():
+        pytest.skip("this CPU has no AVX2/FMA/F16C")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
+    check = (f"from tokenmill_cpu import kernels; assert kernels.load(); "
+             f"assert kernels.isa()['dense_gemm'] == {isa!r}, kernels.isa()")
+    built = subprocess.run([sys.executable, "-c", check], env=env, cwd=root, capture_output=True, text=True,
+                           timeout=900)
+    assert built.returncode == 0, built.stderr[-3000:]
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__), "-k", "not lower_isa"],
+        env=env, cwd=root, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0 and " passed" in result.stdout, result.stdout[-3000:] + result.stderr[-2000:]
