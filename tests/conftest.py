@@ -11,6 +11,9 @@ import torch
 # Engines built by tests (and the servers they start, which inherit the environment) stay eager: compiling
 # decode steps takes seconds per engine. tests/worker/test_compiled_runner.py turns it back on.
 os.environ["TOKENMILL_COMPILE"] = "0"
+# Nor do they fault in their KV caches ahead of use (a background thread per engine, gigabytes of RAM for the
+# default cache size); tests/plugins/test_builtin_platforms.py turns it on for its own caches.
+os.environ["TOKENMILL_CPU_PREFAULT"] = "0"
 # tokenmill's on-disk caches (compiled graphs, converted GGUF tokenizers) go to a directory of this test run,
 # never the user's ~/.cache; servers the tests start inherit it, so a GGUF tokenizer is converted once per run.
 os.environ.setdefault("TOKENMILL_CACHE_DIR", tempfile.mkdtemp(prefix="tokenmill-test-cache-"))

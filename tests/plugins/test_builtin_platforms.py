@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 
 import pytest
 import torch
@@ -130,6 +131,7 @@ def _resident_bytes() -> int:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpu_kv_cache_is_zero_and_takes_no_memory_until_written(dtype: torch.dtype) -> None:
     shape = (2, 1024, 16, 4, 64)  # 16 Mi elements: 32-64 MiB
+    assert os.environ["TOKENMILL_CPU_PREFAULT"] == "0"  # tests/conftest.py: no background prefault
     before = _resident_bytes()
     cache = CpuPlatform.allocate_kv_cache(shape, dtype, torch.device("cpu"))
     assert cache.shape == shape and cache.dtype == dtype and cache.is_contiguous()
@@ -140,6 +142,39 @@ def test_cpu_kv_cache_is_zero_and_takes_no_memory_until_written(dtype: torch.dty
     assert float(cache.float().sum()) == 2.0 * 2 * 4 * 64
     with pytest.raises(ValueError, match="cannot use device"):
         CpuPlatform.allocate_kv_cache(shape, dtype, torch.device("meta"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm") or platform.system() != "Linux", reason="needs Linux")
+def test_cpu_kv_cache_pages_are_faulted_in_behind_the_engine_without_changing_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import time
+
+    from tokenmill_cpu import memory
+
+    monkeypatch.setenv("TOKENMILL_CPU_PREFAULT", "1")
+    monkeypatch.setattr(memory, "PREFAULT_CHUNK_BYTES", 1 << 20)  # many chunks, so writes land while it runs
+    shape = (2, 2048, 16, 4, 64)  # 64 MiB of float32
+    before = _resident_bytes()
+    cache = CpuPlatform.allocate_kv_cache(shape, torch.float32, torch.device("cpu"))
+    other = CpuPlatform.allocate_kv_cache((2, 64, 16, 4, 64), torch.float32, torch.device("cpu"))
+    cache[1, 2047, 15].fill_(3.0)  # written while the thread walks the mapping
+    cache[0, 7].fill_(-1.0)
+    del other  # a freed cache is dropped from the queue, not touched
+    deadline = time.monotonic() + 60
+    while memory.prefault_pending_bytes() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert memory.prefault_pending_bytes() == 0
+    assert _resident_bytes() - before >= 60 << 20, "the pages were not faulted in"
+    assert cache[1, 2047, 15].eq(3.0).all() and cache[0, 7].eq(-1.0).all()
+    assert float(cache.sum()) == 3.0 * 4 * 64 - 16 * 4 * 64
+
+
+def test_tokenmill_cpu_prefault_0_leaves_the_pages_to_first_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tokenmill_cpu import memory
+
+    monkeypatch.setenv("TOKENMILL_CPU_PREFAULT", "0")
+    assert not memory.prefault_async(torch.zeros(16))
 
 
 def _vm_flags(address: int) -> list[str]:

@@ -2,9 +2,14 @@
 
 Why not plain ``F.linear``: for float32 torch calls MKL's ``sgemm`` and for bfloat16 oneDNN's matmul, and both
 re-lay out (pack) the whole weight into their kernel's blocked format on every call. For the few rows of a
-decode step that repacking costs as much as the multiplication. Both libraries can pack a weight once:
+decode step that repacking costs as much as the multiplication. Weights are packed once instead:
 
-* float32: MKL's packed GEMM (``torch.ops.mkl._mkl_reorder_linear_weight`` / ``torch.ops.mkl._mkl_linear``, the
+* float32, where tokenmill-cpu's kernels have an AVX-512 or AVX2 build: panels for its own matmul
+  (``torch.ops.tokenmill_cpu.dense_gemm``, ``csrc/dense_gemm.cpp``), which prefetches the next panel while it
+  multiplies the current one; at 4 to 256 rows it beats MKL's packed GEMM by 10-20% on AVX-512 (second table).
+  Until the kernels are loaded (their first build runs in the background while an engine serves) these
+  weights use ``F.linear``.
+* float32 otherwise (and with ``TOKENMILL_CPU_PREPACK=mkl``): MKL's packed GEMM (``torch.ops.mkl._mkl_reorder_linear_weight`` / ``torch.ops.mkl._mkl_linear``, the
   pair Inductor's CPU freezing pass uses). torch packs for one row count and falls back to the plain weight at
   any other; MKL's packed layout does not depend on the row count here (products at 1 to 2,048 rows with a copy
   packed for 32 equal ``F.linear`` to rounding, AVX-512 and AVX2), so one copy is packed for
@@ -30,8 +35,25 @@ rows   float32 F.linear /     AVX2 proxy, float32    bfloat16 F.linear /
 =====  =====================  =====================  ===================
 
 (AVX2 proxy: ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2``. Runs vary by
-about 10% on this shared machine.) Hence :func:`packed_rows`: float32 on MKL's copy at 1 to
-:data:`MKL_MAX_ROWS` rows (above that MKL's copy packed for 32 rows is slower than ``F.linear``), bfloat16 on
+about 10% on this shared machine.) The same script on 2026-12-02 with the panel kernel (float32, milliseconds,
+``benchmarks/results/packed_linear_cpu_fp32_panel*_tenth.json``):
+
+=====  ======================================  ======================================
+rows   AVX-512: F.linear / MKL packed / panel  AVX2 proxy: F.linear / MKL packed / panel
+=====  ======================================  ======================================
+1      19.1 / 18.5 / 19.9                      19.8 / 20.4 / 19.3
+4      33.0 / 22.3 / 19.5                      43.6 / 26.1 / 21.9
+8      43.9 / 28.7 / 24.5                      51.9 / 30.1 / 28.4
+32     66.3 / 51.3 / 43.0                      86.7 / 65.4 / 67.4
+64     95.5 / 82.1 / 66.8                      113.2 / 115.7 / 110.1
+128    143.6 / 150.6 / 128.0                   198.1 / 214.9 / 208.3
+256    285.6 / 307.3 / 252.3                   397.6 / 434.3 / 422.5
+=====  ======================================  ======================================
+
+Hence :func:`packed_rows`: float32 on the panel copy at 1 to :data:`PANEL_MAX_ROWS` rows (256 on AVX-512, 64 on
+AVX2; above those counts ``F.linear`` is as fast or faster: at 512 and 2,048 rows on AVX-512 a scratch version
+of the kernel took 587 / 2,922 ms against ``F.linear``'s 588 / 2,147), or where the panel kernel is not built on MKL's copy at
+1 to :data:`MKL_MAX_ROWS` rows (above that MKL's copy packed for 32 rows is slower than ``F.linear``); bfloat16 on
 oneDNN's at every count. oneDNN cannot pack bfloat16 without AVX-512 BW/VL/DQ or AVX-NE-CONVERT: such weights stay
 on ``F.linear``.
 
@@ -44,8 +66,8 @@ graph is correct with or without packing.
 
 Memory: one packed copy per weight (about the weight's size). :class:`CpuUnquantizedLinearMethod` packs layers
 until the copies would take half of the RAM available when packing started; the rest stay on ``F.linear``.
-``TOKENMILL_CPU_PREPACK=0`` turns packing off; ``TOKENMILL_CPU_PREPACK=onednn`` packs float32 weights with oneDNN
-instead of MKL (for comparisons).
+``TOKENMILL_CPU_PREPACK=0`` turns packing off; ``TOKENMILL_CPU_PREPACK=mkl`` / ``onednn`` packs float32 weights
+for MKL / oneDNN instead of the panel kernel (for comparisons).
 """
 
 from __future__ import annotations

@@ -106,10 +106,13 @@ class CpuPlatform(Platform):
 
     @classmethod
     def allocate_kv_cache(cls, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """Zeros from anonymous pages the OS zeroes on first touch (``memory.lazily_zeroed_tensor``): start-up
-        does not write the whole cache, and untouched blocks take no RAM."""
+        """Zeros from anonymous pages the OS zeroes on first touch (``memory.lazily_zeroed_tensor``), so start-up
+        does not write the whole cache; a background thread then faults the pages in ahead of use
+        (``memory.prefault_async``), so steps do not pay for first writes."""
         cls.set_device(device)
-        return memory.lazily_zeroed_tensor(shape, dtype)
+        cache = memory.lazily_zeroed_tensor(shape, dtype)
+        memory.prefault_async(cache)
+        return cache
 
     @classmethod
     def set_device(cls, device: torch.device) -> None:
