@@ -3,9 +3,10 @@
     python benchmarks/gemm_ceiling.py [--num-prompts 256 --input-len 128 --output-len 128] [--json FILE]
 
 For SmolLM2-135M's matmuls (per layer qkv 960 x 576, o 576 x 576, gate_up 3072 x 576, down 576 x 1536; 30
-layers; LM head 49,152 x 576) it times ``F.linear`` and oneDNN on prepacked weights
-(``torch.ops.mkldnn._linear_pointwise``, what tokenmill-cpu's linear layers run) in float32 and bfloat16, and
-takes the faster of the two, at the row counts a throughput run has: prefill steps of ``--prefill-rows`` tokens (the scheduler's token budget) and decode steps of
+layers; LM head 49,152 x 576) it times ``F.linear``, oneDNN on prepacked weights
+(``torch.ops.mkldnn._linear_pointwise``, what tokenmill-cpu's bfloat16 linear layers run) and, for float32,
+tokenmill-cpu's panel kernel (``torch.ops.tokenmill_cpu.dense_gemm``, what its float32 layers run at up to 256
+rows; since the tenth session), and takes the fastest, at the row counts a throughput run has: prefill steps of ``--prefill-rows`` tokens (the scheduler's token budget) and decode steps of
 ``--num-prompts`` running requests. Each row count's GFLOP/s is 2 M N K summed over one step's matmuls divided
 by the median time of that step (distinct weights per layer, so they stream from memory as in the model).
 
@@ -34,14 +35,26 @@ HEAD = (49152, 576)
 NUM_LAYERS = 30
 
 
-def step_ms(rows: int, dtype: torch.dtype, layers: int, iters: int, head: bool, packed: bool) -> tuple[float, float]:
-    """Median ms of one step's matmuls at ``rows`` rows (``packed``: on oneDNN-prepacked weights), and its GFLOP
-    count. Raises ``RuntimeError`` where oneDNN cannot pack ``dtype``."""
+def step_ms(rows: int, dtype: torch.dtype, layers: int, iters: int, head: bool, packed: bool | str) -> tuple[float, float]:
+    """Median ms of one step's matmuls at ``rows`` rows (``packed``: on oneDNN-prepacked weights; ``"panel"``: on
+    tokenmill-cpu's panel kernel), and its GFLOP count. Raises ``RuntimeError`` where oneDNN cannot pack
+    ``dtype``."""
     weights = [torch.randn(n, k, dtype=dtype) * 0.02 for _ in range(layers) for n, k in LAYER]
     if head:
         weights.append(torch.randn(*HEAD, dtype=dtype) * 0.02)
     xs = {k: torch.randn(rows, k, dtype=dtype) for k in {k for _, k in LAYER} | {HEAD[1]}}
     flops = sum(2.0 * rows * w.shape[0] * w.shape[1] for w in weights)
+    if packed == "panel":
+        from tokenmill_cpu import dense_linear
+
+        width = int(torch.ops.tokenmill_cpu.dense_gemm_panel())
+        panels = [(dense_linear.pack_panels(w, width), w.shape[1], w.shape[0]) for w in weights]
+
+        def run_panels() -> None:
+            for p, k, n in panels:
+                torch.ops.tokenmill_cpu.dense_gemm(xs[k], p, n)
+
+        return median_ms(run_panels, iters=iters, warmup=2), flops / 1e9
     prepacked = [(torch.ops.mkldnn._reorder_linear_weight(w, None), w.shape[1]) for w in weights] if packed else []
 
     def run() -> None:
@@ -56,19 +69,24 @@ def step_ms(rows: int, dtype: torch.dtype, layers: int, iters: int, head: bool, 
 
 
 def best_step_ms(rows: int, dtype: torch.dtype, layers: int, iters: int, head: bool) -> tuple[float, float, dict]:
-    """The faster of ``F.linear`` and prepacked oneDNN at ``rows`` rows: (ms, GFLOP, ms of each path)."""
+    """The fastest of ``F.linear``, prepacked oneDNN and (float32, up to 256 rows, where tokenmill-cpu's kernels
+    build) the panel kernel at ``rows`` rows: (ms, GFLOP, ms of each path)."""
     plain_ms, gflop = step_ms(rows, dtype, layers, iters, head, packed=False)
-    each = {"f_linear_ms": plain_ms, "prepacked_ms": None}
+    each = {"f_linear_ms": plain_ms, "prepacked_ms": None, "panel_ms": None}
     try:
         each["prepacked_ms"], _ = step_ms(rows, dtype, layers, iters, head, packed=True)
     except RuntimeError:  # e.g. bfloat16 where oneDNN lacks AVX-512
         pass
+    if dtype == torch.float32 and rows <= 256:
+        from tokenmill_cpu import kernels
+
+        if kernels.load():
+            each["panel_ms"], _ = step_ms(rows, dtype, layers, iters, head, packed="panel")
     return min(v for v in each.values() if v is not None), gflop, each
 
 
 def _pair(each: dict) -> str:
-    packed = each["prepacked_ms"]
-    return f"{each['f_linear_ms']:.1f} / " + (f"{packed:.1f}" if packed is not None else "-")
+    return " / ".join(f"{each[k]:.1f}" if each[k] is not None else "-" for k in ("f_linear_ms", "prepacked_ms", "panel_ms"))
 
 
 def main() -> int:
@@ -111,7 +129,7 @@ def main() -> int:
         }
         print(f"{name:>9}: prefill M={args.prefill_rows} {pre_rate:7.1f} GFLOP/s, decode M={n} {dec_rate:7.1f} "
               f"GFLOP/s -> run matmuls {prefill_s:.1f} s + {decode_s:.1f} s, ceiling {ceiling:.0f} output tok/s "
-              f"(80%: {0.8 * ceiling:.0f}); F.linear / prepacked step ms: prefill {_pair(pre_each)}, decode "
+              f"(80%: {0.8 * ceiling:.0f}); F.linear / prepacked / panel step ms: prefill {_pair(pre_each)}, decode "
               f"{_pair(dec_each)}")
     write_json(args.json, result)
     return 0
