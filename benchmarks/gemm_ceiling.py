@@ -35,7 +35,8 @@ HEAD = (49152, 576)
 NUM_LAYERS = 30
 
 
-def step_ms(rows: int, dtype: torch.dtype, layers: int, iters: int, head: bool, packed: bool | str) -> tuple[float, float]:
+def step_ms(rows: int, dtype: torch.dtype, layers: int, iters: int, head: bool,
+            packed: bool | str) -> tuple[float, float]:
     """Median ms of one step's matmuls at ``rows`` rows (``packed``: on oneDNN-prepacked weights; ``"panel"``: on
     tokenmill-cpu's panel kernel), and its GFLOP count. Raises ``RuntimeError`` where oneDNN cannot pack
     ``dtype``."""
@@ -86,7 +87,8 @@ def best_step_ms(rows: int, dtype: torch.dtype, layers: int, iters: int, head: b
 
 
 def _pair(each: dict) -> str:
-    return " / ".join(f"{each[k]:.1f}" if each[k] is not None else "-" for k in ("f_linear_ms", "prepacked_ms", "panel_ms"))
+    paths = ("f_linear_ms", "prepacked_ms", "panel_ms")
+    return " / ".join(f"{each[k]:.1f}" if each[k] is not None else "-" for k in paths)
 
 
 def main() -> int:

@@ -51,7 +51,8 @@ def test_zero_rows_and_pack_layout() -> None:
     packed = dense_linear.pack_panels(w, 2)
     assert packed.shape == (2, 4, 2)
     assert torch.equal(packed[0], w[:2].T) and torch.equal(packed[1, :, 0], w[2]) and not packed[1, :, 1].any()
-    out = torch.ops.tokenmill_cpu.dense_gemm(torch.empty(0, 64), dense_linear.pack_panels(torch.ones(10, 64), _width()), 10)
+    ones = dense_linear.pack_panels(torch.ones(10, 64), _width())
+    out = torch.ops.tokenmill_cpu.dense_gemm(torch.empty(0, 64), ones, 10)
     assert out.shape == (0, 10)
 
 
@@ -121,6 +122,7 @@ def test_lower_isa_builds_match_the_fp64_reference(capability: str, isa: str) ->
                            timeout=900)
     assert built.returncode == 0, built.stderr[-3000:]
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__), "-k", "not lower_isa"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__),
+         "-k", "not lower_isa"],
         env=env, cwd=root, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0 and " passed" in result.stdout, result.stdout[-3000:] + result.stderr[-2000:]

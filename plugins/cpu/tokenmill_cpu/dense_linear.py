@@ -6,11 +6,14 @@ decode step that repacking costs as much as the multiplication. Weights are pack
 
 * float32, where tokenmill-cpu's kernels have an AVX-512 or AVX2 build: panels for its own matmul
   (``torch.ops.tokenmill_cpu.dense_gemm``, ``csrc/dense_gemm.cpp``), which prefetches the next panel while it
-  multiplies the current one; at 4 to 256 rows it beats MKL's packed GEMM by 10-20% on AVX-512 (second table).
+  multiplies the current one; at 4 to 256 rows it beats MKL's packed GEMM by 10-20% on AVX-512 and draws level
+  with it on AVX2 (second table).
   Until the kernels are loaded (their first build runs in the background while an engine serves) these
   weights use ``F.linear``.
-* float32 otherwise (and with ``TOKENMILL_CPU_PREPACK=mkl``): MKL's packed GEMM (``torch.ops.mkl._mkl_reorder_linear_weight`` / ``torch.ops.mkl._mkl_linear``, the
-  pair Inductor's CPU freezing pass uses). torch packs for one row count and falls back to the plain weight at
+  If the build fails they stay on ``F.linear`` (as attention stays on the torch path).
+* float32 otherwise (and with ``TOKENMILL_CPU_PREPACK=mkl``): MKL's packed GEMM
+  (``torch.ops.mkl._mkl_reorder_linear_weight`` / ``torch.ops.mkl._mkl_linear``, the pair Inductor's CPU freezing
+  pass uses). torch packs for one row count and falls back to the plain weight at
   any other; MKL's packed layout does not depend on the row count here (products at 1 to 2,048 rows with a copy
   packed for 32 equal ``F.linear`` to rounding, AVX-512 and AVX2), so one copy is packed for
   :data:`MKL_PACK_ROWS` and told the step's count. That is outside MKL's documented contract, so the first
@@ -52,9 +55,9 @@ rows   AVX-512: F.linear / MKL packed / panel  AVX2 proxy: F.linear / MKL packed
 
 Hence :func:`packed_rows`: float32 on the panel copy at 1 to :data:`PANEL_MAX_ROWS` rows (256 on AVX-512, 64 on
 AVX2; above those counts ``F.linear`` is as fast or faster: at 512 and 2,048 rows on AVX-512 a scratch version
-of the kernel took 587 / 2,922 ms against ``F.linear``'s 588 / 2,147), or where the panel kernel is not built on MKL's copy at
-1 to :data:`MKL_MAX_ROWS` rows (above that MKL's copy packed for 32 rows is slower than ``F.linear``); bfloat16 on
-oneDNN's at every count. oneDNN cannot pack bfloat16 without AVX-512 BW/VL/DQ or AVX-NE-CONVERT: such weights stay
+of the kernel took 587 / 2,922 ms against ``F.linear``'s 588 / 2,147), or, where the panel kernel is not built,
+on MKL's copy at 1 to :data:`MKL_MAX_ROWS` rows (above that MKL's copy packed for 32 rows is slower than
+``F.linear``); bfloat16 on oneDNN's at every count. oneDNN cannot pack bfloat16 without AVX-512 BW/VL/DQ or AVX-NE-CONVERT: such weights stay
 on ``F.linear``.
 
 How the graphs reach the packed copy: a packed copy is an opaque (MKLDNN-layout) tensor that torch.compile cannot
@@ -142,7 +145,7 @@ def _library(dtype: torch.dtype) -> str:
 
 def packed_rows(dtype: torch.dtype) -> tuple[int, int]:
     """The row counts ``[lo, hi]`` whose products use the packed copy of a ``dtype`` weight (others: ``F.linear``),
-    from the measurements in the module docstring (the same on AVX-512 and AVX2)."""
+    from the measurements in the module docstring (the panel kernel's upper bound depends on the instruction set)."""
     library = _library(dtype)
     if library == PANEL:
         return 1, PANEL_MAX_ROWS
