@@ -128,7 +128,7 @@ def lazily_zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Te
 
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14+ (include/uapi/asm-generic/mman-common.h); Python's mmap module lacks it
-PREFAULT_CHUNK_BYTES = 16 << 20  # one madvise call (a few milliseconds of the kernel's page zeroing)
+PREFAULT_CHUNK_BYTES = 2 << 20  # one madvise call: one huge page (a few milliseconds of the kernel's page zeroing)
 PREFAULT_NICENESS = 10  # nice increment of the prefault thread (Linux keeps nice values per thread)
 
 _prefault_lock = threading.Lock()
