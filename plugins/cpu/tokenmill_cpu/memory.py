@@ -150,7 +150,7 @@ def prefault_async(tensor: torch.Tensor) -> bool:
     ctypes releases the GIL for the call. The thread walks the queued tensors round-robin in
     :data:`PREFAULT_CHUNK_BYTES` steps at nice +:data:`PREFAULT_NICENESS`, and drops a tensor that was freed.
     The steps are one 2 MiB huge page each: with 16 MiB calls a warm start's first answer took 20.6-22.4 s instead
-    of 11.9 s (the low-priority thread, preempted inside a long call, held up the engine's own page faults); with
+    of 11.9 s (probably the low-priority thread, preempted inside a long call, held up the engine's page faults); with
     2 MiB, 10.7-11.6 s (docs/benchmarks.md, "Issue 16, tenth session").
     """
     if os.environ.get("TOKENMILL_CPU_PREFAULT", "1") == "0" or platform.system() != "Linux" or tensor.numel() == 0:
