@@ -170,6 +170,25 @@ def test_cpu_kv_cache_pages_are_faulted_in_behind_the_engine_without_changing_th
     assert float(cache.sum()) == 3.0 * 4 * 64 - 16 * 4 * 64
 
 
+@pytest.mark.skipif(platform.system() != "Linux", reason="needs Linux")
+def test_a_kernel_refusing_the_prefault_leaves_the_pages_to_first_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from tokenmill_cpu import memory
+
+    monkeypatch.setenv("TOKENMILL_CPU_PREFAULT", "1")
+    monkeypatch.setattr(memory, "_prefault_failed", False)
+    monkeypatch.setattr(memory, "MADV_POPULATE_WRITE", 9999)  # an advice no kernel knows: EINVAL, as before 5.14
+    cache = memory.lazily_zeroed_tensor((1 << 20,), torch.float32)
+    assert memory.prefault_async(cache)
+    deadline = time.monotonic() + 30
+    while (memory.prefault_pending_bytes() or memory._prefault_thread is not None) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert memory._prefault_failed and memory._prefault_thread is None
+    assert not memory.prefault_async(cache)  # not tried again in this process
+    assert float(cache.sum()) == 0.0
+
+
 def test_tokenmill_cpu_prefault_0_leaves_the_pages_to_first_writes(monkeypatch: pytest.MonkeyPatch) -> None:
     from tokenmill_cpu import memory
 

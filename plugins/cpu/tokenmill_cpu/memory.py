@@ -134,6 +134,7 @@ PREFAULT_NICENESS = 10  # nice increment of the prefault thread (Linux keeps nic
 _prefault_lock = threading.Lock()
 _prefault_queue: list[tuple[weakref.ref, int, int]] = []  # (tensor, next address, end address)
 _prefault_thread: threading.Thread | None = None
+_prefault_failed = False  # madvise refused once (an older kernel): not tried again in this process
 
 
 def prefault_async(tensor: torch.Tensor) -> bool:
@@ -153,13 +154,14 @@ def prefault_async(tensor: torch.Tensor) -> bool:
     of 11.9 s (probably the low-priority thread, preempted inside a long call, held up the engine's page faults); with
     2 MiB, 10.7-11.6 s (docs/benchmarks.md, "Issue 16, tenth session").
     """
-    if os.environ.get("TOKENMILL_CPU_PREFAULT", "1") == "0" or platform.system() != "Linux" or tensor.numel() == 0:
+    if os.environ.get("TOKENMILL_CPU_PREFAULT", "1") == "0" or platform.system() != "Linux" or tensor.numel() == 0 \
+            or _prefault_failed:
         return False
     global _prefault_thread
     start = tensor.data_ptr()
     with _prefault_lock:
         _prefault_queue.append((weakref.ref(tensor), start, start + tensor.numel() * tensor.element_size()))
-        if _prefault_thread is None or not _prefault_thread.is_alive():
+        if _prefault_thread is None:
             _prefault_thread = threading.Thread(target=_prefault_worker, name="tokenmill-cpu-prefault", daemon=True)
             _prefault_thread.start()
     return True
@@ -174,6 +176,7 @@ def prefault_pending_bytes() -> int:
 def _prefault_worker() -> None:
     import ctypes
 
+    global _prefault_thread, _prefault_failed
     try:
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + PREFAULT_NICENESS)
@@ -188,6 +191,7 @@ def _prefault_worker() -> None:
     while True:
         with _prefault_lock:
             if not _prefault_queue:
+                _prefault_thread = None  # under the lock: a tensor queued from now on starts a new thread
                 break
             i %= len(_prefault_queue)
             ref, addr, end = _prefault_queue[i]
@@ -202,6 +206,7 @@ def _prefault_worker() -> None:
             if failed:  # EINVAL: a kernel before 5.14; ENOMEM: out of memory; the engine faults pages itself
                 err = ctypes.get_errno()
                 _prefault_queue.clear()
+                _prefault_thread, _prefault_failed = None, True
                 logger.info("KV cache prefault stopped (madvise: %s); pages are faulted in on first write",
                             os.strerror(err))
                 return
