@@ -103,6 +103,22 @@ def test_until_the_kernels_are_loaded_products_use_f_linear(monkeypatch: pytest.
     assert "until the kernels are loaded" in dense_linear.describe()
 
 
+@pytest.mark.skipif(dense_linear.PANEL_WIDTH is None or not torch.backends.mkl.is_available(),
+                    reason="needs the panel path and MKL")
+def test_a_failed_kernel_build_repacks_the_weights_for_mkl(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = torch.randn(80, 48)
+    assert dense_linear.pack(w) and dense_linear._TABLE[w.data_ptr()].library == dense_linear.PANEL
+    monkeypatch.setattr(dense_linear, "_panel_ready", False)
+    monkeypatch.setattr(kernels, "ready", lambda: False)
+    monkeypatch.setattr(kernels, "failed", lambda: True)
+    for rows in (8, 200):  # MKL's copy at up to 64 rows, F.linear above
+        x = torch.randn(rows, 48)
+        assert _rel_err(dense_linear.dense_linear(x, w), F.linear(x.double(), w.double())) < 1e-5
+    entry = dense_linear._TABLE[w.data_ptr()]
+    assert entry.library == dense_linear.MKL
+    assert "kernels unavailable" in dense_linear.describe()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("capability", "isa"), [("default", "scalar"), ("avx2", "avx2")])
 def test_lower_isa_builds_match_the_fp64_reference(capability: str, isa: str) -> None:

@@ -10,8 +10,13 @@ import torch.nn.functional as F
 
 from tokenmill.layers import ReplicatedLinear
 from tokenmill.layers.linear_method import DEFAULT_METHOD, attach_linear_method, get_unquantized_linear_method
-from tokenmill_cpu import dense_linear
+from tokenmill_cpu import dense_linear, kernels
 from tokenmill_cpu.dense_linear import CpuUnquantizedLinearMethod
+
+
+# float32 weights are packed for the kernels' panel matmul; products before the (background) build finishes use
+# F.linear, so load them first: every test then sees one path.
+kernels.load()
 
 
 def _layer(n: int = 48, k: int = 64, dtype: torch.dtype = torch.float32, seed: int = 0) -> ReplicatedLinear:

@@ -10,7 +10,7 @@ decode step that repacking costs as much as the multiplication. Weights are pack
   with it on AVX2 (second table).
   Until the kernels are loaded (their first build runs in the background while an engine serves) these
   weights use ``F.linear``.
-  If the build fails they stay on ``F.linear`` (as attention stays on the torch path).
+  If the build fails, each such weight is repacked for MKL's packed GEMM (below) when it is first used.
 * float32 otherwise (and with ``TOKENMILL_CPU_PREPACK=mkl``): MKL's packed GEMM
   (``torch.ops.mkl._mkl_reorder_linear_weight`` / ``torch.ops.mkl._mkl_linear``, the pair Inductor's CPU freezing
   pass uses). torch packs for one row count and falls back to the plain weight at
@@ -131,6 +131,7 @@ _panel_ready = False  # the kernels are loaded and their panel width is PANEL_WI
 _TABLE: dict[int, _Packed] = {}  # weight storage address -> packed copy
 _MKL_VERIFIED: dict[tuple[int, int, int], bool] = {}  # (N, K, rows) -> MKL's packed product matched F.linear
 _refused: set[torch.dtype] = set()
+_refused_libraries: set[str] = set()  # libraries whose loss was logged
 
 
 def _use_mkl(dtype: torch.dtype) -> bool:
@@ -185,11 +186,13 @@ def _dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight)
     x = x.contiguous()
     if entry.library == PANEL:
-        if not (_panel_ready or _check_panel_kernel()):
+        if _panel_ready or _check_panel_kernel():
+            return torch.ops.tokenmill_cpu.dense_gemm(x, entry.packed, entry.shape[0])
+        if not (kernels.failed() and HAS_MKL):  # the build is still running, or nothing better than F.linear
             return F.linear(x, weight)
-        return torch.ops.tokenmill_cpu.dense_gemm(x, entry.packed, entry.shape[0])
+        _repack_for_mkl(entry, weight)
     if entry.library == MKL:
-        if not _mkl_matches(entry, weight, rows):
+        if rows > MKL_MAX_ROWS or not _mkl_matches(entry, weight, rows):
             return F.linear(x, weight)
         # _mkl_linear uses the packed copy when the count it is given equals the input's rows
         return torch.ops.mkl._mkl_linear(x, entry.packed, weight, None, rows)
@@ -208,6 +211,17 @@ def _check_panel_kernel() -> bool:
                            f"for {PANEL_WIDTH}")
     _panel_ready = True
     return True
+
+
+def _repack_for_mkl(entry: _Packed, weight: torch.Tensor) -> None:
+    """The kernels could not be built: ``entry``'s panel copy is replaced by MKL's packed copy (once per weight)."""
+    with torch.no_grad():
+        entry.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach().contiguous(), MKL_PACK_ROWS)
+    entry.library = MKL
+    if PANEL not in _refused_libraries:
+        _refused_libraries.add(PANEL)
+        logger.warning("tokenmill-cpu's kernels are unavailable: float32 weights packed for its panel matmul are "
+                       "repacked for MKL's packed GEMM as they are used")
 
 
 def pack_panels(weight: torch.Tensor, width: int) -> torch.Tensor:
@@ -324,6 +338,8 @@ def describe() -> str:
     lo, hi = packed_rows(torch.float32)
     library = _library(torch.float32)
     f32 = f"{library} for {lo}" + ("+ rows" if hi >= 1 << 30 else f"-{hi} rows")
-    if library == PANEL and not kernels.ready():
+    if library == PANEL and kernels.failed():
+        f32 += f" (kernels unavailable: {MKL if HAS_MKL else 'F.linear'} instead)"
+    elif library == PANEL and not kernels.ready():
         f32 += " (F.linear until the kernels are loaded)"
     return f"prepacked weights: float32 {f32}, bfloat16 {ONEDNN} where oneDNN can pack it; otherwise {base}"

@@ -111,6 +111,11 @@ def ready() -> bool:
     return _loaded is True
 
 
+def failed() -> bool:
+    """Whether loading the kernels was tried and failed (no compiler, a build error, ``TOKENMILL_CPU_KERNELS=0``)."""
+    return _loaded is False
+
+
 def isa() -> dict[str, str]:
     """The code paths of the loaded kernels: ``capability`` (the ATen level they were built for),
     ``quant_linear`` (``avx512_vnni``, ``avx2`` or ``scalar``), ``paged_decode`` (``avx512_bf16``,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import platform
 import threading
@@ -110,7 +111,6 @@ def lazily_zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Te
         ``torch.zeros`` where there is no anonymous ``mmap`` (not POSIX) and for empty shapes.
     """
     import math
-    import mmap
 
     import torch
 
@@ -159,6 +159,8 @@ def prefault_async(tensor: torch.Tensor) -> bool:
         return False
     global _prefault_thread
     start = tensor.data_ptr()
+    if start % mmap.PAGESIZE:  # madvise takes page-aligned ranges: not a lazily_zeroed_tensor
+        return False
     with _prefault_lock:
         _prefault_queue.append((weakref.ref(tensor), start, start + tensor.numel() * tensor.element_size()))
         if _prefault_thread is None:
@@ -174,6 +176,17 @@ def prefault_pending_bytes() -> int:
 
 
 def _prefault_worker() -> None:
+    global _prefault_thread, _prefault_failed
+    try:
+        _prefault_loop()
+    except Exception:  # noqa: BLE001 - never let the queue wait for a thread that is gone
+        logger.exception("KV cache prefault failed; pages are faulted in on first write")
+        with _prefault_lock:
+            _prefault_queue.clear()
+            _prefault_thread, _prefault_failed = None, True
+
+
+def _prefault_loop() -> None:
     import ctypes
 
     global _prefault_thread, _prefault_failed
@@ -199,7 +212,7 @@ def _prefault_worker() -> None:
             if tensor is None:
                 _prefault_queue.pop(i)
                 continue
-            n = min(PREFAULT_CHUNK_BYTES, end - addr)
+            n = min(PREFAULT_CHUNK_BYTES - addr % PREFAULT_CHUNK_BYTES, end - addr)  # ends on a huge page boundary
         failed = madvise(addr, n, MADV_POPULATE_WRITE) != 0
         del tensor
         with _prefault_lock:

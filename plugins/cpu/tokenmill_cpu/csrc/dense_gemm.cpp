@@ -54,7 +54,7 @@ struct Prefetcher {
   inline void step() {
 #if defined(TOKENMILL_GEMM_AVX512) || defined(TOKENMILL_GEMM_AVX2)
     if (next < end) {
-      for (int64_t b = 0; b < stride; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
+      for (int64_t b = 0; b < stride && next + b < end; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
       next += stride;
     }
 #endif
