@@ -57,8 +57,8 @@ Hence :func:`packed_rows`: float32 on the panel copy at 1 to :data:`PANEL_MAX_RO
 AVX2; above those counts ``F.linear`` is as fast or faster: at 512 and 2,048 rows on AVX-512 a scratch version
 of the kernel took 587 / 2,922 ms against ``F.linear``'s 588 / 2,147), or, where the panel kernel is not built,
 on MKL's copy at 1 to :data:`MKL_MAX_ROWS` rows (above that MKL's copy packed for 32 rows is slower than
-``F.linear``); bfloat16 on oneDNN's at every count. oneDNN cannot pack bfloat16 without AVX-512 BW/VL/DQ or AVX-NE-CONVERT: such weights stay
-on ``F.linear``.
+``F.linear``); bfloat16 on oneDNN's at every count. oneDNN cannot pack bfloat16 without AVX-512 BW/VL/DQ or
+AVX-NE-CONVERT: such weights stay on ``F.linear``.
 
 How the graphs reach the packed copy: a packed copy is an opaque (MKLDNN-layout) tensor that torch.compile cannot
 take as a graph input, so it stays out of the graph. ``torch.ops.tokenmill_cpu.dense_linear(x, weight)`` receives
