@@ -184,24 +184,9 @@ def test_cpu_backend_passes_window_and_soft_cap_to_the_kernel():
 def test_lower_isa_builds_match_the_fp64_reference(capability, isa):
     """The kernel's plain C++ build and its AVX2/FMA/F16C build (what CPUs without AVX-512 run; on an AVX-512
     machine built with AVX2 flags only), each checked by this file's reference tests in a subprocess."""
-    import os
-    import subprocess
-    import sys
+    from tests.lower_isa import check_lower_isa_build
 
-    if isa == "avx2" and not {"avx2", "fma", "f16c"} <= kernels.cpu_flags():
-        pytest.skip("this CPU has no AVX2/FMA/F16C")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    check = (f"from tokenmill_cpu import kernels; assert kernels.load(); "
-             f"assert kernels.isa()['paged_decode'] == {isa!r}, kernels.isa()")
-    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
-    built = subprocess.run([sys.executable, "-c", check], env=env, cwd=root, capture_output=True, text=True,
-                           timeout=900)
-    assert built.returncode == 0, built.stderr[-3000:]
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__),
-         "-k", "16-gqa3 or w20-softcap-16 or strided"],
-        env=env, cwd=root, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0 and " passed" in result.stdout, result.stdout[-3000:] + result.stderr[-2000:]
+    check_lower_isa_build(__file__, capability, "paged_decode", isa, "16-gqa3 or w20-softcap-16 or strided")
 
 
 def test_a_lock_file_left_by_a_killed_build_does_not_hang_the_next_start():

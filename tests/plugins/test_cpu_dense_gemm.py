@@ -124,21 +124,6 @@ def test_a_failed_kernel_build_repacks_the_weights_for_mkl(monkeypatch: pytest.M
 def test_lower_isa_builds_match_the_fp64_reference(capability: str, isa: str) -> None:
     """The plain C++ loops and the AVX2/FMA build (CPUs without AVX-512; on an AVX-512 machine built with AVX2
     flags only), each checked by this file's tests in a subprocess."""
-    import os
-    import subprocess
-    import sys
+    from tests.lower_isa import check_lower_isa_build
 
-    if isa == "avx2" and not {"avx2", "fma", "f16c"} <= kernels.cpu_flags():
-        pytest.skip("this CPU has no AVX2/FMA/F16C")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
-    check = (f"from tokenmill_cpu import kernels; assert kernels.load(); "
-             f"assert kernels.isa()['dense_gemm'] == {isa!r}, kernels.isa()")
-    built = subprocess.run([sys.executable, "-c", check], env=env, cwd=root, capture_output=True, text=True,
-                           timeout=900)
-    assert built.returncode == 0, built.stderr[-3000:]
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__),
-         "-k", "not lower_isa"],
-        env=env, cwd=root, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0 and " passed" in result.stdout, result.stdout[-3000:] + result.stderr[-2000:]
+    check_lower_isa_build(__file__, capability, "dense_gemm", isa, "not lower_isa")

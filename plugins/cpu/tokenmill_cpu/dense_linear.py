@@ -54,8 +54,9 @@ rows   AVX-512: F.linear / MKL packed / panel  AVX2 proxy: F.linear / MKL packed
 =====  ======================================  ======================================
 
 Hence :func:`packed_rows`: float32 on the panel copy at 1 to :data:`PANEL_MAX_ROWS` rows (256 on AVX-512, 64 on
-AVX2; above those counts ``F.linear`` is as fast or faster: at 512 and 2,048 rows on AVX-512 a scratch version
-of the kernel took 587 / 2,922 ms against ``F.linear``'s 588 / 2,147), or, where the panel kernel is not built,
+AVX2; above those counts ``F.linear`` is as fast or faster: ``--rows 512,2048`` on AVX-512 gave 558 / 2,295 ms
+for the panel kernel against ``F.linear``'s 538 / 2,067, ``packed_linear_cpu_fp32_panel_large_tenth.json``), or,
+where the panel kernel is not built,
 on MKL's copy at 1 to :data:`MKL_MAX_ROWS` rows (above that MKL's copy packed for 32 rows is slower than
 ``F.linear``); bfloat16 on oneDNN's at every count. oneDNN cannot pack bfloat16 without AVX-512 BW/VL/DQ or
 AVX-NE-CONVERT: such weights stay on ``F.linear``.

@@ -1,0 +1,32 @@
+"""Run a test file's kernel checks against tokenmill-cpu's lower instruction-set builds, in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tokenmill_cpu import kernels
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def check_lower_isa_build(test_file: str, capability: str, isa_key: str, isa: str, select: str) -> None:
+    """Build the kernels for ATen capability ``capability`` (``default``: plain C++; ``avx2``: AVX2/FMA/F16C
+    flags only, also on an AVX-512 machine), check that ``kernels.isa()[isa_key] == isa``, then run the tests of
+    ``test_file`` that ``pytest -k select`` picks under that capability. Skips where the CPU lacks AVX2/FMA/F16C
+    for ``isa == "avx2"``; fails (``AssertionError``) on a build error, a wrong path or a failing test."""
+    if isa == "avx2" and not {"avx2", "fma", "f16c"} <= kernels.cpu_flags():
+        pytest.skip("this CPU has no AVX2/FMA/F16C")
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
+    check = (f"from tokenmill_cpu import kernels; assert kernels.load(); "
+             f"assert kernels.isa()[{isa_key!r}] == {isa!r}, kernels.isa()")
+    built = subprocess.run([sys.executable, "-c", check], env=env, cwd=ROOT, capture_output=True, text=True,
+                           timeout=900)
+    assert built.returncode == 0, built.stderr[-3000:]
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(test_file), "-k", select],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0 and " passed" in result.stdout, result.stdout[-3000:] + result.stderr[-2000:]
