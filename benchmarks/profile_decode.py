@@ -38,9 +38,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10, help="decode steps profiled")
     p.add_argument("--enforce-eager", action="store_true", help="no torch.compile of the forward pass")
     p.add_argument("--prefill", action="store_true", help="profile the prompts' prefill steps, not decode steps")
+    p.add_argument("--kv-cache-memory", default="6GiB",
+                   help="KV cache size; it must hold --batch requests (checked): float32 SmolLM2-135M takes 45 KiB "
+                        "per token, so 256 x 200 tokens need 2.2 GiB")
     args = p.parse_args()
     config = EngineArgs(model=args.model, dtype=args.dtype, quantization=args.quantization, max_model_len=2048,
-                        kv_cache_memory="2GiB", max_num_batched_tokens=2048 if args.prefill else 8192,
+                        kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=2048 if args.prefill else 8192,
                         enforce_eager=args.enforce_eager).create_engine_config()
     core = EngineCore(config)
     rng = random.Random(0)
@@ -55,6 +58,9 @@ def main() -> None:
     while not all(r.num_output_tokens > 0 for r in core.scheduler.running) or core.scheduler.waiting:
         core.step()  # prefill
     core.step()  # one warm decode step
+    if len(core.scheduler.running) != args.batch:  # a KV cache too small for the batch preempts requests
+        raise SystemExit(f"only {len(core.scheduler.running)} of {args.batch} requests are running: raise "
+                         f"--kv-cache-memory")
     with profile(activities=[ProfilerActivity.CPU], record_shapes=os.environ.get("PROFILE_SHAPES") == "1") as prof:
         start = time.perf_counter()
         for _ in range(args.steps):

@@ -75,9 +75,17 @@ def test_bad_inputs_raise_errors_not_crashes() -> None:
 
 
 @pytest.mark.skipif(dense_linear.PANEL_WIDTH is None, reason="float32 weights are not packed for the panel kernel here")
-def test_float32_layers_use_the_panel_kernel_from_1_to_256_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("panel_faster", [False, True])
+def test_float32_layers_use_the_panel_kernel_up_to_the_bound_and_above_it_when_measured_faster(
+        monkeypatch: pytest.MonkeyPatch, panel_faster: bool) -> None:
     top = dense_linear.PANEL_MAX_ROWS
     assert dense_linear.packed_rows(torch.float32) == (1, top) and top in (64, 256)
+    monkeypatch.setattr(dense_linear, "_panel_large", None)
+    monkeypatch.setattr(dense_linear, "_PANEL_LARGE_FIGURES", [])
+    assert "measured at first use" in dense_linear.describe()
+    timed = []
+    monkeypatch.setattr(dense_linear, "_time_large_rows",
+                        lambda entry, weight: timed.append(weight.shape) or ((1.0, 2.0) if panel_faster else (2.0, 1.0)))
     w = torch.randn(64, 32)
     assert dense_linear.pack(w) and dense_linear._TABLE[w.data_ptr()].library == dense_linear.PANEL
     calls = []
@@ -86,8 +94,28 @@ def test_float32_layers_use_the_panel_kernel_from_1_to_256_rows(monkeypatch: pyt
     for rows in (1, 31, top, top + 1, 600):
         x = torch.randn(rows, 32)
         assert _rel_err(dense_linear.dense_linear(x, w), F.linear(x.double(), w.double())) < 1e-5
-    assert calls == [1, 31, top]
+    assert timed == [(64, 32)]  # measured once, at the first product above the bound
+    assert calls == ([1, 31, top, top + 1, 600] if panel_faster else [1, 31, top])
     assert f"panel sgemm for 1-{top} rows" in dense_linear.describe()
+    assert ("and above (measured faster" if panel_faster else "(above: F.linear, measured faster") \
+        in dense_linear.describe()
+
+
+@pytest.mark.skipif(dense_linear.PANEL_WIDTH is None, reason="float32 weights are not packed for the panel kernel here")
+def test_the_large_row_measurement_times_both_paths_on_the_weight() -> None:
+    w = torch.randn(96, 64)
+    assert dense_linear.pack(w)
+    panel_ms, linear_ms = dense_linear._time_large_rows(dense_linear._TABLE[w.data_ptr()], w)
+    assert 0 < panel_ms < 1e4 and 0 < linear_ms < 1e4
+
+
+def test_an_explicit_panel_row_bound_skips_the_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(dense_linear.PANEL_ROWS_ENV, "4096")
+    assert dense_linear._panel_max_rows() == (4096, True)
+    monkeypatch.setenv(dense_linear.PANEL_ROWS_ENV, "lots")
+    assert dense_linear._panel_max_rows()[1] is False
+    monkeypatch.delenv(dense_linear.PANEL_ROWS_ENV)
+    assert dense_linear._panel_max_rows()[1] is False
 
 
 @pytest.mark.skipif(dense_linear.PANEL_WIDTH is None, reason="float32 weights are not packed for the panel kernel here")

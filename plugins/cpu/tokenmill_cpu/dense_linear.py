@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -96,8 +97,12 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 MEMORY_FRACTION = 0.5  # packed copies may take at most this share of the RAM available when packing starts
 MKL_PACK_ROWS = 32  # the row count MKL is told at packing (its packed layout serves every count: see below)
 MKL_MAX_ROWS = 64  # more rows: F.linear is as fast or faster than the copy packed for 32 rows (table below)
-# more rows than this: F.linear is as fast or faster than the panel kernel (table above), per ATen capability
+# Up to this many rows the panel kernel is used without a measurement (table above), per ATen capability; above
+# it, whichever of the panel kernel and F.linear was faster in this process's first such product (_panel_for_rows).
 _PANEL_MAX_ROWS = {"AVX512": 256, "AVX2": 64}
+PANEL_ROWS_ENV = "TOKENMILL_CPU_PANEL_MAX_ROWS"  # an explicit bound: no measurement
+CALIBRATION_ROWS = 1024  # rows of the measurement's random input
+CALIBRATION_REPEATS = 3  # timed products of each path in the measurement (alternating; the fastest of each counts)
 MKL = "MKL packed sgemm"
 ONEDNN = "oneDNN packed"
 PANEL = "tokenmill-cpu panel sgemm"
@@ -126,8 +131,24 @@ def _panel_width() -> int | None:
     return _PANEL_WIDTH.get(torch.backends.cpu.get_cpu_capability())
 
 
+def _panel_max_rows() -> tuple[int, bool]:
+    """(bound, fixed): products of up to ``bound`` rows use the panel kernel; above it, a measurement decides
+    unless ``fixed`` (``TOKENMILL_CPU_PANEL_MAX_ROWS`` was set)."""
+    explicit = os.environ.get(PANEL_ROWS_ENV)
+    if explicit:
+        try:
+            return max(int(explicit), 0), True
+        except ValueError:
+            logger.warning("%s=%r is not a row count; ignored", PANEL_ROWS_ENV, explicit)
+    return _PANEL_MAX_ROWS.get(torch.backends.cpu.get_cpu_capability(), 0), False
+
+
 PANEL_WIDTH = _panel_width()
-PANEL_MAX_ROWS = _PANEL_MAX_ROWS.get(torch.backends.cpu.get_cpu_capability(), 0)
+PANEL_MAX_ROWS, _PANEL_ROWS_FIXED = _panel_max_rows()
+# Above PANEL_MAX_ROWS: None until measured, then whether the panel kernel was the faster; the measurement's
+# (rows, panel ms, F.linear ms) is kept for describe().
+_panel_large: bool | None = False if _PANEL_ROWS_FIXED else None
+_PANEL_LARGE_FIGURES: list[tuple[int, float, float]] = []
 _panel_ready = False  # the kernels are loaded and their panel width is PANEL_WIDTH
 _TABLE: dict[int, _Packed] = {}  # weight storage address -> packed copy
 _MKL_VERIFIED: dict[tuple[int, int, int], bool] = {}  # (N, K, rows) -> MKL's packed product matched F.linear
@@ -183,21 +204,59 @@ def _dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight)
     rows = x.shape[0]
     lo, hi = packed_rows(weight.dtype)
-    if not lo <= rows <= hi:
+    if rows < lo:
         return F.linear(x, weight)
-    x = x.contiguous()
     if entry.library == PANEL:
         if _panel_ready or _check_panel_kernel():
-            return torch.ops.tokenmill_cpu.dense_gemm(x, entry.packed, entry.shape[0])
+            if rows <= hi or _panel_for_rows(entry, weight):
+                return torch.ops.tokenmill_cpu.dense_gemm(x.contiguous(), entry.packed, entry.shape[0])
+            return F.linear(x, weight)
         if not (kernels.failed() and HAS_MKL):  # the build is still running, or nothing better than F.linear
             return F.linear(x, weight)
         _repack_for_mkl(entry, weight)
+    elif rows > hi:
+        return F.linear(x, weight)
+    x = x.contiguous()
     if entry.library == MKL:
         if rows > MKL_MAX_ROWS or not _mkl_matches(entry, weight, rows):
             return F.linear(x, weight)
         # _mkl_linear uses the packed copy when the count it is given equals the input's rows
         return torch.ops.mkl._mkl_linear(x, entry.packed, weight, None, rows)
     return torch.ops.mkldnn._linear_pointwise(x, entry.packed, None, "none", [], "")
+
+
+def _panel_for_rows(entry: _Packed, weight: torch.Tensor) -> bool:
+    """Whether a product of more than :data:`PANEL_MAX_ROWS` rows runs on the panel kernel: measured once per
+    process, at the first such product, on its weight and a random input of :data:`CALIBRATION_ROWS` rows: each
+    path runs :data:`CALIBRATION_REPEATS` times, alternating, and the fastest of each are compared. Why measured: the crossover depends on the CPU
+    and on the BLAS torch brought. On 2 cores of an AVX-512 Xeon ``F.linear`` (MKL) was 4-10% faster from 512
+    rows up; on 2 cores of an AVX-512 AMD EPYC (Zen 4), where MKL does not run its AVX-512 code, the panel kernel
+    was 16-19% faster at 512 and 2,048 rows (``python benchmarks/packed_linear.py --rows 512,2048``,
+    docs/benchmarks.md). The measurement takes eight products (under 0.1 s for SmolLM2-135M's widest layer) and is
+    logged."""
+    global _panel_large
+    if _panel_large is None:
+        best_panel, best_linear = _time_large_rows(entry, weight)
+        _panel_large = best_panel <= best_linear
+        _PANEL_LARGE_FIGURES.append((CALIBRATION_ROWS, best_panel, best_linear))
+        logger.info("float32 matmuls above %d rows: measured at %d rows ([%d, %d] weight) panel kernel %.2f ms, "
+                    "F.linear %.2f ms: they run on %s", PANEL_MAX_ROWS, CALIBRATION_ROWS, *entry.shape, best_panel,
+                    best_linear, "the panel kernel" if _panel_large else "F.linear")
+    return _panel_large
+
+
+def _time_large_rows(entry: _Packed, weight: torch.Tensor) -> tuple[float, float]:
+    """(panel kernel ms, ``F.linear`` ms): the fastest of :data:`CALIBRATION_REPEATS` products of each, alternating,
+    after one untimed product of each, on a random ``[CALIBRATION_ROWS, K]`` input."""
+    x = torch.randn(CALIBRATION_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0))
+    panel_ms, linear_ms = [], []
+    for _ in range(CALIBRATION_REPEATS + 1):
+        for times, fn in ((linear_ms, lambda: F.linear(x, weight)),
+                          (panel_ms, lambda: torch.ops.tokenmill_cpu.dense_gemm(x, entry.packed, entry.shape[0]))):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+    return min(panel_ms[1:]), min(linear_ms[1:])
 
 
 def _check_panel_kernel() -> bool:
@@ -339,6 +398,12 @@ def describe() -> str:
     lo, hi = packed_rows(torch.float32)
     library = _library(torch.float32)
     f32 = f"{library} for {lo}" + ("+ rows" if hi >= 1 << 30 else f"-{hi} rows")
+    if library == PANEL and _panel_large is None:
+        f32 += " (above: whichever of it and F.linear is faster, measured at first use)"
+    elif library == PANEL and _PANEL_LARGE_FIGURES:
+        rows, panel_ms, linear_ms = _PANEL_LARGE_FIGURES[-1]
+        f32 += (f" and above (measured faster at {rows} rows: {panel_ms:.1f} vs {linear_ms:.1f} ms)" if _panel_large
+                else f" (above: F.linear, measured faster at {rows} rows: {linear_ms:.1f} vs {panel_ms:.1f} ms)")
     if library == PANEL and kernels.failed():
         f32 += f" (kernels unavailable: {MKL if HAS_MKL else 'F.linear'} instead)"
     elif library == PANEL and not kernels.ready():

@@ -5,8 +5,17 @@
 // so each row is loaded from memory once and used G times. Scores are kept in a per-thread buffer, the
 // softmax is exact (max, exp, sum over the whole context), and the weighted sum of values accumulates in
 // float32 for every input dtype. The cache may hold bfloat16 or float16 under float32 queries (a float32 model
-// with --kv-cache-dtype bfloat16): rows are widened as they are loaded. With a sliding window W only the last W positions are attended to and the
-// blocks before them are never touched; with a soft cap c the scaled scores become c * tanh(s / c).
+// with --kv-cache-dtype bfloat16): rows are widened as they are loaded. With a sliding window W only the last W
+// positions are attended to and the blocks before them are never touched; with a soft cap c the scaled scores
+// become c * tanh(s / c).
+//
+// The loop waits on memory, not arithmetic: every block is a separate 4 KiB run (one KV head's 16 rows) that the
+// hardware prefetchers do not see coming. So each block is asked for well before it is read: while a thread
+// scores a key block it prefetches the same block's values into L2 (they are read after the softmax), and while
+// it sums a value block it prefetches the matching key block of its next work item into L2; the next block of the
+// current pass also goes to L1. On 2 cores of an AMD EPYC (Zen 4), 256 requests x 192 tokens x 30 layers of
+// SmolLM2-135M in float32: 190 ms per step with only the next-block prefetch, 105 ms with these (21.6 of the
+// machine's 29.5 GB/s; python benchmarks/attention_kernel.py --dtype float32 --layers 30, docs/benchmarks.md).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -106,19 +115,55 @@ inline void qk_rows(const float* qf, const T* k, int64_t rows, int64_t head_size
   }
 }
 
-// out[g, :] += sum_r probs[g * stride + r] * v[r, :] for `rows` value rows (out: [G, D] float32).
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int kAccRegs = 24;  // accumulators one loop keeps in registers (of 32 vector registers)
+constexpr int kHeadChunk = 4;  // query heads scored together (4 x 4 accumulators)
+#else
+constexpr int kAccRegs = 12;  // of 16 vector registers
+constexpr int kHeadChunk = 2;
+#endif
+constexpr int kMaxChunk = 8;  // vectors of D per value loop
+
+// out[g, i0 : i0 + C * W] += sum_r probs[g * stride + r] * v[r, i0 : i0 + C * W] for g < G (out: [G, D] float32):
+// each probability is broadcast once per row, and each value vector is loaded once for the G heads.
+template <int G, int C, typename T>
+inline void pv_chunk(const float* probs, int64_t stride, const T* v, int64_t rows, int64_t head_size, int64_t i0,
+                     float* out) {
+  Vec acc[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = Vec::loadu(out + g * head_size + i0 + c * W);
+  for (int64_t r = 0; r < rows; ++r) {
+    Vec p[G];
+    for (int g = 0; g < G; ++g) p[g] = Vec(probs[g * stride + r]);
+    const T* vr = v + r * head_size + i0;
+    for (int c = 0; c < C; ++c) {
+      const Vec vv = load_float(vr + c * W);
+      for (int g = 0; g < G; ++g) acc[g][c] = at::vec::fmadd(p[g], vv, acc[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c].store(out + g * head_size + i0 + c * W);
+}
+
+// pv_chunk<G, n> for a run-time n <= kMaxChunk.
+template <int G, int C = 1, typename T>
+inline void pv_chunk_n(int64_t n, const float* probs, int64_t stride, const T* v, int64_t rows, int64_t head_size,
+                       int64_t i0, float* out) {
+  if constexpr (C < kMaxChunk) {
+    if (n > C) return pv_chunk_n<G, C + 1>(n, probs, stride, v, rows, head_size, i0, out);
+  }
+  pv_chunk<G, C>(probs, stride, v, rows, head_size, i0, out);
+}
+
+// out[g, :] += sum_r probs[g * stride + r] * v[r, :] for `rows` value rows (out: [G, D] float32), D in chunks of
+// as many vectors as the G heads' accumulators leave registers for.
 template <int G, typename T>
 inline void pv_rows(const float* probs, int64_t stride, const T* v, int64_t rows, int64_t head_size,
                     int64_t vec_end, float* out) {
-  for (int64_t i = 0; i < vec_end; i += W) {
-    Vec acc[G];
-    for (int g = 0; g < G; ++g) acc[g] = Vec::loadu(out + g * head_size + i);
-    for (int64_t r = 0; r < rows; ++r) {
-      const Vec vv = load_float(v + r * head_size + i);
-      for (int g = 0; g < G; ++g) acc[g] = at::vec::fmadd(Vec(probs[g * stride + r]), vv, acc[g]);
-    }
-    for (int g = 0; g < G; ++g) acc[g].store(out + g * head_size + i);
-  }
+  constexpr int C = std::min(kMaxChunk, std::max(1, kAccRegs / G));
+  int64_t i0 = 0;
+  for (; i0 + C * W <= vec_end; i0 += C * W) pv_chunk<G, C>(probs, stride, v, rows, head_size, i0, out);
+  if (i0 < vec_end) pv_chunk_n<G>((vec_end - i0) / W, probs, stride, v, rows, head_size, i0, out);
   for (int64_t i = vec_end; i < head_size; ++i)
     for (int64_t r = 0; r < rows; ++r) {
       const float vi = static_cast<float>(v[r * head_size + i]);
@@ -147,32 +192,54 @@ inline __m128 reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 #endif
 
 #ifdef TOKENMILL_REDUCE4
-// Scores of `rows` key rows against `group` float32 query rows (qf: [group, D], pre-scaled, D % W == 0), one
-// query head at a time over four key rows, so that one horizontal reduction serves four scores (a per-row
-// reduction costs more than the row's multiply-adds at D = 64). The block's rows stay in L1 across the heads.
+// Scores of `rows` key rows against GC query heads (qf: [GC, D] float32, pre-scaled, D % W == 0), four key rows
+// at a time: each key vector is loaded once for the GC heads, and one horizontal reduction serves four scores (a
+// per-row reduction costs more than the row's multiply-adds at D = 64).
+template <int GC, typename T>
+inline void qk_heads4(const float* qf, const T* k, int64_t rows, int64_t head_size, float* scores, int64_t stride) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    const T* kr = k + r * head_size;
+    Vec a[GC][4];
+    for (int g = 0; g < GC; ++g)
+      for (int j = 0; j < 4; ++j) a[g][j] = Vec(0.f);
+    for (int64_t i = 0; i < head_size; i += W) {
+      const Vec k0 = load_float(kr + i), k1 = load_float(kr + head_size + i),
+                k2 = load_float(kr + 2 * head_size + i), k3 = load_float(kr + 3 * head_size + i);
+      for (int g = 0; g < GC; ++g) {
+        const Vec qv = Vec::loadu(qf + g * head_size + i);
+        a[g][0] = at::vec::fmadd(qv, k0, a[g][0]);
+        a[g][1] = at::vec::fmadd(qv, k1, a[g][1]);
+        a[g][2] = at::vec::fmadd(qv, k2, a[g][2]);
+        a[g][3] = at::vec::fmadd(qv, k3, a[g][3]);
+      }
+    }
+    for (int g = 0; g < GC; ++g) _mm_storeu_ps(scores + g * stride + r, reduce4(a[g][0], a[g][1], a[g][2], a[g][3]));
+  }
+  for (; r < rows; ++r)
+    for (int g = 0; g < GC; ++g) {
+      Vec a(0.f);
+      for (int64_t i = 0; i < head_size; i += W)
+        a = at::vec::fmadd(Vec::loadu(qf + g * head_size + i), load_float(k + r * head_size + i), a);
+      scores[g * stride + r] = hsum(a);
+    }
+}
+
+// Scores of `rows` key rows against `group` query heads (qf: [group, D]), kHeadChunk heads per pass over the rows
+// (the block's rows stay in L1 between passes).
 template <typename T>
 inline void qk_rows4(const float* qf, int64_t group, const T* k, int64_t rows, int64_t head_size, float* scores,
                      int64_t stride) {
-  for (int64_t g = 0; g < group; ++g) {
-    const float* qg = qf + g * head_size;
-    float* out = scores + g * stride;
-    int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) {
-      const T* kr = k + r * head_size;
-      Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
-      for (int64_t i = 0; i < head_size; i += W) {
-        const Vec qv = Vec::loadu(qg + i);
-        a0 = at::vec::fmadd(qv, load_float(kr + i), a0);
-        a1 = at::vec::fmadd(qv, load_float(kr + head_size + i), a1);
-        a2 = at::vec::fmadd(qv, load_float(kr + 2 * head_size + i), a2);
-        a3 = at::vec::fmadd(qv, load_float(kr + 3 * head_size + i), a3);
-      }
-      _mm_storeu_ps(out + r, reduce4(a0, a1, a2, a3));
-    }
-    for (; r < rows; ++r) {
-      Vec a(0.f);
-      for (int64_t i = 0; i < head_size; i += W) a = at::vec::fmadd(Vec::loadu(qg + i), load_float(k + r * head_size + i), a);
-      out[r] = hsum(a);
+  for (int64_t g0 = 0; g0 < group; g0 += kHeadChunk) {
+    const float* q = qf + g0 * head_size;
+    float* out = scores + g0 * stride;
+    switch (std::min<int64_t>(kHeadChunk, group - g0)) {
+      case 1: qk_heads4<1>(q, k, rows, head_size, out, stride); break;
+#if defined(CPU_CAPABILITY_AVX512)
+      case 3: qk_heads4<3>(q, k, rows, head_size, out, stride); break;
+      case 4: qk_heads4<4>(q, k, rows, head_size, out, stride); break;
+#endif
+      default: qk_heads4<2>(q, k, rows, head_size, out, stride); break;
     }
   }
 }
@@ -227,10 +294,11 @@ inline void with_group(int64_t n, Fn&& fn) {
   }
 }
 
-template <typename T>
+// Asks for the cache lines of p[0 .. n) into L1 (kLocality 3) or L2 (kLocality 2).
+template <int kLocality = 3, typename T>
 inline void prefetch_block(const T* p, int64_t n) {
   const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(c + off);
+  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(c + off, 0, kLocality);
 }
 
 // TQ: query and output dtype; TC: cache dtype (TQ, or bfloat16 / float16 under float32 queries).
@@ -303,6 +371,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
           const int64_t rows = std::min(block_size, len - t0) - skip;
           float* out_scores = scores.data() + (t0 + skip - begin);
           if (t0 + block_size < len) prefetch_block(k_base + h * head_cache + blocks[j + 1] * block_elems, block_elems);
+          prefetch_block<2>(v_base + h * head_cache + blocks[j] * block_elems, block_elems);
 #ifdef TOKENMILL_BF16_DOT
           if constexpr (kBf16) {
             if (bf16_dot) {
@@ -328,12 +397,25 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
           for (int64_t i = 0; i < group * n; ++i) scores[i] = cap * std::tanh(scores[i] / cap);
         }
         for (int64_t g = 0; g < group; ++g) softmax_inplace(scores.data() + g * n, n);
+        // The key blocks of this thread's next work item, one per value block below.
+        const int32_t* next_blocks = nullptr;
+        const TC* next_k = nullptr;
+        int64_t next_j0 = 0, next_nb = 0;
+        if (item + 1 < end) {
+          const int64_t s2 = (item + 1) / num_kv_heads, h2 = (item + 1) % num_kv_heads;
+          const int64_t len2 = std::max<int32_t>(lens[s2], 0);
+          next_j0 = first_pos(len2) / block_size;
+          next_nb = (len2 + block_size - 1) / block_size - next_j0;
+          next_blocks = bt + s2 * table_width;
+          next_k = k_base + h2 * head_cache;
+        }
         // Weighted sum of the values, again one pass over the rows.
         for (int64_t j = j0, t0 = j0 * block_size; t0 < len; t0 += block_size, ++j) {
           const int64_t skip = std::max<int64_t>(begin - t0, 0);
           const TC* v_blk = v_base + h * head_cache + blocks[j] * block_elems + skip * head_size;
           const int64_t rows = std::min(block_size, len - t0) - skip;
           if (t0 + block_size < len) prefetch_block(v_base + h * head_cache + blocks[j + 1] * block_elems, block_elems);
+          if (j - j0 < next_nb) prefetch_block<2>(next_k + next_blocks[next_j0 + j - j0] * block_elems, block_elems);
           for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
             with_group(std::min(kMaxGroup, group - g0), [&](auto ng) {
               pv_rows<decltype(ng)::value>(scores.data() + g0 * n + (t0 + skip - begin), n, v_blk, rows, head_size,
