@@ -129,7 +129,7 @@ def lazily_zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Te
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14+ (include/uapi/asm-generic/mman-common.h); Python's mmap module lacks it
 PREFAULT_CHUNK_BYTES = 2 << 20  # one madvise call: one huge page (a few milliseconds of the kernel's page zeroing)
-PREFAULT_NICENESS = 10  # nice increment of the prefault thread (Linux keeps nice values per thread)
+PREFAULT_NICENESS = 10  # nice increment of the prefault thread where SCHED_IDLE is refused (Linux: per thread)
 
 _prefault_lock = threading.Lock()
 _prefault_queue: list[tuple[weakref.ref, int, int]] = []  # (tensor, next address, end address)
@@ -149,7 +149,8 @@ def prefault_async(tensor: torch.Tensor) -> bool:
     server, and 12% of a prefill profile. ``madvise(MADV_POPULATE_WRITE)`` faults pages in writable as a write
     would, but never writes them (Linux ``madvise(2)``), so it is safe while the engine writes the same cache;
     ctypes releases the GIL for the call. The thread walks the queued tensors round-robin in
-    :data:`PREFAULT_CHUNK_BYTES` steps at nice +:data:`PREFAULT_NICENESS`, and drops a tensor that was freed.
+    :data:`PREFAULT_CHUNK_BYTES` steps under ``SCHED_IDLE`` (:func:`_lower_thread_priority`), so it fills idle
+    time and gives way to the engine's steps, and drops a tensor that was freed.
     The steps are one 2 MiB huge page each: with 16 MiB calls a warm start's first answer took 20.6-22.4 s instead
     of 11.9 s (probably the low-priority thread, preempted inside a long call, held up the engine's page faults); with
     2 MiB, 10.7-11.6 s (docs/benchmarks.md, "Issue 16, tenth session").
@@ -190,11 +191,7 @@ def _prefault_loop() -> None:
     import ctypes
 
     global _prefault_thread, _prefault_failed
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + PREFAULT_NICENESS)
-    except (AttributeError, OSError):
-        pass
+    policy = _lower_thread_priority()
     libc = ctypes.CDLL(None, use_errno=True)
     madvise = libc.madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -229,5 +226,26 @@ def _prefault_loop() -> None:
             else:
                 _prefault_queue[i] = (ref, addr + n, end)
                 i += 1
-    logger.info("KV cache pages faulted in ahead of use: %.2f GiB in %.1f s (background, nice +%d)",
-                done / 2**30, time.perf_counter() - started, PREFAULT_NICENESS)
+    logger.info("KV cache pages faulted in ahead of use: %.2f GiB in %.1f s (background, %s)",
+                done / 2**30, time.perf_counter() - started, policy)
+
+
+def _lower_thread_priority() -> str:
+    """Put the calling thread under ``SCHED_IDLE`` (Linux: it runs only on cores nothing else wants), or else
+    raise its nice value by :data:`PREFAULT_NICENESS`; returns which, for the log.
+
+    Why idle rather than nice: a step's OpenMP threads wait for each other, so a nice +10 thread that takes a
+    core from one of them for a moment holds up the whole step. With nice +10 the prefault took 43 s instead of
+    10 s and slowed the prefill steps of an offline run it overlapped by about 20% (2.9-3.2 s instead of
+    2.5-2.6 s per 2,048-token step on 2 cores of an AMD EPYC, docs/benchmarks.md, eleventh session)."""
+    tid = threading.get_native_id()
+    try:
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        return "SCHED_IDLE"
+    except (AttributeError, OSError):
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + PREFAULT_NICENESS)
+        return f"nice +{PREFAULT_NICENESS}"
+    except (AttributeError, OSError):
+        return "normal priority"
