@@ -224,3 +224,8 @@ def check_memory(t: ConformanceTarget) -> None:
         if bool(cache.ne(0).any()):
             raise ContractFailure(f"allocate_kv_cache({dtype_name}) is not all zeros (unwritten slots are read "
                                   "masked; NaN or garbage there poisons attention)")
+        cache.view(-1)[0] = 1
+        cls.finish_kv_cache_allocation()
+        if float(cache.view(-1)[0]) != 1 or bool(cache.view(-1)[1:].ne(0).any()):
+            raise ContractFailure(f"finish_kv_cache_allocation changed a {dtype_name} KV cache's contents (it may "
+                                  "only wait for the platform's own background work on it)")

@@ -270,6 +270,14 @@ class Platform:
         return torch.zeros(shape, dtype=dtype, device=device)
 
     @classmethod
+    def finish_kv_cache_allocation(cls) -> None:
+        """Block until what :meth:`allocate_kv_cache` left running in the background is done (e.g. faulting a
+        lazily zeroed cache's pages in). The model runner calls it once, after every cache is allocated and the
+        compiled graphs are ready, when the engine prepares fully before serving (``--compile-mode blocking``,
+        the default of ``LLM`` and the benchmarks); a server in background mode answers at once instead and
+        never calls it. Default: nothing to wait for."""
+
+    @classmethod
     def kernel_info(cls) -> dict[str, str]:
         """Which kernels and instruction sets this platform's steps use now, e.g. ``{"attention": ...,
         "quantized_matmul": ...}`` (``tokenmill bench`` prints and records it); default: nothing to report."""

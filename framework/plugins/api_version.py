@@ -12,7 +12,7 @@ and tokenmill refuses to load a plugin whose requirement this version does not m
 
 from __future__ import annotations
 
-PLUGIN_API_VERSION = "1.1"  # 1.1: Platform.allocate_kv_cache, UnquantizedLinearMethod
+PLUGIN_API_VERSION = "1.2"  # 1.1: Platform.allocate_kv_cache, UnquantizedLinearMethod; 1.2: finish_kv_cache_allocation
 REQUIREMENT_ATTR = "TOKENMILL_PLUGIN_API"
 
 

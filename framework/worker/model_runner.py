@@ -127,19 +127,24 @@ class ModelRunner:
                 + draft)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate every layer's cache (zeros, through ``Platform.allocate_kv_cache``) and bind it to the layer."""
+        """Allocate every layer's cache (zeros, through ``Platform.allocate_kv_cache``) and bind it to the layer;
+        then capture or compile the forward passes, and in blocking mode wait for the platform to finish the
+        caches (``Platform.finish_kv_cache_allocation``)."""
         self.num_blocks = num_blocks
         self.kv_caches = allocate_kv_caches(self.attn_backend, self.attn_layers, num_blocks, self.block_size,
                                             self.kv_cache_dtype, self.device)
         if self.spec_decoder is not None:
             self.spec_decoder.initialize_kv_cache(num_blocks)
-        if get_pp_size() > 1 or self.lora_manager is not None:
-            # PP: the captured / compiled forwards take no intermediate tensors; LoRA: the per-step adapter
-            # mapping is not a graph input. Both run eagerly.
-            return
-        self.graph_runner = GraphRunner.create_if_enabled(self)  # captures against the new cache
-        if self.graph_runner is None:
-            self.compiled_runner = CompiledRunner.create_if_enabled(self)
+        # PP: the captured / compiled forwards take no intermediate tensors; LoRA: the per-step adapter mapping is
+        # not a graph input. Both run eagerly.
+        if get_pp_size() == 1 and self.lora_manager is None:
+            self.graph_runner = GraphRunner.create_if_enabled(self)  # captures against the new cache
+            if self.graph_runner is None:
+                self.compiled_runner = CompiledRunner.create_if_enabled(self)
+        if self.config.compile_mode == "blocking":
+            from tokenmill.platforms import get_current_platform
+
+            get_current_platform().finish_kv_cache_allocation()
 
     def shutdown(self) -> None:
         if self.compiled_runner is not None:

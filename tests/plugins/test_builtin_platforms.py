@@ -184,6 +184,44 @@ def test_cpu_kv_cache_pages_are_faulted_in_behind_the_engine_without_changing_th
     assert float(cache.sum()) == 3.0 * 4 * 64 - 16 * 4 * 64
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm") or platform.system() != "Linux", reason="needs Linux")
+def test_finishing_the_kv_cache_faults_in_what_the_background_thread_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from tokenmill_cpu import memory
+
+    if not _kernel_populates_writes(memory.MADV_POPULATE_WRITE):
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux before 5.14)")
+    monkeypatch.setenv("TOKENMILL_CPU_PREFAULT", "1")
+    monkeypatch.setattr(memory, "_prefault_failed", False)
+    # A thread that never runs stands for a background thread starved by busy cores: the caller does it all.
+    monkeypatch.setattr(memory, "_prefault_thread", threading.Thread(target=lambda: None))
+    shape = (2, 2048, 16, 4, 64)  # 64 MiB of float32
+    before = _resident_bytes()
+    cache = CpuPlatform.allocate_kv_cache(shape, torch.float32, torch.device("cpu"))
+    assert memory.prefault_pending_bytes() == cache.numel() * 4
+    CpuPlatform.finish_kv_cache_allocation()
+    assert memory.prefault_pending_bytes() == 0
+    assert _resident_bytes() - before >= 60 << 20, "the pages were not faulted in"
+    assert float(cache.abs().sum()) == 0.0
+
+
+def test_the_model_runner_finishes_the_kv_caches_in_blocking_mode_only(
+    tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tokenmill.engine.core import EngineCore
+    from tokenmill.engine_args import EngineArgs
+
+    calls = []
+    monkeypatch.setattr(CpuPlatform, "finish_kv_cache_allocation", classmethod(lambda cls: calls.append(cls)))
+    for mode, expected in (("blocking", 1), ("background", 0)):
+        calls.clear()
+        config = EngineArgs(model=tiny_llama_dir, enforce_eager=True, compile_mode=mode,
+                            kv_cache_memory="16MiB").create_engine_config()
+        EngineCore(config).shutdown()
+        assert len(calls) == expected, mode
+
+
 @pytest.mark.skipif(platform.system() != "Linux", reason="needs Linux")
 def test_a_kernel_refusing_the_prefault_leaves_the_pages_to_first_writes(monkeypatch: pytest.MonkeyPatch) -> None:
     import time

@@ -170,6 +170,21 @@ def prefault_async(tensor: torch.Tensor) -> bool:
     return True
 
 
+def wait_for_prefault() -> None:
+    """Return once :func:`prefault_async` has nothing left to fault in (at once when idle), faulting the rest in
+    from the calling thread at its own priority: the background thread, under ``SCHED_IDLE``, makes no progress
+    while the caller keeps the cores busy. Logs the time spent waiting when there was work left."""
+    if not prefault_pending_bytes():
+        return
+    start = time.perf_counter()
+    pending = prefault_pending_bytes()
+    logger.info("faulting in the rest of the KV cache before the first step (%.2f GiB)", pending / 2**30)
+    _prefault_loop(background=False)
+    while (thread := _prefault_thread) is not None and thread.is_alive():  # the background thread's last call
+        time.sleep(0.005)
+    logger.info("KV cache faulted in (%.1f s waited)", time.perf_counter() - start)
+
+
 def prefault_pending_bytes() -> int:
     """Bytes that :func:`prefault_async` has still to fault in (0 when idle)."""
     with _prefault_lock:
@@ -187,11 +202,14 @@ def _prefault_worker() -> None:
             _prefault_thread, _prefault_failed = None, True
 
 
-def _prefault_loop() -> None:
+def _prefault_loop(background: bool = True) -> None:
+    """Fault in queued ranges until the queue is empty: the background thread's loop, or (``background=False``)
+    the caller's in :func:`wait_for_prefault`. Each chunk is claimed under the lock before its ``madvise`` call, so
+    both can run at once."""
     import ctypes
 
     global _prefault_thread, _prefault_failed
-    policy = _lower_thread_priority()
+    policy = _lower_thread_priority() if background else ""
     libc = ctypes.CDLL(None, use_errno=True)
     madvise = libc.madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -201,7 +219,8 @@ def _prefault_loop() -> None:
     while True:
         with _prefault_lock:
             if not _prefault_queue:
-                _prefault_thread = None  # under the lock: a tensor queued from now on starts a new thread
+                if background:
+                    _prefault_thread = None  # under the lock: a tensor queued from now on starts a new thread
                 break
             i %= len(_prefault_queue)
             ref, addr, end = _prefault_queue[i]
@@ -210,24 +229,27 @@ def _prefault_loop() -> None:
                 _prefault_queue.pop(i)
                 continue
             n = min(PREFAULT_CHUNK_BYTES - addr % PREFAULT_CHUNK_BYTES, end - addr)  # ends on a huge page boundary
-        failed = madvise(addr, n, MADV_POPULATE_WRITE) != 0
-        del tensor
-        with _prefault_lock:
-            if failed:  # EINVAL: a kernel before 5.14; ENOMEM: out of memory; the engine faults pages itself
-                err = ctypes.get_errno()
-                _prefault_queue.clear()
-                _prefault_thread, _prefault_failed = None, True
-                logger.info("KV cache prefault stopped (madvise: %s); pages are faulted in on first write",
-                            os.strerror(err))
-                return
-            done += n
             if addr + n >= end:
                 _prefault_queue.pop(i)
             else:
                 _prefault_queue[i] = (ref, addr + n, end)
                 i += 1
-    logger.info("KV cache pages faulted in ahead of use: %.2f GiB in %.1f s (background, %s)",
-                done / 2**30, time.perf_counter() - started, policy)
+        failed = madvise(addr, n, MADV_POPULATE_WRITE) != 0
+        del tensor
+        if failed:  # EINVAL: a kernel before 5.14; ENOMEM: out of memory; the engine faults pages itself
+            err = ctypes.get_errno()
+            with _prefault_lock:
+                _prefault_queue.clear()
+                _prefault_failed = True
+                if background:
+                    _prefault_thread = None
+            logger.info("KV cache prefault stopped (madvise: %s); pages are faulted in on first write",
+                        os.strerror(err))
+            return
+        done += n
+    if background and done:
+        logger.info("KV cache pages faulted in ahead of use: %.2f GiB in %.1f s (background, %s)",
+                    done / 2**30, time.perf_counter() - started, policy)
 
 
 def _lower_thread_priority() -> str:

@@ -6,7 +6,7 @@ import os
 
 from tokenmill.plugin_api import PlatformSpec, hookimpl
 
-TOKENMILL_PLUGIN_API = ">=1.1,<2"  # 1.1: UnquantizedLinearMethod, Platform.allocate_kv_cache
+TOKENMILL_PLUGIN_API = ">=1.2,<2"  # 1.1: UnquantizedLinearMethod, Platform.allocate_kv_cache; 1.2: finish_kv_cache_allocation
 
 
 def detect() -> tuple[bool, str]:
