@@ -1,4 +1,5 @@
-"""tokenmill-cpu's paged decode kernel (C++) and the CPU backend that uses it, against a float64 reference."""
+"""tokenmill-cpu's paged decode and prefill attention kernels (C++) and the CPU backend that uses them, against a
+float64 reference."""
 
 from __future__ import annotations
 
@@ -179,6 +180,76 @@ def test_cpu_backend_passes_window_and_soft_cap_to_the_kernel():
     assert rel_err(out.view_as(batch.q), reference_attention(batch, 0.25, 6, 8.0)) < 1e-5
 
 
+def prefill_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+    """Causal attention of a fresh prompt in float64: ``[L, Hq * D]``."""
+    length, num_heads, head_size = q.shape
+    group = num_heads // k.shape[1]
+    keys, values = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = torch.einsum("thd,jhd->htj", q.double(), keys) * scale
+    t, j = torch.arange(length)[:, None], torch.arange(length)[None]
+    visible = (j <= t) & (j > t - window) if window else j <= t
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("htj,jhd->thd", probs, values).reshape(length, num_heads * head_size)
+
+
+def fused_qkv(length: int, num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype, seed: int = 0):
+    """q, k, v as views of one [L, (Hq + 2 Hkv) * D] projection, as the models give them (row stride > H * D)."""
+    width = (num_heads + 2 * num_kv_heads) * head_size
+    qkv = torch.randn(length, width, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    q = qkv[:, : num_heads * head_size].view(length, num_heads, head_size)
+    k = qkv[:, num_heads * head_size : (num_heads + num_kv_heads) * head_size].view(length, num_kv_heads, head_size)
+    v = qkv[:, (num_heads + num_kv_heads) * head_size :].view(length, num_kv_heads, head_size)
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_size",
+    [(4, 4, 64), (9, 3, 64), (12, 1, 72), (16, 2, 16), (2, 1, 8)],
+    ids=["mha", "gqa3", "group12-tail", "group8", "tiny-head"],
+)
+@pytest.mark.parametrize("length,window", [(1, None), (17, None), (130, None), (40, 7)], ids=["L1", "L17", "L130", "L40-w7"])
+def test_prefill_kernel_matches_fp64_reference(dtype, num_heads, num_kv_heads, head_size, length, window):
+    q, k, v = fused_qkv(length, num_heads, num_kv_heads, head_size, dtype)
+    scale = head_size**-0.5
+    out = kernels.prefill_attention(q, k, v, scale, window)
+    assert out.shape == (length, num_heads * head_size) and out.dtype == dtype
+    assert rel_err(out, prefill_reference(q, k, v, scale, window)) < TOL[dtype]
+
+
+def test_prefill_kernel_rejects_bad_inputs_and_traces_under_torch_compile():
+    q, k, v = fused_qkv(6, 4, 2, 32, torch.float32)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        kernels.prefill_attention(q, k.double(), v, 0.2)
+    with pytest.raises(RuntimeError, match="multiple"):
+        kernels.prefill_attention(q[:, :3], k, v, 0.2)
+    with pytest.raises(RuntimeError, match="q's L and D"):
+        kernels.prefill_attention(q, k[:5], v[:5], 0.2)
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        kernels.prefill_attention(q.transpose(1, 2), k, v, 0.2)
+    with pytest.raises(RuntimeError, match="sliding_window"):
+        torch.ops.tokenmill_cpu.prefill_attention(q, k, v, 0.2, -1)
+    assert kernels.prefill_attention(q[:0], k[:0], v[:0], 0.2).shape == (0, 128)
+    compiled = torch.compile(kernels.prefill_attention, dynamic=True, fullgraph=True)
+    for length in (3, 9):
+        q, k, v = fused_qkv(length, 4, 2, 32, torch.float32, seed=length)
+        assert rel_err(compiled(q, k, v, 0.2), prefill_reference(q, k, v, 0.2, None)) < 1e-5
+
+
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (6, None), (None, 5.0)], ids=["plain", "w6", "softcap"])
+def test_cpu_backend_sends_fresh_prompts_to_the_prefill_kernel(monkeypatch, window, soft_cap):
+    calls = []
+    real = kernels.prefill_attention
+    monkeypatch.setattr(kernels, "prefill_attention", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    impl = CpuPagedAttentionBackend.get_impl_cls()(8, 16, 0.25, 2, sliding_window=window, logits_soft_cap=soft_cap)
+    assert impl.use_kernel
+    q, k, v = fused_qkv(11, 8, 2, 16, torch.float32, seed=1)
+    out = impl.forward_prefill(q, k, v)
+    want = impl._sdpa(q, k, v, causal_offset=0).reshape(11, -1)  # torch's path
+    assert rel_err(out, want) < 1e-5
+    assert calls == ([] if soft_cap else [11])  # a soft cap stays on torch's path
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("capability", "isa"), [("default", "scalar"), ("avx2", "avx2")])
 def test_lower_isa_builds_match_the_fp64_reference(capability, isa):
@@ -186,7 +257,8 @@ def test_lower_isa_builds_match_the_fp64_reference(capability, isa):
     machine built with AVX2 flags only), each checked by this file's reference tests in a subprocess."""
     from tests.lower_isa import check_lower_isa_build
 
-    check_lower_isa_build(__file__, capability, "paged_decode", isa, "16-gqa3 or w20-softcap-16 or strided")
+    check_lower_isa_build(__file__, capability, "paged_decode", isa,
+                          "16-gqa3 or w20-softcap-16 or strided or (prefill_kernel and (gqa3 or tail))")
 
 
 def test_a_lock_file_left_by_a_killed_build_does_not_hang_the_next_start():

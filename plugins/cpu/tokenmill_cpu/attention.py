@@ -1,9 +1,11 @@
 """CpuPagedAttentionBackend: the torch paged backend with decode attention in tokenmill-cpu's C++ kernel.
 
-Same cache layout and prefill path as tokenmill's ``TorchPagedAttentionBackend`` (this is its documented
-extension point, ``forward_decode``); one-token queries (pure
-decode steps, and the decodes of mixed steps) go to :func:`tokenmill_cpu.kernels.paged_decode`, which reads
-the cache blocks in place (sliding windows and logit soft caps included). The kernels build in the background
+Same cache layout as tokenmill's ``TorchPagedAttentionBackend``, through its documented extension points:
+one-token queries (pure decode steps, and the decodes of mixed steps) go to
+:func:`tokenmill_cpu.kernels.paged_decode` (``forward_decode``), which reads the cache blocks in place (sliding
+windows and logit soft caps included), and fresh prompts (nothing cached before them) to
+:func:`tokenmill_cpu.kernels.prefill_attention` (``forward_prefill``; with a logit soft cap they stay on torch's
+path). Chunks after a cached prefix stay on torch's path. The kernels build in the background
 (:func:`tokenmill_cpu.kernels.load_async`) while the model loads; until they are ready, and when they cannot be
 built, the backend behaves exactly like the torch one.
 """
@@ -67,3 +69,10 @@ class CpuPagedAttentionImpl(TorchPagedAttentionImpl):
             self.scale, self.sliding_window, self.logits_soft_cap,
         )
         return out.to(dtype)
+
+    def forward_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The C++ kernel (:func:`tokenmill_cpu.kernels.prefill_attention`) under the torch backend's contract
+        (:meth:`TorchPagedAttentionImpl.forward_prefill`); torch's path with a logit soft cap."""
+        if not self.use_kernel or q.device.type != "cpu" or self.logits_soft_cap is not None:
+            return super().forward_prefill(q, k, v)
+        return kernels.prefill_attention(q, k, v, self.scale, self.sliding_window)

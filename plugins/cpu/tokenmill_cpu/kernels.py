@@ -1,5 +1,5 @@
 """tokenmill-cpu's C++ kernels (``csrc/``), compiled on first use with ``torch.utils.cpp_extension``:
-``paged_decode`` (``csrc/paged_attention.cpp``, below), the quantized matmuls ``q8_linear`` / ``q4_linear``
+``paged_decode`` and ``prefill_attention`` (``csrc/paged_attention.cpp``, below), the quantized matmuls ``q8_linear`` / ``q4_linear``
 (``csrc/quant_linear.cpp``, why: ``tokenmill_cpu.quant_linear``) and the float32 panel matmul ``dense_gemm``
 (``csrc/dense_gemm.cpp``, why: its header and ``tokenmill_cpu.dense_linear``).
 
@@ -245,6 +245,10 @@ def _register_fake() -> None:
           scale: float, sliding_window: int = 0, soft_cap: float = 0.0) -> torch.Tensor:
         return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
+    @torch.library.register_fake("tokenmill_cpu::prefill_attention")
+    def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int = 0) -> torch.Tensor:
+        return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
     @torch.library.register_fake("tokenmill_cpu::q8_linear")
     def _(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         return x.new_empty(x.shape[0], packed.shape[0] * 16)
@@ -289,3 +293,31 @@ def paged_decode(
     """
     return torch.ops.tokenmill_cpu.paged_decode(q, kv_cache, block_table, seq_lens, scale, sliding_window or 0,
                                                 soft_cap or 0.0)
+
+
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int | None = None
+) -> torch.Tensor:
+    """Causal attention of a fresh prompt over its own keys and values (nothing cached before it): position ``t``
+    attends to positions ``0 .. t``, or the last ``sliding_window`` of them.
+
+    Why not torch's ``scaled_dot_product_attention``: its CPU flash kernel spends about as long on a 128-token
+    prompt with grouped-query heads as on the full square of scores; this kernel computes each position like a
+    decode step over the prompt's first rows (each key row loaded once for the query heads that share it), 1.6x
+    faster there (SmolLM2-135M's 9 query / 3 KV heads of 64, float32, 2 cores of an AMD EPYC: about 200 against
+    320 microseconds per layer and prompt).
+
+    Args:
+        q: ``[L, Hq, D]`` float32, bfloat16 or float16, rows contiguous (any row and head stride), already rotated.
+        k: ``[L, Hkv, D]``, ``q``'s dtype, likewise (``Hq`` a multiple of ``Hkv``).
+        v: ``[L, Hkv, D]``, likewise.
+        scale: softmax scale (usually ``D ** -0.5``).
+        sliding_window: attend to the last ``sliding_window`` positions only; ``None``: all earlier ones.
+
+    Returns:
+        ``[L, Hq * D]`` in ``q``'s dtype (scores, softmax and sums in float32).
+
+    Raises:
+        RuntimeError: shapes, dtypes or layouts are not as above.
+    """
+    return torch.ops.tokenmill_cpu.prefill_attention(q, k, v, scale, sliding_window or 0)

@@ -95,12 +95,12 @@ inline void softmax_inplace(float* x, int64_t n) {
   for (int64_t t = n_vec; t < n; ++t) x[t] /= sum;
 }
 
-// Scores of `rows` key rows against G query heads (qf: [G, D] float32, pre-scaled), written to
-// scores[g * stride + r]. G is a template parameter so the accumulators stay in registers.
+// Scores of `rows` key rows (ldk elements apart) against G query heads (qf: [G, D] float32, pre-scaled), written
+// to scores[g * stride + r]. G is a template parameter so the accumulators stay in registers.
 template <int G, typename T>
-inline void qk_rows(const float* qf, const T* k, int64_t rows, int64_t head_size, int64_t vec_end, float* scores,
-                    int64_t stride) {
-  for (int64_t r = 0; r < rows; ++r, k += head_size) {
+inline void qk_rows(const float* qf, const T* k, int64_t ldk, int64_t rows, int64_t head_size, int64_t vec_end,
+                    float* scores, int64_t stride) {
+  for (int64_t r = 0; r < rows; ++r, k += ldk) {
     Vec acc[G];
     for (int g = 0; g < G; ++g) acc[g] = Vec(0.f);
     for (int64_t i = 0; i < vec_end; i += W) {
@@ -127,15 +127,15 @@ constexpr int kMaxChunk = 8;  // vectors of D per value loop
 // out[g, i0 : i0 + C * W] += sum_r probs[g * stride + r] * v[r, i0 : i0 + C * W] for g < G (out: [G, D] float32):
 // each probability is broadcast once per row, and each value vector is loaded once for the G heads.
 template <int G, int C, typename T>
-inline void pv_chunk(const float* probs, int64_t stride, const T* v, int64_t rows, int64_t head_size, int64_t i0,
-                     float* out) {
+inline void pv_chunk(const float* probs, int64_t stride, const T* v, int64_t ldv, int64_t rows, int64_t head_size,
+                     int64_t i0, float* out) {
   Vec acc[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = Vec::loadu(out + g * head_size + i0 + c * W);
   for (int64_t r = 0; r < rows; ++r) {
     Vec p[G];
     for (int g = 0; g < G; ++g) p[g] = Vec(probs[g * stride + r]);
-    const T* vr = v + r * head_size + i0;
+    const T* vr = v + r * ldv + i0;
     for (int c = 0; c < C; ++c) {
       const Vec vv = load_float(vr + c * W);
       for (int g = 0; g < G; ++g) acc[g][c] = at::vec::fmadd(p[g], vv, acc[g][c]);
@@ -147,26 +147,26 @@ inline void pv_chunk(const float* probs, int64_t stride, const T* v, int64_t row
 
 // pv_chunk<G, n> for a run-time n <= kMaxChunk.
 template <int G, int C = 1, typename T>
-inline void pv_chunk_n(int64_t n, const float* probs, int64_t stride, const T* v, int64_t rows, int64_t head_size,
-                       int64_t i0, float* out) {
+inline void pv_chunk_n(int64_t n, const float* probs, int64_t stride, const T* v, int64_t ldv, int64_t rows,
+                       int64_t head_size, int64_t i0, float* out) {
   if constexpr (C < kMaxChunk) {
-    if (n > C) return pv_chunk_n<G, C + 1>(n, probs, stride, v, rows, head_size, i0, out);
+    if (n > C) return pv_chunk_n<G, C + 1>(n, probs, stride, v, ldv, rows, head_size, i0, out);
   }
-  pv_chunk<G, C>(probs, stride, v, rows, head_size, i0, out);
+  pv_chunk<G, C>(probs, stride, v, ldv, rows, head_size, i0, out);
 }
 
-// out[g, :] += sum_r probs[g * stride + r] * v[r, :] for `rows` value rows (out: [G, D] float32), D in chunks of
-// as many vectors as the G heads' accumulators leave registers for.
+// out[g, :] += sum_r probs[g * stride + r] * v[r, :] for `rows` value rows ldv elements apart (out: [G, D]
+// float32), D in chunks of as many vectors as the G heads' accumulators leave registers for.
 template <int G, typename T>
-inline void pv_rows(const float* probs, int64_t stride, const T* v, int64_t rows, int64_t head_size,
+inline void pv_rows(const float* probs, int64_t stride, const T* v, int64_t ldv, int64_t rows, int64_t head_size,
                     int64_t vec_end, float* out) {
   constexpr int C = std::min(kMaxChunk, std::max(1, kAccRegs / G));
   int64_t i0 = 0;
-  for (; i0 + C * W <= vec_end; i0 += C * W) pv_chunk<G, C>(probs, stride, v, rows, head_size, i0, out);
-  if (i0 < vec_end) pv_chunk_n<G>((vec_end - i0) / W, probs, stride, v, rows, head_size, i0, out);
+  for (; i0 + C * W <= vec_end; i0 += C * W) pv_chunk<G, C>(probs, stride, v, ldv, rows, head_size, i0, out);
+  if (i0 < vec_end) pv_chunk_n<G>((vec_end - i0) / W, probs, stride, v, ldv, rows, head_size, i0, out);
   for (int64_t i = vec_end; i < head_size; ++i)
     for (int64_t r = 0; r < rows; ++r) {
-      const float vi = static_cast<float>(v[r * head_size + i]);
+      const float vi = static_cast<float>(v[r * ldv + i]);
       for (int g = 0; g < G; ++g) out[g * head_size + i] += probs[g * stride + r] * vi;
     }
 }
@@ -196,16 +196,17 @@ inline __m128 reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 // at a time: each key vector is loaded once for the GC heads, and one horizontal reduction serves four scores (a
 // per-row reduction costs more than the row's multiply-adds at D = 64).
 template <int GC, typename T>
-inline void qk_heads4(const float* qf, const T* k, int64_t rows, int64_t head_size, float* scores, int64_t stride) {
+inline void qk_heads4(const float* qf, const T* k, int64_t ldk, int64_t rows, int64_t head_size, float* scores,
+                      int64_t stride) {
   int64_t r = 0;
   for (; r + 4 <= rows; r += 4) {
-    const T* kr = k + r * head_size;
+    const T* kr = k + r * ldk;
     Vec a[GC][4];
     for (int g = 0; g < GC; ++g)
       for (int j = 0; j < 4; ++j) a[g][j] = Vec(0.f);
     for (int64_t i = 0; i < head_size; i += W) {
-      const Vec k0 = load_float(kr + i), k1 = load_float(kr + head_size + i),
-                k2 = load_float(kr + 2 * head_size + i), k3 = load_float(kr + 3 * head_size + i);
+      const Vec k0 = load_float(kr + i), k1 = load_float(kr + ldk + i), k2 = load_float(kr + 2 * ldk + i),
+                k3 = load_float(kr + 3 * ldk + i);
       for (int g = 0; g < GC; ++g) {
         const Vec qv = Vec::loadu(qf + g * head_size + i);
         a[g][0] = at::vec::fmadd(qv, k0, a[g][0]);
@@ -220,7 +221,7 @@ inline void qk_heads4(const float* qf, const T* k, int64_t rows, int64_t head_si
     for (int g = 0; g < GC; ++g) {
       Vec a(0.f);
       for (int64_t i = 0; i < head_size; i += W)
-        a = at::vec::fmadd(Vec::loadu(qf + g * head_size + i), load_float(k + r * head_size + i), a);
+        a = at::vec::fmadd(Vec::loadu(qf + g * head_size + i), load_float(k + r * ldk + i), a);
       scores[g * stride + r] = hsum(a);
     }
 }
@@ -228,18 +229,18 @@ inline void qk_heads4(const float* qf, const T* k, int64_t rows, int64_t head_si
 // Scores of `rows` key rows against `group` query heads (qf: [group, D]), kHeadChunk heads per pass over the rows
 // (the block's rows stay in L1 between passes).
 template <typename T>
-inline void qk_rows4(const float* qf, int64_t group, const T* k, int64_t rows, int64_t head_size, float* scores,
-                     int64_t stride) {
+inline void qk_rows4(const float* qf, int64_t group, const T* k, int64_t ldk, int64_t rows, int64_t head_size,
+                     float* scores, int64_t stride) {
   for (int64_t g0 = 0; g0 < group; g0 += kHeadChunk) {
     const float* q = qf + g0 * head_size;
     float* out = scores + g0 * stride;
     switch (std::min<int64_t>(kHeadChunk, group - g0)) {
-      case 1: qk_heads4<1>(q, k, rows, head_size, out, stride); break;
+      case 1: qk_heads4<1>(q, k, ldk, rows, head_size, out, stride); break;
 #if defined(CPU_CAPABILITY_AVX512)
-      case 3: qk_heads4<3>(q, k, rows, head_size, out, stride); break;
-      case 4: qk_heads4<4>(q, k, rows, head_size, out, stride); break;
+      case 3: qk_heads4<3>(q, k, ldk, rows, head_size, out, stride); break;
+      case 4: qk_heads4<4>(q, k, ldk, rows, head_size, out, stride); break;
 #endif
-      default: qk_heads4<2>(q, k, rows, head_size, out, stride); break;
+      default: qk_heads4<2>(q, k, ldk, rows, head_size, out, stride); break;
     }
   }
 }
@@ -382,13 +383,13 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
 #endif
 #ifdef TOKENMILL_REDUCE4
           if (vec_end == head_size) {
-            qk_rows4(qf.data(), group, k_blk, rows, head_size, out_scores, n);
+            qk_rows4(qf.data(), group, k_blk, head_size, rows, head_size, out_scores, n);
             continue;
           }
 #endif
           for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
             with_group(std::min(kMaxGroup, group - g0), [&](auto ng) {
-              qk_rows<decltype(ng)::value>(qf.data() + g0 * head_size, k_blk, rows, head_size, vec_end,
+              qk_rows<decltype(ng)::value>(qf.data() + g0 * head_size, k_blk, head_size, rows, head_size, vec_end,
                                             out_scores + g0 * n, n);
             });
           }
@@ -418,8 +419,8 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
           if (j - j0 < next_nb) prefetch_block<2>(next_k + next_blocks[next_j0 + j - j0] * block_elems, block_elems);
           for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
             with_group(std::min(kMaxGroup, group - g0), [&](auto ng) {
-              pv_rows<decltype(ng)::value>(scores.data() + g0 * n + (t0 + skip - begin), n, v_blk, rows, head_size,
-                                            vec_end, acc.data() + g0 * head_size);
+              pv_rows<decltype(ng)::value>(scores.data() + g0 * n + (t0 + skip - begin), n, v_blk, head_size, rows,
+                                            head_size, vec_end, acc.data() + g0 * head_size);
             });
           }
         }
@@ -428,6 +429,82 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
       for (int64_t i = 0; i < group * head_size; ++i) dst[i] = static_cast<TQ>(acc[i]);
     }
   });
+}
+
+// Causal attention of a fresh prompt over its own keys and values: position t attends to positions
+// max(0, t - W + 1) .. t (all of 0 .. t without a window). One work item is one (position, KV head) pair, computed
+// like a decode step whose context is the prompt's first t + 1 rows (the rows of q, k, v are read in place, any
+// row stride). Items are taken in the order 0, L - 1, 1, L - 2, ... so that any contiguous split of them between
+// threads gets about the same number of key rows.
+template <typename T>
+void prefill_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, int64_t sliding_window,
+                    at::Tensor& out) {
+  const int64_t len = q.size(0), num_heads = q.size(1), head_size = q.size(2), num_kv_heads = k.size(1);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t vec_end = head_size - head_size % W;
+  const T* q_ptr = q.const_data_ptr<T>();
+  const T* k_ptr = k.const_data_ptr<T>();
+  const T* v_ptr = v.const_data_ptr<T>();
+  T* out_ptr = out.data_ptr<T>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0),
+                vs1 = v.stride(1);
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, len * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * head_size), acc(group * head_size), scores(group * len);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t slot = item / num_kv_heads, h = item % num_kv_heads;
+      const int64_t t = slot % 2 == 0 ? slot / 2 : len - 1 - slot / 2;
+      const int64_t first = sliding_window > 0 ? std::max<int64_t>(t - sliding_window + 1, 0) : 0;
+      const int64_t n = t - first + 1;
+      for (int64_t g = 0; g < group; ++g) {
+        const T* src = q_ptr + t * qs0 + (h * group + g) * qs1;
+        for (int64_t i = 0; i < head_size; ++i) qf[g * head_size + i] = static_cast<float>(src[i]) * fscale;
+      }
+      const T* kh = k_ptr + first * ks0 + h * ks1;
+      const T* vh = v_ptr + first * vs0 + h * vs1;
+#ifdef TOKENMILL_REDUCE4
+      if (vec_end == head_size) {
+        qk_rows4(qf.data(), group, kh, ks0, n, head_size, scores.data(), n);
+      } else
+#endif
+      {
+        for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
+          with_group(std::min(kMaxGroup, group - g0), [&](auto ng) {
+            qk_rows<decltype(ng)::value>(qf.data() + g0 * head_size, kh, ks0, n, head_size, vec_end,
+                                          scores.data() + g0 * n, n);
+          });
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) softmax_inplace(scores.data() + g * n, n);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
+        with_group(std::min(kMaxGroup, group - g0), [&](auto ng) {
+          pv_rows<decltype(ng)::value>(scores.data() + g0 * n, n, vh, vs0, n, head_size, vec_end,
+                                        acc.data() + g0 * head_size);
+        });
+      }
+      T* dst = out_ptr + (t * num_heads + h * group) * head_size;
+      for (int64_t i = 0; i < group * head_size; ++i) dst[i] = static_cast<T>(acc[i]);
+    }
+  });
+}
+
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                             int64_t sliding_window) {
+  TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: no window)");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k and v must be [L, H, D] tensors");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "q, k and v need contiguous rows");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(2) == q.size(2),
+              "k and v must be [L, Hkv, D] with q's L and D, got ", k.sizes(), " and ", v.sizes(), " for q ", q.sizes());
+  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0 && q.size(2) > 0,
+              "q's heads must be a positive multiple of k's, with a head size above 0");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "q, k and v must have one dtype");
+  at::Tensor out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "prefill_attention", [&] {
+    prefill_kernel<scalar_t>(q, k, v, scale, sliding_window, out);
+  });
+  return out;
 }
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
@@ -467,6 +544,10 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const a
 TORCH_LIBRARY(tokenmill_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, float scale, "
         "int sliding_window=0, float soft_cap=0.0) -> Tensor");
+  m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale, int sliding_window=0) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }
+TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
+  m.impl("paged_decode", &paged_decode);
+  m.impl("prefill_attention", &prefill_attention);
+}
