@@ -181,12 +181,13 @@ def test_cpu_backend_passes_window_and_soft_cap_to_the_kernel():
 
 
 def prefill_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
-    """Causal attention of a fresh prompt in float64: ``[L, Hq * D]``."""
+    """Causal attention in float64 of ``L`` queries that are the last ``L`` positions of the ``S``-row context
+    ``k``, ``v``: ``[L, Hq * D]``."""
     length, num_heads, head_size = q.shape
     group = num_heads // k.shape[1]
     keys, values = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
     scores = torch.einsum("thd,jhd->htj", q.double(), keys) * scale
-    t, j = torch.arange(length)[:, None], torch.arange(length)[None]
+    t, j = torch.arange(length)[:, None] + k.shape[0] - length, torch.arange(k.shape[0])[None]
     visible = (j <= t) & (j > t - window) if window else j <= t
     probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
     return torch.einsum("htj,jhd->thd", probs, values).reshape(length, num_heads * head_size)
@@ -217,13 +218,22 @@ def test_prefill_kernel_matches_fp64_reference(dtype, num_heads, num_kv_heads, h
     assert rel_err(out, prefill_reference(q, k, v, scale, window)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("window", [None, 9], ids=["full", "w9"])
+def test_prefill_kernel_takes_a_chunk_after_a_cached_prefix(window):
+    q, k, v = fused_qkv(70, 9, 3, 64, torch.float32, seed=2)
+    chunk = q[50:]  # the last 20 positions of a 70-row context
+    out = kernels.prefill_attention(chunk, k, v, 0.125, window)
+    assert rel_err(out, prefill_reference(chunk, k, v, 0.125, window)) < 1e-5
+    assert rel_err(out, kernels.prefill_attention(q, k, v, 0.125, window)[50:]) < 1e-6
+
+
 def test_prefill_kernel_rejects_bad_inputs_and_traces_under_torch_compile():
     q, k, v = fused_qkv(6, 4, 2, 32, torch.float32)
     with pytest.raises(RuntimeError, match="one dtype"):
         kernels.prefill_attention(q, k.double(), v, 0.2)
     with pytest.raises(RuntimeError, match="multiple"):
         kernels.prefill_attention(q[:, :3], k, v, 0.2)
-    with pytest.raises(RuntimeError, match="q's L and D"):
+    with pytest.raises(RuntimeError, match="S >= q's L"):
         kernels.prefill_attention(q, k[:5], v[:5], 0.2)
     with pytest.raises(RuntimeError, match="contiguous rows"):
         kernels.prefill_attention(q.transpose(1, 2), k, v, 0.2)

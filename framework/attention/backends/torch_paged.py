@@ -3,17 +3,16 @@
 KV cache layout per layer: ``[2, num_kv_heads, num_blocks, block_size, head_size]`` (keys, then values).
 Head-major blocks make a request's gathered context ``[Hkv, S, D]`` contiguous, so the batched decode path
 multiplies it directly (no transposing copy). Decodes (one query token each) are batched into two products over
-the gathered, padded context; prefill chunks run one SDPA call per request (:meth:`TorchPagedAttentionImpl.
-forward_prefill` for a chunk with nothing cached before it), with the causal mask shifted by the request's cached
-prefix otherwise (sliding windows and logit soft caps as masks / a float32 path, see
-:class:`TorchPagedAttentionImpl`). A pure decode step reads only device tensors of the metadata (and ``max_query_len``),
+the gathered, padded context; prefill chunks run one SDPA call per request
+(:meth:`TorchPagedAttentionImpl.forward_prefill`), with the causal mask shifted by the request's cached prefix
+(sliding windows and logit soft caps as masks / a float32 path, see :class:`TorchPagedAttentionImpl`). A pure decode step reads only device tensors of the metadata (and ``max_query_len``),
 so torch.compile can trace it (``supports_compile``).
 
 A vendor kernel for one-token queries plugs in by subclassing :class:`TorchPagedAttentionImpl` and overriding
-:meth:`TorchPagedAttentionImpl.forward_decode`, one for fresh prompts by overriding
+:meth:`TorchPagedAttentionImpl.forward_decode`, one for prompt chunks by overriding
 :meth:`TorchPagedAttentionImpl.forward_prefill` (their contracts are in those docstrings); the cache layout, the
-cache write and the path for chunks after a cached prefix stay the torch ones. The CPU plugin's C++ kernels are
-such a subclass.
+cache write and the gathering of a cached prefix stay the torch ones. The CPU plugin's C++ kernels are such a
+subclass.
 """
 
 from __future__ import annotations
@@ -79,33 +78,36 @@ class TorchPagedAttentionImpl(AttentionImpl):
             start, end, seq_len = qsl[i], qsl[i + 1], seq_lens[i]
             offset = seq_len - (end - start)  # position of the chunk's first query
             if offset == 0:  # nothing cached before this chunk: its own keys/values are the context
-                out[start:end] = self.forward_prefill(q[start:end], k[start:end], v[start:end]).view(-1, *q.shape[1:])
-                continue
-            first = 0 if self.sliding_window is None else max(0, offset - self.sliding_window + 1) // bs
-            k_ctx, v_ctx = gather_kv(kv_cache, attn_metadata.block_table[i], seq_len, bs, first_block=first)
-            k_ctx, v_ctx = k_ctx.to(q.dtype), v_ctx.to(q.dtype)  # a cache in another dtype (--kv-cache-dtype)
-            out[start:end] = self._sdpa(q[start:end], k_ctx, v_ctx, causal_offset=offset - first * bs)
+                k_ctx, v_ctx = k[start:end], v[start:end]
+            else:
+                first = 0 if self.sliding_window is None else max(0, offset - self.sliding_window + 1) // bs
+                k_ctx, v_ctx = gather_kv(kv_cache, attn_metadata.block_table[i], seq_len, bs, first_block=first)
+                k_ctx, v_ctx = k_ctx.to(q.dtype), v_ctx.to(q.dtype)  # a cache in another dtype (--kv-cache-dtype)
+            out[start:end] = self.forward_prefill(q[start:end], k_ctx, v_ctx).view(-1, *q.shape[1:])
         return out.reshape(num_tokens, -1)
 
     def forward_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention of one fresh prompt (or a chunk with nothing cached before it) over its own keys and
-        values: the extension point for a prefill kernel (override it in a subclass, as :meth:`forward_decode`).
+        """Causal attention of one request's prompt chunk over its context: the extension point for a prefill
+        kernel (override it in a subclass, as :meth:`forward_decode`).
 
-        Query ``i`` attends to keys ``0 .. i`` (only the last ``sliding_window`` of them when the impl has one);
-        scores are ``self.scale * q . k`` (then ``c * tanh(s / c)`` with ``self.logits_soft_cap``); grouped-query
-        attention maps query head ``h`` to KV head ``h // (Hq / Hkv)``. Called once per such request in prefill
-        and mixed steps (eagerly: those steps run attention as an opaque op), and for the whole batch of the
+        The ``L`` queries are the last ``L`` positions of the ``S``-row context (``S == L`` for a fresh prompt;
+        with a cached prefix the context is the prefix gathered from the cache, from the first block a sliding
+        window can reach, followed by the chunk's own rows). Query ``t`` at position ``p = S - L + t`` attends to
+        context rows ``0 .. p`` (only the last ``sliding_window`` of them when the impl has one); scores are
+        ``self.scale * q . k`` (then ``c * tanh(s / c)`` with ``self.logits_soft_cap``); grouped-query attention
+        maps query head ``h`` to KV head ``h // (Hq / Hkv)``. Called once per prefilling request in prefill and
+        mixed steps (eagerly: those steps run attention as an opaque op), and for the whole batch of the
         memory-profiling pass, which has no cache.
 
         Args:
             q: ``[L, Hq, D]``, rows contiguous (any row stride), already rotated.
-            k: ``[L, Hkv, D]``, likewise.
-            v: ``[L, Hkv, D]``, likewise.
+            k: ``[S, Hkv, D]`` in ``q``'s dtype, likewise.
+            v: ``[S, Hkv, D]``, likewise.
 
         Returns:
             ``[L, Hq * D]`` in ``q``'s dtype.
         """
-        return self._sdpa(q, k, v, causal_offset=0).reshape(q.shape[0], -1)
+        return self._sdpa(q, k, v, causal_offset=k.shape[0] - q.shape[0]).reshape(q.shape[0], -1)
 
     def _mask(self, lq: int, lk: int, causal_offset: int, device: torch.device) -> torch.Tensor:
         """``[Lq, Lk]`` bool: query ``i`` (at ``causal_offset + i``) sees key ``j``."""

@@ -3,9 +3,9 @@
 Same cache layout as tokenmill's ``TorchPagedAttentionBackend``, through its documented extension points:
 one-token queries (pure decode steps, and the decodes of mixed steps) go to
 :func:`tokenmill_cpu.kernels.paged_decode` (``forward_decode``), which reads the cache blocks in place (sliding
-windows and logit soft caps included), and fresh prompts (nothing cached before them) to
-:func:`tokenmill_cpu.kernels.prefill_attention` (``forward_prefill``; with a logit soft cap they stay on torch's
-path). Chunks after a cached prefix stay on torch's path. The kernels build in the background
+windows and logit soft caps included), and prompt chunks (fresh, or after a cached prefix, which the torch
+backend gathers from the cache) to :func:`tokenmill_cpu.kernels.prefill_attention` (``forward_prefill``; with a
+logit soft cap they stay on torch's path). The kernels build in the background
 (:func:`tokenmill_cpu.kernels.load_async`) while the model loads; until they are ready, and when they cannot be
 built, the backend behaves exactly like the torch one.
 """

@@ -298,19 +298,21 @@ def paged_decode(
 def prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int | None = None
 ) -> torch.Tensor:
-    """Causal attention of a fresh prompt over its own keys and values (nothing cached before it): position ``t``
-    attends to positions ``0 .. t``, or the last ``sliding_window`` of them.
+    """Causal attention of a prompt chunk whose ``L`` queries are the last ``L`` positions of an ``S``-row context
+    (``S == L`` for a fresh prompt): query ``t`` sits at position ``p = S - L + t`` and attends to positions
+    ``0 .. p``, or the last ``sliding_window`` of them.
 
     Why not torch's ``scaled_dot_product_attention``: its CPU flash kernel spends about as long on a 128-token
-    prompt with grouped-query heads as on the full square of scores; this kernel computes each position like a
-    decode step over the prompt's first rows (each key row loaded once for the query heads that share it), 1.6x
-    faster there (SmolLM2-135M's 9 query / 3 KV heads of 64, float32, 2 cores of an AMD EPYC: about 200 against
-    320 microseconds per layer and prompt).
+    prompt with grouped-query heads as on the full square of scores, and a chunk after a cached prefix needs an
+    explicit mask, which takes its slower path (about 1.2 ms per layer for 128 queries). This kernel computes each
+    query like a decode step over the context's first rows (each key row loaded once for the query heads that
+    share it): about 200 against 320 microseconds per layer for a fresh 128-token prompt of SmolLM2-135M (9 query
+    / 3 KV heads of 64, float32, 2 cores of an AMD EPYC).
 
     Args:
         q: ``[L, Hq, D]`` float32, bfloat16 or float16, rows contiguous (any row and head stride), already rotated.
-        k: ``[L, Hkv, D]``, ``q``'s dtype, likewise (``Hq`` a multiple of ``Hkv``).
-        v: ``[L, Hkv, D]``, likewise.
+        k: ``[S, Hkv, D]``, ``q``'s dtype, likewise, ``S >= L`` (``Hq`` a multiple of ``Hkv``).
+        v: ``[S, Hkv, D]``, likewise.
         scale: softmax scale (usually ``D ** -0.5``).
         sliding_window: attend to the last ``sliding_window`` positions only; ``None``: all earlier ones.
 

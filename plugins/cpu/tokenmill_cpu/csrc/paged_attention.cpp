@@ -431,15 +431,17 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
   });
 }
 
-// Causal attention of a fresh prompt over its own keys and values: position t attends to positions
-// max(0, t - W + 1) .. t (all of 0 .. t without a window). One work item is one (position, KV head) pair, computed
-// like a decode step whose context is the prompt's first t + 1 rows (the rows of q, k, v are read in place, any
-// row stride). Items are taken in the order 0, L - 1, 1, L - 2, ... so that any contiguous split of them between
-// threads gets about the same number of key rows.
+// Causal attention of a prompt chunk: the Lq query rows are the last Lq positions of an S-row context (S = Lq
+// for a fresh prompt), so query row t sits at position p = S - Lq + t and attends to positions
+// max(0, p - W + 1) .. p (all of 0 .. p without a window). One work item is one (query row, KV head) pair,
+// computed like a decode step whose context is the first p + 1 rows of k and v (read in place, any row stride).
+// Items are taken in the order 0, Lq - 1, 1, Lq - 2, ... so that any contiguous split of them between threads
+// gets about the same number of key rows.
 template <typename T>
 void prefill_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, int64_t sliding_window,
                     at::Tensor& out) {
   const int64_t len = q.size(0), num_heads = q.size(1), head_size = q.size(2), num_kv_heads = k.size(1);
+  const int64_t ctx = k.size(0), offset = ctx - len;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t vec_end = head_size - head_size % W;
   const T* q_ptr = q.const_data_ptr<T>();
@@ -450,12 +452,13 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                 vs1 = v.stride(1);
   const float fscale = static_cast<float>(scale);
   at::parallel_for(0, len * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * head_size), acc(group * head_size), scores(group * len);
+    std::vector<float> qf(group * head_size), acc(group * head_size), scores(group * ctx);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t slot = item / num_kv_heads, h = item % num_kv_heads;
       const int64_t t = slot % 2 == 0 ? slot / 2 : len - 1 - slot / 2;
-      const int64_t first = sliding_window > 0 ? std::max<int64_t>(t - sliding_window + 1, 0) : 0;
-      const int64_t n = t - first + 1;
+      const int64_t pos = offset + t;
+      const int64_t first = sliding_window > 0 ? std::max<int64_t>(pos - sliding_window + 1, 0) : 0;
+      const int64_t n = pos - first + 1;
       for (int64_t g = 0; g < group; ++g) {
         const T* src = q_ptr + t * qs0 + (h * group + g) * qs1;
         for (int64_t i = 0; i < head_size; ++i) qf[g * head_size + i] = static_cast<float>(src[i]) * fscale;
@@ -494,8 +497,9 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: no window)");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k and v must be [L, H, D] tensors");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "q, k and v need contiguous rows");
-  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(2) == q.size(2),
-              "k and v must be [L, Hkv, D] with q's L and D, got ", k.sizes(), " and ", v.sizes(), " for q ", q.sizes());
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) >= q.size(0) && k.size(2) == q.size(2),
+              "k and v must be [S, Hkv, D] with S >= q's L and q's D, got ", k.sizes(), " and ", v.sizes(), " for q ",
+              q.sizes());
   TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0 && q.size(2) > 0,
               "q's heads must be a positive multiple of k's, with a head size above 0");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
