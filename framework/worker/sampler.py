@@ -103,19 +103,38 @@ class SamplerOutput:
     sampled_ranks: torch.Tensor | None = None
 
 
+def first_max_index(logits: torch.Tensor) -> torch.Tensor:
+    """``[B, V]`` -> ``[B]`` int64: the first index of each row's maximum (``argmax``; NaN counts as the maximum,
+    as in ``torch.max``).
+
+    Two passes: the maxima of chunks of up to 1,024 columns (a plain reduction), then the first chunk holding the
+    row's maximum and the first maximal index within it. torch's CPU ``max(dim)`` / ``argmax`` track an index for
+    every element and are several times slower: B=256, V=49,152, float32, 2 cores of an AMD EPYC: 10.4 ms against
+    1.9 ms; B=32: 1.23 against 0.15 ms. Rows whose length no power of two from 64 to 1,024 divides take
+    ``max(dim)``.
+    """
+    rows, width = logits.shape
+    chunk = next((c for c in (1024, 512, 256, 128, 64) if width % c == 0 and width > c), 0)
+    if not chunk or rows == 0:
+        return logits.max(dim=-1).indices
+    blocks = logits.reshape(rows, width // chunk, chunk)
+    best = blocks.amax(dim=-1).max(dim=-1).indices  # [B]: the first chunk holding the maximum
+    within = blocks[torch.arange(rows, device=logits.device), best].max(dim=-1).indices
+    return best * chunk + within
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         """``logits``: ``[B, V]`` (any float dtype) -> one token per row."""
         if md.all_greedy and not md.needs_processing and md.max_num_logprobs is None:
             # Widening to float32 is exact, so the maximum of the raw logits is the same token, without a
-            # float32 copy of [B, V]. max(dim) rather than argmax: both return the first maximal index, but
-            # torch's CPU argmax is 4x slower on bfloat16 (B=256, V=49,152, 2 cores: 23 ms against 5.5 ms).
-            return SamplerOutput(sampled_token_ids=logits.max(dim=-1).indices)
+            # float32 copy of [B, V].
+            return SamplerOutput(sampled_token_ids=first_max_index(logits))
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if md.max_num_logprobs is not None else None
         if md.needs_processing:
             logits = process_logits(logits, md)
-        greedy = logits.argmax(dim=-1)
+        greedy = first_max_index(logits)
         if md.all_greedy:
             sampled = greedy
         else:

@@ -249,3 +249,21 @@ def test_plain_greedy_batch_takes_argmax_of_low_precision_logits_directly():
     # Asking for logprobs keeps the float32 path (and its figures).
     with_lp = Sampler()(logits, build_sampling_metadata([state([1], logprobs=2) for _ in range(6)], V, CPU))
     assert torch.equal(with_lp.sampled_token_ids, out.sampled_token_ids) and with_lp.logprobs.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("width", [49152, 32000, 151936, 1000, 64, 7])
+def test_first_max_index_is_the_first_argmax(dtype, width):
+    from tokenmill.worker.sampler import first_max_index
+
+    g = torch.Generator().manual_seed(width)
+    logits = torch.randn(9, width, generator=g).to(dtype)
+    logits[1, width // 3] = logits[1, width - 1] = 50  # ties: the first wins
+    logits[2] = -float("inf")  # nothing allowed: index 0, as torch.max
+    logits[3, width // 2] = float("nan")  # NaN counts as the maximum
+    logits[4, 0] = logits[4, width // 2] = float("nan")
+    got = first_max_index(logits)
+    assert got.dtype == torch.int64 and got.shape == (9,)
+    assert torch.equal(got, logits.max(dim=-1).indices)
+    assert got[1] == width // 3 and got[2] == 0 and got[3] == width // 2 and got[4] == 0
+    assert torch.equal(first_max_index(logits[:0]), logits[:0].max(dim=-1).indices)
