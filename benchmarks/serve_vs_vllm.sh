@@ -9,7 +9,9 @@
 # Default: the two servers one after the other. INTERLEAVE=1: both servers up at once (idle while the other is
 # measured), and the timed runs alternate vLLM, tokenmill, vLLM, ... so that a slow period of a shared machine
 # hits both. MODEL must be a Hugging Face layout directory both engines can load. tokenmill is timed only after its
-# log says "background compilation done". Results: $OUT/<engine>_<c32|c1>_r<N>.json (vLLM's result format).
+# log says "background compilation done". Results: $OUT/<engine>_<c32|c1>_r<N>.json (vLLM's result format); each
+# run's log ends with the CPU time the hypervisor took from this VM meanwhile ("CPU steal"), which marks a run
+# slowed by a neighbour.
 set -u
 OUT=${OUT:-benchmarks/results/serve_vs_vllm}
 DTYPE=${DTYPE:-float32}
@@ -19,12 +21,15 @@ M=${MODEL:?set MODEL to a Hugging Face layout model directory}
 TOKENMILL=${TOKENMILL:-tokenmill}
 T=${TAG:-tm}
 mkdir -p "$OUT"
+steal() { awk '/^cpu /{print $9}' /proc/stat; }  # jiffies (1/100 s) the hypervisor gave this VM's CPUs to others
 client() { # port tag concurrency num_prompts seed
+  local s0; s0=$(steal)
   "$V/vllm" bench serve --backend openai --base-url "http://127.0.0.1:$1" --model smol --tokenizer "$M" \
     --dataset-name random --random-input-len 128 --random-output-len 128 --num-prompts "$4" --max-concurrency "$3" \
     --ignore-eos --temperature 0 --seed "$5" --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 \
     --save-result --result-dir "$OUT" --result-filename "$2.json" > "$OUT/$2.log" 2>&1
-  grep -E 'Output token throughput|Mean TTFT|P99 TTFT|Median TPOT|P99 TPOT' "$OUT/$2.log" | sed "s/^/$2: /"
+  echo "CPU steal during the run (s): $(( ($(steal) - s0) / 100 ))" >> "$OUT/$2.log"
+  grep -E 'Output token throughput|Mean TTFT|P99 TTFT|Median TPOT|P99 TPOT|CPU steal' "$OUT/$2.log" | sed "s/^/$2: /"
 }
 wait_ready() { # port t0
   for _ in $(seq 1 1200); do

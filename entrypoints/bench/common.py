@@ -57,6 +57,18 @@ def peak_rss_bytes() -> int:
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
+def cpu_steal_seconds() -> float | None:
+    """CPU time the hypervisor has given this VM's CPUs to others since boot (``steal`` in /proc/stat, all CPUs
+    summed), in seconds; ``None`` where /proc/stat is absent. Its growth over a timed run marks a run slowed by
+    a neighbour on a shared machine."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 _ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
               "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "sve2")
 

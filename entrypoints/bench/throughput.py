@@ -18,6 +18,7 @@ from tokenmill.entrypoints.bench.common import (
     add_engine_cli_args,
     base_record,
     check_lengths,
+    cpu_steal_seconds,
     engine_args_from,
     isa_rows,
     kernel_info,
@@ -96,9 +97,11 @@ def run_tokenmill(args: argparse.Namespace) -> tuple[dict[str, Any], list[list[i
                                 detokenize=detokenize)
         spec = engine.spec_decoding_stats
         before = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens) if spec is not None else None
+        steal_before = cpu_steal_seconds()
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=not args.disable_tqdm)
         elapsed = time.perf_counter() - start
+        steal_after = cpu_steal_seconds()
         output_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
         input_tokens = sum(len(o.prompt_token_ids) for o in outputs)
         expected = args.num_prompts * args.output_len
@@ -116,6 +119,7 @@ def run_tokenmill(args: argparse.Namespace) -> tuple[dict[str, Any], list[list[i
             "load_s": load_s,
         }
         figures = _figures(len(outputs), input_tokens, output_tokens, elapsed)
+        figures["cpu_steal_s"] = None if steal_before is None or steal_after is None else steal_after - steal_before
         if spec is not None and before is not None:
             drafts, drafted, accepted = (spec.num_drafts - before[0], spec.num_draft_tokens - before[1],
                                          spec.num_accepted_tokens - before[2])
@@ -166,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
         ("Output tokens/s", figures["output_tokens_per_s"]),
         ("Total tokens/s", figures["total_tokens_per_s"]),
         ("Peak RSS (MiB)", tokenmill_rss / 2**20),
+        ("CPU steal during the run (s)", figures["cpu_steal_s"]),
     ]
     spec = figures.get("spec_decode")
     if spec is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import os
 import shutil
 import socket
 import threading
@@ -85,6 +86,8 @@ def test_throughput_with_hf_baseline_writes_consistent_json(model_dir: str, tmp_
     assert tm["num_requests"] == 4 and tm["input_tokens"] == 32 and tm["output_tokens"] == 16
     assert tm["output_tokens_per_s"] == pytest.approx(16 / tm["elapsed_s"])
     assert tm["total_tokens_per_s"] == pytest.approx(48 / tm["elapsed_s"])
+    if os.path.exists("/proc/stat"):  # the hypervisor's share of the run, from /proc/stat
+        assert 0 <= tm["cpu_steal_s"] <= tm["elapsed_s"] * (os.cpu_count() or 1)
     base = r["baseline"]
     assert set(base["dtypes"]) == {"float32", "bfloat16"} and base["best_dtype"] in base["dtypes"]
     assert all(d["output_tokens"] == 16 for d in base["dtypes"].values())
