@@ -28,7 +28,7 @@ client() { # port tag concurrency num_prompts seed
     --dataset-name random --random-input-len 128 --random-output-len 128 --num-prompts "$4" --max-concurrency "$3" \
     --ignore-eos --temperature 0 --seed "$5" --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 \
     --save-result --result-dir "$OUT" --result-filename "$2.json" > "$OUT/$2.log" 2>&1
-  echo "CPU steal during the run (s): $(( ($(steal) - s0) / 100 ))" >> "$OUT/$2.log"
+  printf "\nCPU steal during the run (s): %s\n" "$(( ($(steal) - s0) / 100 ))" >> "$OUT/$2.log"
   grep -E 'Output token throughput|Mean TTFT|P99 TTFT|Median TPOT|P99 TPOT|CPU steal' "$OUT/$2.log" | sed "s/^/$2: /"
 }
 wait_ready() { # port t0

@@ -53,10 +53,26 @@ rows   AVX-512: F.linear / MKL packed / panel  AVX2 proxy: F.linear / MKL packed
 256    285.6 / 307.3 / 252.3                   397.6 / 434.3 / 422.5
 =====  ======================================  ======================================
 
+On 2 cores of an AMD EPYC (Zen 4, AVX-512, no AMX; 2026-12-02, ``packed_linear_cpu_fp32_eleventh.json``) the
+same script gave (F.linear / oneDNN / MKL packed / panel, ms):
+
+=====  ==================================
+rows   AVX-512 (Zen 4)
+=====  ==================================
+1      48.3 / 28.2 / 35.0 / 18.6
+32     93.8 / 55.4 / 105.4 / 44.3
+256    484.9 / 345.8 / 476.6 / 345.1
+512    846.3 / 675.6 / 888.3 / 655.8
+2048   3,352.4 / 2,845.1 / 3,576.6 / 2,827.0
+=====  ==================================
+
 Hence :func:`packed_rows`: float32 on the panel copy at 1 to :data:`PANEL_MAX_ROWS` rows (256 on AVX-512, 64 on
-AVX2; above those counts ``F.linear`` is as fast or faster: ``--rows 512,2048`` on AVX-512 gave 558 / 2,295 ms
-for the panel kernel against ``F.linear``'s 538 / 2,067, ``packed_linear_cpu_fp32_panel_large_tenth.json``), or,
-where the panel kernel is not built,
+AVX2). Above those counts the CPUs disagree: on the Xeon ``F.linear`` is as fast or faster (``--rows 512,2048``
+gave 558 / 2,295 ms for the panel kernel against ``F.linear``'s 538 / 2,067,
+``packed_linear_cpu_fp32_panel_large_tenth.json``), on the EPYC the panel kernel takes 16-23% less time. So the first
+larger product of a process measures both on its layer's weight (:func:`_panel_for_rows`) and the faster serves
+every larger count from then on; ``TOKENMILL_CPU_PANEL_MAX_ROWS`` fixes the bound instead. Where the panel kernel
+is not built,
 on MKL's copy at 1 to :data:`MKL_MAX_ROWS` rows (above that MKL's copy packed for 32 rows is slower than
 ``F.linear``); bfloat16 on oneDNN's at every count. oneDNN cannot pack bfloat16 without AVX-512 BW/VL/DQ or
 AVX-NE-CONVERT: such weights stay on ``F.linear``.
@@ -228,12 +244,13 @@ def _dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def _panel_for_rows(entry: _Packed, weight: torch.Tensor) -> bool:
     """Whether a product of more than :data:`PANEL_MAX_ROWS` rows runs on the panel kernel: measured once per
     process, at the first such product, on its weight and a random input of :data:`CALIBRATION_ROWS` rows: each
-    path runs :data:`CALIBRATION_REPEATS` times, alternating, and the fastest of each are compared. Why measured: the crossover depends on the CPU
-    and on the BLAS torch brought. On 2 cores of an AVX-512 Xeon ``F.linear`` (MKL) was 4-10% faster from 512
-    rows up; on 2 cores of an AVX-512 AMD EPYC (Zen 4), where MKL does not run its AVX-512 code, the panel kernel
-    was 16-19% faster at 512 and 2,048 rows (``python benchmarks/packed_linear.py --rows 512,2048``,
-    docs/benchmarks.md). The measurement takes eight products (under 0.1 s for SmolLM2-135M's widest layer) and is
-    logged."""
+    path runs :data:`CALIBRATION_REPEATS` times, alternating, and the fastest of each are compared.
+
+    Why measured: the crossover depends on the CPU and on the BLAS torch brought. On 2 cores of an AVX-512 Xeon
+    ``F.linear`` (MKL) was 4-10% faster from 512 rows up; on 2 cores of an AVX-512 AMD EPYC (Zen 4), where MKL's
+    sgemm reached about 165 GFLOP/s against the panel kernel's 195, the panel kernel took 16-23% less time at 512
+    and 2,048 rows (``python benchmarks/packed_linear.py --rows 512,2048``, docs/benchmarks.md). The measurement
+    takes eight products (under 0.1 s for SmolLM2-135M's widest layer) and is logged."""
     global _panel_large
     if _panel_large is None:
         best_panel, best_linear = _time_large_rows(entry, weight)
