@@ -115,7 +115,7 @@ MKL_PACK_ROWS = 32  # the row count MKL is told at packing (its packed layout se
 MKL_MAX_ROWS = 64  # more rows: F.linear is as fast or faster than the copy packed for 32 rows (table below)
 # Up to this many rows the panel kernel is used without a measurement (table above), per ATen capability; above
 # it, whichever of the panel kernel and F.linear was faster in this process's first such product (_panel_for_rows).
-_PANEL_MAX_ROWS = {"AVX512": 256, "AVX2": 64}
+_PANEL_MAX_ROWS = {"AVX512": 256, "AVX2": 256}
 PANEL_ROWS_ENV = "TOKENMILL_CPU_PANEL_MAX_ROWS"  # an explicit bound: no measurement
 CALIBRATION_ROWS = 1024  # rows of the measurement's random input
 CALIBRATION_REPEATS = 3  # timed products of each path in the measurement (alternating; the fastest of each counts)
