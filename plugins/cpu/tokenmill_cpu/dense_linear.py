@@ -66,10 +66,33 @@ rows   AVX-512 (Zen 4)
 2048   3,352.4 / 2,845.1 / 3,576.6 / 2,827.0
 =====  ==================================
 
-Hence :func:`packed_rows`: float32 on the panel copy at 1 to :data:`PANEL_MAX_ROWS` rows (256 on AVX-512, 64 on
-AVX2). Above those counts the CPUs disagree: on the Xeon ``F.linear`` is as fast or faster (``--rows 512,2048``
-gave 558 / 2,295 ms for the panel kernel against ``F.linear``'s 538 / 2,067,
-``packed_linear_cpu_fp32_panel_large_tenth.json``), on the EPYC the panel kernel takes 16-23% less time. So the first
+On 2 cores of an AMD EPYC (Zen 3, AVX2 only: the CPU issue 16 was filed on; 2026-12-02,
+``packed_linear_cpu_fp32_zen3_before_twelfth.json`` / ``..._after_twelfth.json``), before and after the kernel took
+its rows in L2-sized blocks and checked its prefetcher once per 8 input channels (same four paths, ms):
+
+=====  ========================================  ========================================
+rows   AVX2 (Zen 3), before                      after
+=====  ========================================  ========================================
+1      63.3 / 47.9 / 53.1 / 31.5                 86.3 / 65.2 / 72.3 / 40.6
+4      121.1 / 59.4 / 128.0 / 30.8               164.7 / 73.3 / 164.3 / 42.7
+8      110.7 / 82.4 / 119.9 / 35.8               174.5 / 84.7 / 181.8 / 44.2
+32     190.4 / 106.0 / 192.3 / 98.1              260.0 / 131.3 / 253.2 / 93.2
+64     321.9 / 190.6 / 264.2 / 171.0             429.2 / 252.9 / 360.4 / 174.0
+128    415.4 / 295.3 / 399.3 / 304.6             538.9 / 345.8 / 484.6 / 304.5
+256    697.5 / 589.1 / 691.7 / 607.2             958.0 / 649.9 / 892.9 / 621.0
+512    1,172.0 / 1,040.2 / 1,136.4 / 1,213.7     1,640.7 / 1,210.9 / 1,506.5 / 1,037.6
+2048   5,318.9 / 4,615.2 / 5,080.7 / 5,881.2     6,489.9 / 5,381.9 / 6,270.9 / 4,959.5
+=====  ========================================  ========================================
+
+The second run came in a slower period of the shared machine (every torch path took 10-40% longer), so compare
+within a column. MKL's two paths (``F.linear`` and MKL's packed GEMM) are the two slowest at every row count on
+this AMD CPU.
+
+Hence :func:`packed_rows`: float32 on the panel copy at 1 to :data:`PANEL_MAX_ROWS` rows (256, on AVX-512 and
+AVX2). Above that the CPUs have disagreed: on the Xeon of the tenth session ``F.linear`` was as fast or faster
+(``--rows 512,2048`` gave 558 / 2,295 ms for the panel kernel against ``F.linear``'s 538 / 2,067,
+``packed_linear_cpu_fp32_panel_large_tenth.json``, before the row blocks), on the EPYCs the panel kernel takes
+16-23% less time. So the first
 larger product of a process measures both on its layer's weight (:func:`_panel_for_rows`) and the faster serves
 every larger count from then on; ``TOKENMILL_CPU_PANEL_MAX_ROWS`` fixes the bound instead. Where the panel kernel
 is not built,
