@@ -7,9 +7,9 @@
 // per step; at a few dozen rows the multiply-adds per weight byte are just above what the cores can do per byte
 // of memory bandwidth, so the product is only fast when the next weights are already in flight while the
 // current ones are multiplied. These loops prefetch the next panel while they multiply the current one.
-// At prefill row counts the loops stay ahead as well: on 2 cores of an AMD EPYC (Zen 3, AVX2) they reach 128-156
-// GFLOP/s at 256-2,048 rows of SmolLM2-135M's layer shapes, oneDNN's packed sgemm 108-143 and MKL less than either
-// (MKL takes slower code paths on AMD CPUs; docs/benchmarks.md).
+// At prefill row counts the loops stay ahead as well: on 2 cores of an AMD EPYC (Zen 3, AVX2), one SmolLM2-135M
+// step's matmuls took 1,038 ms at 512 rows and 4,960 ms at 2,048, against 1,211 / 5,382 ms for oneDNN's packed
+// sgemm and more for MKL's paths (python benchmarks/packed_linear.py; docs/benchmarks.md).
 //
 // Layout (tokenmill_cpu/dense_linear.py packs it): panels of kPanel output rows, panel p = W[p * kPanel :
 // (p + 1) * kPanel, :] transposed to [K][kPanel], zero rows past N; packed [P, K, kPanel] with P = ceil(N / kPanel).
@@ -72,9 +72,21 @@ constexpr int64_t kKBlock = 8;
 
 // Activation bytes per row block: a large product (a prefill step's thousands of rows) takes its rows in blocks of
 // about this size, so that each block stays in L2 while every panel of the thread passes over it. Unblocked, all
-// rows were read again for each panel, from L3 or memory once they outgrew L2 (2,048 x 1,536 float32 rows: 92 GFLOP/s
-// against 135 at 576 input channels on Zen 3).
+// rows were read again for each panel, from L3 or memory once they outgrew L2 (on Zen 3 the panel kernel was the
+// slowest path at 512 and 2,048 rows before the blocks and the fastest after; docs/benchmarks.md).
 constexpr int64_t kBlockBytes = 256 * 1024;
+
+// Calls step(k) for k = 0 .. K - 1 in order, stepping the prefetcher after every kKBlock of them.
+template <typename Step>
+__attribute__((always_inline)) inline void for_each_k(int64_t K, Prefetcher& pf, Step&& step) {
+  int64_t k = 0;
+  for (; k + kKBlock <= K; k += kKBlock) {
+#pragma GCC unroll 8
+    for (int64_t kk = 0; kk < kKBlock; ++kk) step(k + kk);
+    pf.step();
+  }
+  for (; k < K; ++k) step(k);
+}
 
 // y[r, 0:kPanel] = sum_k x[r, k] * panel[k, 0:kPanel] for r < R (ldx, ldy: row strides in elements).
 template <int R>
@@ -95,13 +107,7 @@ inline void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_
       acc[r][2] = _mm512_fmadd_ps(a, b2, acc[r][2]);
     }
   };
-  int64_t k = 0;
-  for (; k + kKBlock <= K; k += kKBlock) {
-#pragma GCC unroll 8
-    for (int64_t kk = 0; kk < kKBlock; ++kk) k_step(k + kk);
-    pf.step();
-  }
-  for (; k < K; ++k) k_step(k);
+  for_each_k(K, pf, k_step);
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 3; ++j) _mm512_storeu_ps(y + r * ldy + 16 * j, acc[r][j]);
 #elif defined(TOKENMILL_GEMM_AVX2)
@@ -118,25 +124,18 @@ inline void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_
       acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
     }
   };
-  int64_t k = 0;
-  for (; k + kKBlock <= K; k += kKBlock) {
-#pragma GCC unroll 8
-    for (int64_t kk = 0; kk < kKBlock; ++kk) k_step(k + kk);
-    pf.step();
-  }
-  for (; k < K; ++k) k_step(k);
+  for_each_k(K, pf, k_step);
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 2; ++j) _mm256_storeu_ps(y + r * ldy + 8 * j, acc[r][j]);
 #else
   float acc[R][kPanel] = {};
-  for (int64_t k = 0; k < K; ++k) {
+  for_each_k(K, pf, [&](int64_t k) {
     const float* b = panel + k * kPanel;
-    pf.step();
     for (int r = 0; r < R; ++r) {
       const float a = x[r * ldx + k];
       for (int64_t j = 0; j < kPanel; ++j) acc[r][j] += a * b[j];
     }
-  }
+  });
   for (int r = 0; r < R; ++r) std::memcpy(y + r * ldy, acc[r], sizeof(acc[r]));
 #endif
 }
