@@ -97,6 +97,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tokenmill.plugins import PluginLoadError
 
     argv = list(argv) if argv is not None else sys.argv[1:]
+    if argv[:1] == ["serve"] and not {"-h", "--help"} & set(argv):
+        from tokenmill.engine.core_prestart import prestart_engine_core
+
+        prestart_engine_core()  # its imports overlap ours and the config read
     try:
         parser = build_parser()  # plugins add their flags here: a broken plugin is reported below
         args = parser.parse_args(argv)

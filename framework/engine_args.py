@@ -196,7 +196,8 @@ class EngineArgs:
         from tokenmill.model_loader.hf_config import load_hf_config, resolve_model_location
 
         loc = resolve_model_location(self.model)
-        hf_config = load_hf_config(loc.directory, loc.gguf_file, trust_remote_code=self.trust_remote_code)
+        hf_config = load_hf_config(loc.directory, loc.gguf_file, trust_remote_code=self.trust_remote_code,
+                                   gguf_tokenizer=self.tokenizer is None)
         derived = _derived_max_model_len(hf_config)
         max_len = self.max_model_len if self.max_model_len is not None else derived
         if max_len <= 0:

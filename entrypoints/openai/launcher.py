@@ -102,6 +102,9 @@ def run_server(args: argparse.Namespace) -> int:
         finally:
             sock.close()
     finally:
+        from tokenmill.engine.core_prestart import discard_prestarted_engine_core
+
+        discard_prestarted_engine_core()  # not taken: the engine never started (an error, or data parallelism)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

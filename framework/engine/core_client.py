@@ -256,25 +256,37 @@ class AsyncMPClient(EngineCoreClient):
             self._closed = True
             self._finalizer()
             raise
+        finally:
+            from tokenmill.engine.core_prestart import discard_prestarted_engine_core
+
+            discard_prestarted_engine_core()  # left over when data parallelism started its own processes
 
     @staticmethod
     def _spawn(config: EngineConfig, input_address: str, output_address: str, engine_core_cls: str | None,
                identity: bytes) -> multiprocessing.process.BaseProcess:
+        from tokenmill.engine.core_prestart import take_prestarted_engine_core
         from tokenmill.engine.core_proc import run_engine_core
 
-        mp = multiprocessing.get_context("spawn")
         rank = config.parallel_config.data_parallel_rank
+        single = config.parallel_config.data_parallel_size == 1
+        kwargs = {
+            "config": config,
+            "input_address": input_address,
+            "output_address": output_address,
+            "engine_core_cls": engine_core_cls or DEFAULT_ENGINE_CORE_CLS,
+            "parent_pid": os.getpid(),
+            "identity": identity,
+        }
+        prestarted = take_prestarted_engine_core() if single else None
+        if prestarted is not None:
+            if prestarted.start(kwargs):
+                return prestarted.proc
+            prestarted.discard()
+        mp = multiprocessing.get_context("spawn")
         proc = mp.Process(
             target=run_engine_core,
-            name="TokenmillEngineCore" if config.parallel_config.data_parallel_size == 1 else f"TokenmillEngineCore-{rank}",
-            kwargs={
-                "config": config,
-                "input_address": input_address,
-                "output_address": output_address,
-                "engine_core_cls": engine_core_cls or DEFAULT_ENGINE_CORE_CLS,
-                "parent_pid": os.getpid(),
-                "identity": identity,
-            },
+            name="TokenmillEngineCore" if single else f"TokenmillEngineCore-{rank}",
+            kwargs=kwargs,
         )
         proc.start()
         return proc

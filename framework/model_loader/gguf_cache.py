@@ -9,6 +9,9 @@ What they produce is saved once under ``$TOKENMILL_CACHE_DIR/gguf/<key>/`` and r
 * ``tensors.json``: the architecture name and, per tensor, its name, GGML type, dimensions and byte offset; the
   tensor data itself is mapped from the GGUF file (``numpy.memmap``), exactly as ``GGUFReader`` maps it.
 
+On a first read, :func:`reuse_gguf_readers` makes the readers that transformers (config, tokenizer) and tokenmill
+(config fix-ups, tensor table) each open for the same file one reader: one metadata walk instead of four.
+
 The key is the file's absolute path, size and modification time plus the ``gguf`` and ``transformers``
 versions, so a changed file or library never reads a stale entry. Deleting the directory is always safe; a
 damaged entry is ignored (and rewritten).
@@ -16,13 +19,15 @@ damaged entry is ignored (and rewritten).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,6 +80,64 @@ def save_atomically(target: Path, write: Callable[[Path], None]) -> None:
             shutil.rmtree(tmp, ignore_errors=True)  # left only when another process saved it first
     except OSError as exc:
         logger.warning("could not write the cache entry %s (%s)", target, exc)
+
+
+_REUSE_LOCK = threading.Lock()
+_REUSE_DEPTH = 0
+_READERS: dict[tuple[str, int, int], Any] = {}
+_ORIGINAL_READER: Any = None
+
+
+@contextlib.contextmanager
+def reuse_gguf_readers() -> Iterator[None]:
+    """Inside the block, ``gguf.GGUFReader(path)`` (read-only) returns one reader per file and process.
+
+    transformers opens its own reader for the config (``AutoConfig``) and another for the tokenizer
+    (``AutoTokenizer``), and both walk every metadata entry; its loader takes the class from the ``gguf`` module
+    when called, so the module attribute is replaced for the duration of the block (by a subclass whose
+    ``__new__`` hands back the shared reader) and restored when the outermost block ends, which also drops
+    the readers. Readers are made lazily: a block whose file is never opened costs nothing. Nested and
+    concurrent blocks are allowed; a reader for another file, or a writable one, is a new reader as usual.
+    """
+    import gguf
+
+    global _REUSE_DEPTH, _ORIGINAL_READER
+    with _REUSE_LOCK:
+        if _REUSE_DEPTH == 0:
+            _ORIGINAL_READER = original = gguf.GGUFReader
+
+            class SharedGGUFReader(original):  # type: ignore[misc, valid-type]
+                def __new__(cls, path: Any, mode: str = "r") -> Any:
+                    key = _reader_key(path) if mode == "r" else None
+                    if key is None:
+                        return original(path, mode)
+                    with _REUSE_LOCK:
+                        reader = _READERS.get(key)
+                    if reader is None:
+                        reader = original(path, mode)  # not an instance of cls: __init__ does not run again
+                        with _REUSE_LOCK:
+                            reader = _READERS.setdefault(key, reader)
+                    return reader
+
+            gguf.GGUFReader = SharedGGUFReader
+        _REUSE_DEPTH += 1
+    try:
+        yield
+    finally:
+        with _REUSE_LOCK:
+            _REUSE_DEPTH -= 1
+            if _REUSE_DEPTH == 0:
+                gguf.GGUFReader = _ORIGINAL_READER
+                _ORIGINAL_READER = None
+                _READERS.clear()
+
+
+def _reader_key(path: Any) -> tuple[str, int, int] | None:
+    try:
+        st = os.stat(path)
+    except (OSError, TypeError, ValueError):
+        return None
+    return os.path.abspath(os.fspath(path)), st.st_size, st.st_mtime_ns
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.model_loader.default_model import DEFAULT_SERVED_MODEL_NAME, default_model_path
-from tokenmill.model_loader.gguf_cache import gguf_cache_dir, save_atomically
+from tokenmill.model_loader.gguf_cache import gguf_cache_dir, read_gguf_tensors, reuse_gguf_readers, save_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -82,16 +82,23 @@ GGUF_ARCHITECTURES = {
 }
 
 
-def load_hf_config(directory: str, gguf_file: str | None, *, trust_remote_code: bool = False) -> Any:
+def load_hf_config(directory: str, gguf_file: str | None, *, trust_remote_code: bool = False,
+                   gguf_tokenizer: bool = False) -> Any:
     """Read the ``transformers`` config from ``config.json`` or from a GGUF file's metadata.
 
     A GGUF file's config is saved in the disk cache of :mod:`tokenmill.model_loader.gguf_cache` after its first
-    read (the metadata walk takes seconds) and loaded from there afterwards.
+    read (the metadata walk takes seconds) and loaded from there afterwards. The first read also saves the
+    file's tensor table (which the engine core's weight loader needs) and, with ``gguf_tokenizer``, converts
+    and caches its tokenizer (:func:`tokenmill.tokenizer.load_tokenizer`; a failure there is left for the
+    tokenizer's own load to report), all from one ``gguf.GGUFReader`` (:func:`reuse_gguf_readers`).
 
     For GGUF files the architecture comes from the model type (:data:`GGUF_ARCHITECTURES`; llama.cpp writes
     Mistral and Mixtral files as ``llama``: transformers recognises Mistral by name, and a ``llama`` file with
     experts becomes a Mixtral config here), and ``head_dim`` is taken from ``attention.key_length`` where
     transformers' reader leaves the config class's default (Qwen3).
+
+    Raises:
+        OSError, ValueError: from ``transformers`` when the config cannot be read.
     """
     from transformers import AutoConfig
 
@@ -109,16 +116,29 @@ def load_hf_config(directory: str, gguf_file: str | None, *, trust_remote_code: 
             logger.warning("ignoring the cached GGUF config in %s (%s)", saved, exc)
             shutil.rmtree(saved, ignore_errors=True)
     start = time.perf_counter()
-    config = AutoConfig.from_pretrained(directory, gguf_file=gguf_file)
-    config = _fix_gguf_config(config, path)
-    if not getattr(config, "architectures", None):
-        name = GGUF_ARCHITECTURES.get(config.model_type)
-        if name:
-            config.architectures = [name]
-    logger.info("config read from the metadata of %s in %.1f s", gguf_file, time.perf_counter() - start)
-    if saved is not None:
-        save_atomically(saved, config.save_pretrained)
+    with reuse_gguf_readers():
+        config = AutoConfig.from_pretrained(directory, gguf_file=gguf_file)
+        config = _fix_gguf_config(config, path)
+        if not getattr(config, "architectures", None):
+            name = GGUF_ARCHITECTURES.get(config.model_type)
+            if name:
+                config.architectures = [name]
+        logger.info("config read from the metadata of %s in %.1f s", gguf_file, time.perf_counter() - start)
+        if saved is not None:
+            save_atomically(saved, config.save_pretrained)
+        read_gguf_tensors(path)  # saves the tensor table for the engine core
+        if gguf_tokenizer:
+            _prepare_tokenizer(directory, gguf_file, trust_remote_code)
     return config
+
+
+def _prepare_tokenizer(directory: str, gguf_file: str, trust_remote_code: bool) -> None:
+    from tokenmill.tokenizer import load_tokenizer
+
+    try:
+        load_tokenizer(directory, gguf_file, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # noqa: BLE001 - reported, with advice, where the tokenizer is needed
+        logger.debug("the tokenizer of %s was not prepared with its config (%s)", gguf_file, exc)
 
 
 def _fix_gguf_config(config: Any, path: str) -> Any:

@@ -216,6 +216,9 @@ class ModelRunner:
                 for state, n in zip(states, counts):
                     state.num_computed_tokens += n
                 return hidden
+        elif self.compiled_runner is not None:
+            with self.compiled_runner.eager_step(), set_forward_context(batch.attn_metadata):
+                hidden = self.model(batch.input_ids, batch.positions)
         else:
             with set_forward_context(batch.attn_metadata):
                 hidden = self.model(batch.input_ids, batch.positions)

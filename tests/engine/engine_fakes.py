@@ -141,6 +141,12 @@ class EchoEngineCore:
         """Ids aborted so far (tests call it as a utility method)."""
         return list(self.aborted)
 
+    def getenv(self, name: str) -> str | None:
+        """The engine core process's environment variable ``name`` (a utility method)."""
+        import os
+
+        return os.environ.get(name)
+
     def shutdown(self) -> None:
         pass
 

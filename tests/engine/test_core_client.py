@@ -264,3 +264,34 @@ def test_engine_core_exits_when_its_parent_is_gone() -> None:
             router.close(0)
             pull.close(0)
             ctx.term()
+
+
+def test_a_prestarted_engine_core_runs_with_the_front_ends_environment_of_the_engine_start(
+        tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tokenmill.engine import core_prestart
+
+    core_prestart.prestart_engine_core()
+    waiting = core_prestart._prestarted
+    assert waiting is not None and waiting.proc.is_alive()
+    monkeypatch.setenv("TOKENMILL_PRESTART_TEST", "set after the prestart")
+
+    async def body(llm: AsyncLLM) -> None:
+        assert llm.engine_core.proc is waiting.proc
+        assert await llm.engine_core.call_utility_async("getenv", "TOKENMILL_PRESTART_TEST") == "set after the prestart"
+        outs = await collect(llm, "hi", SamplingParams(max_tokens=2), "p")
+        assert outs[-1].outputs[0].text == "hi"
+
+    run_with_llm(tokenizer, EchoEngineCore, body)
+    assert core_prestart.take_prestarted_engine_core() is None  # taken once
+
+
+def test_an_unused_prestarted_engine_core_exits_when_discarded() -> None:
+    from tokenmill.engine import core_prestart
+
+    core_prestart.prestart_engine_core()
+    waiting = core_prestart._prestarted
+    assert waiting is not None
+    core_prestart.discard_prestarted_engine_core()
+    assert waiting.proc.exitcode == 0
+    assert core_prestart.take_prestarted_engine_core() is None
+    core_prestart.discard_prestarted_engine_core()  # no-op

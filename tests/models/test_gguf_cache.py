@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -71,3 +73,77 @@ def test_an_unwritable_cache_only_costs_time(tmp_path, monkeypatch):
     path = write_gguf(model_dir, str(tmp_path / "m.gguf"), arch, name=spec.name)
     assert load_hf_config(str(tmp_path), "m.gguf").architectures == [spec.model_cls]
     assert [t.name for t in gguf_cache.read_gguf_tensors(path)[1]]
+
+
+def _count_readers(monkeypatch) -> list[str]:
+    import gguf
+
+    opened: list[str] = []
+    original = gguf.GGUFReader
+
+    class CountingReader(original):  # type: ignore[misc, valid-type]
+        def __init__(self, p, mode="r"):
+            opened.append(str(p))
+            super().__init__(p, mode)
+
+    monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
+    return opened
+
+
+@pytest.mark.slow
+def test_a_first_read_walks_the_file_once_for_config_tensors_and_tokenizer(default_model_path, tmp_path,
+                                                                          monkeypatch):
+    import gguf
+
+    from tokenmill import tokenizer as tokenizer_module
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(tokenizer_module, "_CACHE", {})
+    opened = _count_readers(monkeypatch)
+    counting = gguf.GGUFReader
+    directory, name = os.path.dirname(default_model_path), os.path.basename(default_model_path)
+    config = load_hf_config(directory, name, gguf_tokenizer=True)
+    assert opened == [default_model_path]
+    assert gguf.GGUFReader is counting  # restored after the block
+    entry = gguf_cache.gguf_cache_dir(default_model_path)
+    assert (entry / "config" / "config.json").is_file()
+    assert (entry / "tensors" / "tensors.json").is_file()
+    assert (entry / "tokenizer" / "tokenizer_config.json").is_file()
+    assert config.architectures == ["LlamaForCausalLM"]
+    tokenizer = tokenizer_module.load_tokenizer(directory, name)  # the one prepared with the config
+    assert tokenizer.decode(tokenizer.encode("The capital of France")) == "The capital of France"
+    gguf_cache.read_gguf_tensors(default_model_path)
+    monkeypatch.setattr(tokenizer_module, "_CACHE", {})
+    assert load_hf_config(directory, name, gguf_tokenizer=True).to_dict() == config.to_dict()
+    assert opened == [default_model_path]  # everything came from the cache
+
+
+def test_a_tokenizer_that_cannot_be_converted_leaves_the_config_read_alone(tmp_path, monkeypatch):
+    spec, arch = CASES[1]
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    model_dir = build_family(spec, str(tmp_path / spec.name), seed=3)
+    path = write_gguf(model_dir, str(tmp_path / "m.gguf"), arch, name=spec.name)  # a vocabulary without merges
+    opened = _count_readers(monkeypatch)
+    assert load_hf_config(str(tmp_path), "m.gguf", gguf_tokenizer=True).architectures == [spec.model_cls]
+    assert opened == [path]
+    assert (gguf_cache.gguf_cache_dir(path) / "tensors" / "tensors.json").is_file()
+
+
+def test_reused_readers_are_one_per_file_and_only_inside_the_block(tmp_path, monkeypatch):
+    import gguf
+
+    spec, arch = CASES[1]
+    model_dir = build_family(spec, str(tmp_path / spec.name), seed=3)
+    first = write_gguf(model_dir, str(tmp_path / "a.gguf"), arch, name=spec.name)
+    second = write_gguf(model_dir, str(tmp_path / "b.gguf"), arch, name=spec.name)
+    original = gguf.GGUFReader
+    with gguf_cache.reuse_gguf_readers():
+        a = gguf.GGUFReader(first)
+        with gguf_cache.reuse_gguf_readers():
+            assert gguf.GGUFReader(first) is a
+        assert gguf.GGUFReader(first) is a
+        b = gguf.GGUFReader(second)
+        assert b is not a and [t.name for t in b.tensors] == [t.name for t in a.tensors]
+        assert gguf.GGUFReader(first, "c") is not a  # a copy-on-write reader is never shared
+    assert gguf.GGUFReader is original
+    assert gguf.GGUFReader(first) is not a

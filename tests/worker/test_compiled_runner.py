@@ -76,6 +76,23 @@ def test_steps_choose_their_compiled_kind() -> None:
     assert runner.kind(build_batch_inputs(decodes[:3], [1] * 3, 8, cpu).attn_metadata) == "large"
 
 
+def test_eager_steps_run_on_one_thread_with_a_short_switch_interval_while_a_graph_loads() -> None:
+    import sys
+    import threading
+
+    runner = CompiledRunner.__new__(CompiledRunner)
+    runner._is_loading = threading.Event()
+    threads, interval = torch.get_num_threads(), sys.getswitchinterval()
+    with runner.eager_step():
+        assert torch.get_num_threads() == threads
+    with runner._loading():
+        assert sys.getswitchinterval() <= 1e-4
+        with runner.eager_step():
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == threads
+    assert sys.getswitchinterval() == interval and not runner._is_loading.is_set()
+
+
 def test_quantized_model_compiles_a_large_decode_kind_and_matches_eager(compile_on, tiny_llama_dir) -> None:
     # 40 requests decode together: above int8's 32-row limit, where layers use their dense weights.
     prompts = [[(7 * i + j) % 50 + 3 for j in range(3 + i % 4)] for i in range(40)]
