@@ -55,6 +55,7 @@ struct Prefetcher {
   const char* next = nullptr;  // the next panel of this thread, or nullptr
   const char* end = nullptr;
   int64_t stride = 0;  // bytes per block of kKBlock k iterations (a multiple of 64)
+  int64_t lines_per_k = 0;  // > 0: issue this many lines after each k instead of a block's lines at once
   inline void step() {
 #if defined(TOKENMILL_GEMM_AVX512) || defined(TOKENMILL_GEMM_AVX2)
     if (next < end) {
@@ -76,10 +77,28 @@ constexpr int64_t kKBlock = 8;
 // slowest path at 512 and 2,048 rows before the blocks and the fastest after; docs/benchmarks.md).
 constexpr int64_t kBlockBytes = 256 * 1024;
 
-// Calls step(k) for k = 0 .. K - 1 in order, stepping the prefetcher after every kKBlock of them.
+// Calls step(k) for k = 0 .. K - 1 in order, stepping the prefetcher after every kKBlock of them. Where a block
+// needs a cache line or more per k (few rows: one row group per panel), AVX-512 spreads the lines over the block's
+// k iterations: 24 prefetches at once after 8 iterations made 1 and 8 rows about 30% slower on Zen 4 than one
+// iteration's 3 lines after each (benchmarks/results/packed_linear_cpu_fp32_zen4_prefetch_thirteenth.txt).
 template <typename Step>
 __attribute__((always_inline)) inline void for_each_k(int64_t K, Prefetcher& pf, Step&& step) {
   int64_t k = 0;
+#if defined(TOKENMILL_GEMM_AVX512)
+  if (pf.lines_per_k > 0) {
+    const int64_t lines = pf.lines_per_k;
+    for (; k + kKBlock <= K; k += kKBlock) {
+      const char* c = pf.next;
+      const int64_t n = c < pf.end ? lines : 0;
+#pragma GCC unroll 8
+      for (int64_t kk = 0; kk < kKBlock; ++kk) {
+        step(k + kk);
+        for (int64_t i = 0; i < n; ++i) _mm_prefetch(c + (kk * lines + i) * 64, _MM_HINT_T0);
+      }
+      pf.next = c + n * kKBlock * 64;
+    }
+  }
+#endif
   for (; k + kKBlock <= K; k += kKBlock) {
 #pragma GCC unroll 8
     for (int64_t kk = 0; kk < kKBlock; ++kk) step(k + kk);
@@ -200,6 +219,7 @@ at::Tensor dense_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n) 
           pf.next = reinterpret_cast<const char*>(panel + panel_floats);
           pf.end = pf.next + bytes;
           pf.stride = 64 * ((bytes / 64 + iters - 1) / iters);
+          if (pf.stride >= kKBlock * 64) pf.lines_per_k = (pf.stride / 64 + kKBlock - 1) / kKBlock;
         }
         panel_product(xs + m0 * K, rows, K, panel, p * kPanel, n, ys + m0 * n, pf);
       }
