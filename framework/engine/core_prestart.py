@@ -10,9 +10,9 @@ modules, then waits on a pipe. :class:`~tokenmill.engine.core_client.AsyncMPClie
 (``TOKENMILL_PLATFORM`` is set after the process started; variables read at import by native libraries, such
 as ``OMP_NUM_THREADS``, must not change in between).
 
-A prestarted process that is never used (data parallelism, a start-up error) is told to exit when the front
-end exits, or by :func:`discard_prestarted_engine_core`; it also exits when its pipe closes (the front end
-died), and ignores SIGINT while it waits, so Ctrl-C reaches it only through the front end.
+A prestarted process that is never used (data parallelism, a start-up error) is terminated by
+:func:`discard_prestarted_engine_core` (also run when the front end exits); it exits by itself when its pipe
+closes (the front end died), and ignores SIGINT while it waits, so Ctrl-C reaches it only through the front end.
 """
 
 from __future__ import annotations
@@ -81,8 +81,10 @@ class PrestartedEngineCore:
         return True
 
     def discard(self) -> None:
-        """Tell the process to exit (it exits on the closed pipe) and reap it."""
+        """Stop the process (it holds nothing yet: it is importing or waiting) and reap it."""
         self._conn.close()
+        if self.proc.is_alive():
+            self.proc.terminate()
         self.proc.join(5)
         if self.proc.exitcode is None:
             self.proc.kill()

@@ -291,7 +291,8 @@ def test_an_unused_prestarted_engine_core_exits_when_discarded() -> None:
     core_prestart.prestart_engine_core()
     waiting = core_prestart._prestarted
     assert waiting is not None
+    start = time.monotonic()
     core_prestart.discard_prestarted_engine_core()
-    assert waiting.proc.exitcode == 0
+    assert waiting.proc.exitcode is not None and time.monotonic() - start < 3  # stopped, not awaited
     assert core_prestart.take_prestarted_engine_core() is None
     core_prestart.discard_prestarted_engine_core()  # no-op
