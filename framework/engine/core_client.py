@@ -279,7 +279,12 @@ class AsyncMPClient(EngineCoreClient):
         }
         prestarted = take_prestarted_engine_core() if single else None
         if prestarted is not None:
-            if prestarted.start(kwargs):
+            try:
+                started = prestarted.start(kwargs)
+            except BaseException:
+                prestarted.discard()
+                raise
+            if started:
                 return prestarted.proc
             prestarted.discard()
         mp = multiprocessing.get_context("spawn")

@@ -6,9 +6,10 @@ front end spends about as long importing its own modules and reading the model's
 serve`` therefore calls :func:`prestart_engine_core` as its first step: a ``spawn`` process imports those
 modules, then waits on a pipe. :class:`~tokenmill.engine.core_client.AsyncMPClient` takes it with
 :func:`take_prestarted_engine_core` and sends the arguments of
-:func:`~tokenmill.engine.core_proc.run_engine_core`, together with the front end's environment at that time
-(``TOKENMILL_PLATFORM`` is set after the process started; variables read at import by native libraries, such
-as ``OMP_NUM_THREADS``, must not change in between).
+:func:`~tokenmill.engine.core_proc.run_engine_core`, together with what a ``spawn`` start would have handed
+over at that time: the front end's environment (``TOKENMILL_PLATFORM`` is set after the process started;
+variables read at import by native libraries, such as ``OMP_NUM_THREADS``, must not change in between),
+``sys.path`` and the working directory.
 
 A prestarted process that is never used (data parallelism, a start-up error) is terminated by
 :func:`discard_prestarted_engine_core` (also run when the front end exits); it exits by itself when its pipe
@@ -22,10 +23,12 @@ import importlib
 import logging
 import multiprocessing
 import os
+import pickle
 import signal
 import sys
 import threading
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -69,11 +72,17 @@ class PrestartedEngineCore:
         child_conn.close()
 
     def start(self, kwargs: dict[str, Any]) -> bool:
-        """Send ``run_engine_core``'s keyword arguments; ``False`` (nothing sent) if the process is gone."""
-        if not self.proc.is_alive():
-            return False
+        """Send ``run_engine_core``'s keyword arguments; ``False`` (nothing sent) if the process is gone.
+
+        What a ``spawn`` start would hand over goes with them: the front end's environment, ``sys.path`` (a
+        ``--trust-remote-code`` config's class lives in a module transformers put on it after the prestart) and
+        working directory. The arguments travel pickled, so that the child unpickles them after applying those.
+        """
         try:
-            self._conn.send((dict(os.environ), kwargs))
+            if not self.proc.is_alive():
+                return False
+            payload = bytes(ForkingPickler.dumps(kwargs))
+            self._conn.send((dict(os.environ), list(sys.path), os.getcwd(), payload))
         except (OSError, ValueError):
             return False
         finally:
@@ -121,7 +130,8 @@ def discard_prestarted_engine_core() -> None:
 
 
 def _wait_then_run(conn: Connection) -> None:
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as the engine core itself does: the front end stops it
+    spawned_with = dict(os.environ)
     for name in PRELOAD_MODULES:
         try:
             importlib.import_module(name)
@@ -135,14 +145,16 @@ def _wait_then_run(conn: Connection) -> None:
         except Exception:  # noqa: BLE001 - only a head start; EOF is seen by recv below
             break
     try:
-        environ, kwargs = conn.recv()
+        environ, path, cwd, payload = conn.recv()
     except (EOFError, OSError):
         sys.exit(0)
     finally:
         conn.close()
-    signal.signal(signal.SIGINT, previous)
-    os.environ.clear()
-    os.environ.update(environ)
+    for key in set(spawned_with) - set(environ):
+        os.environ.pop(key, None)
+    os.environ.update(environ)  # variables the imports above set for themselves stay
+    sys.path[:] = path
+    os.chdir(cwd)
     from tokenmill.engine.core_proc import run_engine_core
 
-    run_engine_core(**kwargs)
+    run_engine_core(**pickle.loads(payload))

@@ -134,10 +134,11 @@ def reuse_gguf_readers() -> Iterator[None]:
 
 def _reader_key(path: Any) -> tuple[str, int, int] | None:
     try:
-        st = os.stat(path)
+        name = os.path.abspath(os.fspath(path))
+        st = os.stat(name)
     except (OSError, TypeError, ValueError):
         return None
-    return os.path.abspath(os.fspath(path)), st.st_size, st.st_mtime_ns
+    return name, st.st_size, st.st_mtime_ns
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,9 @@ KIND_LABELS = {"one": "decode of 1 request", "many": "decode of 2+ requests", "m
                "large": "decode above the quantized row limit"}
 _POLL_S = 0.5
 _BACKGROUND_SWITCH_INTERVAL_S = 1e-4  # sys.setswitchinterval while a graph loads beside eager steps
+_loads_lock = threading.Lock()
+_loads_running = 0
+_interval_before = 0.005
 
 
 def step_kinds(quant_max_rows: int, max_batch_size: int) -> list[str]:
@@ -252,15 +255,23 @@ class CompiledRunner:
     def _loading(self) -> Iterator[None]:
         """Mark a graph load (see :meth:`eager_step`) and let the GIL change hands every 0.1 ms instead of
         Python's 5 ms meanwhile: an eager step releases the GIL in each torch operator and would otherwise wait
-        up to 5 ms to get it back from the loader after each."""
-        previous = sys.getswitchinterval()
-        sys.setswitchinterval(min(previous, _BACKGROUND_SWITCH_INTERVAL_S))
+        up to 5 ms to get it back from the loader after each. The interval is process-wide: the first of
+        overlapping loads (several engines in one process) sets it, the last restores it."""
+        global _loads_running, _interval_before
+        with _loads_lock:
+            if _loads_running == 0:
+                _interval_before = sys.getswitchinterval()
+                sys.setswitchinterval(min(_interval_before, _BACKGROUND_SWITCH_INTERVAL_S))
+            _loads_running += 1
         self._is_loading.set()
         try:
             yield
         finally:
             self._is_loading.clear()
-            sys.setswitchinterval(previous)
+            with _loads_lock:
+                _loads_running -= 1
+                if _loads_running == 0:
+                    sys.setswitchinterval(_interval_before)
 
     # ------------------------------------------------------------------------------------------- preparing
 

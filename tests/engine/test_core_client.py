@@ -266,22 +266,33 @@ def test_engine_core_exits_when_its_parent_is_gone() -> None:
             ctx.term()
 
 
-def test_a_prestarted_engine_core_runs_with_the_front_ends_environment_of_the_engine_start(
-        tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_prestarted_engine_core_runs_with_the_front_ends_environment_and_path_of_the_engine_start(
+        tokenizer: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     from tokenmill.engine import core_prestart
 
     core_prestart.prestart_engine_core()
     waiting = core_prestart._prestarted
     assert waiting is not None and waiting.proc.is_alive()
     monkeypatch.setenv("TOKENMILL_PRESTART_TEST", "set after the prestart")
+    # A module that only exists on sys.path from now on, as transformers' remote-code modules do.
+    (tmp_path / "tm_prestart_core.py").write_text(
+        "from tests.engine.engine_fakes import EchoEngineCore\n\nclass Core(EchoEngineCore):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
 
-    async def body(llm: AsyncLLM) -> None:
-        assert llm.engine_core.proc is waiting.proc
-        assert await llm.engine_core.call_utility_async("getenv", "TOKENMILL_PRESTART_TEST") == "set after the prestart"
-        outs = await collect(llm, "hi", SamplingParams(max_tokens=2), "p")
-        assert outs[-1].outputs[0].text == "hi"
+    async def main() -> None:
+        llm = AsyncLLM(make_config(), tokenizer=tokenizer, engine_core_cls="tm_prestart_core:Core",
+                       startup_timeout_s=30)
+        try:
+            assert llm.engine_core.proc is waiting.proc
+            got = await llm.engine_core.call_utility_async("getenv", "TOKENMILL_PRESTART_TEST")
+            assert got == "set after the prestart"
+            outs = await collect(llm, "hi", SamplingParams(max_tokens=2), "p")
+            assert outs[-1].outputs[0].text == "hi"
+        finally:
+            llm.shutdown()
+        assert not llm.engine_core.proc.is_alive()
 
-    run_with_llm(tokenizer, EchoEngineCore, body)
+    asyncio.run(main())
     assert core_prestart.take_prestarted_engine_core() is None  # taken once
 
 

@@ -89,13 +89,18 @@ __attribute__((always_inline)) inline void for_each_k(int64_t K, Prefetcher& pf,
     const int64_t lines = pf.lines_per_k;
     for (; k + kKBlock <= K; k += kKBlock) {
       const char* c = pf.next;
-      const int64_t n = c < pf.end ? lines : 0;
+      if (pf.end - c >= kKBlock * lines * 64) {
 #pragma GCC unroll 8
-      for (int64_t kk = 0; kk < kKBlock; ++kk) {
-        step(k + kk);
-        for (int64_t i = 0; i < n; ++i) _mm_prefetch(c + (kk * lines + i) * 64, _MM_HINT_T0);
+        for (int64_t kk = 0; kk < kKBlock; ++kk) {
+          step(k + kk);
+          for (int64_t i = 0; i < lines; ++i) _mm_prefetch(c + (kk * lines + i) * 64, _MM_HINT_T0);
+        }
+        pf.next = c + kKBlock * lines * 64;
+      } else {  // the panel's last lines (or none left): the block-at-once path stops at its end
+#pragma GCC unroll 8
+        for (int64_t kk = 0; kk < kKBlock; ++kk) step(k + kk);
+        pf.step();
       }
-      pf.next = c + n * kKBlock * 64;
     }
   }
 #endif
