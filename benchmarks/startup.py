@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import signal
 import subprocess
@@ -120,16 +119,10 @@ def main() -> None:
     for i in range(args.warm_runs):
         runs.append(one_start(args, env, f"warm{i + 1}"))
     args.compile_wait_s = wait
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((l.split(":", 1)[1] for l in f if l.startswith("flags")), "")
-    except OSError:
-        pass
-    cpu = {"machine": platform.machine(), "avx512f": " avx512f" in flags, "avx2": " avx2" in flags,
-           "cpus": os.cpu_count(), "model": next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo")
-                                                  if l.startswith(("model\t", "model "))), "")}
-    out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu, "serve_args": args.serve_args,
+    from tokenmill.entrypoints.bench.common import machine_info
+
+    out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine_info(),
+           "serve_args": args.serve_args,
            "runs": runs}
     if args.output:
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)

@@ -238,8 +238,10 @@ class CompiledRunner:
 
         Loading a graph is mostly Python (the first load imports Dynamo and Inductor: about 3.5 s on a Zen 4
         core) and keeps a core busy. An eager step on two intra-op threads then waits at each of its several
-        hundred parallel operators for the worker thread that the loader has pushed off its core; on two
-        cores a first request took as long as the loading (8 tokens: 3.7 s instead of about 0.3 s).
+        hundred parallel operators for the worker thread that the loader has pushed off its core. On 2 Zen 4
+        cores a first request's 8 tokens were answered 3.2-3.6 s after the server was ready, as the loading
+        ended; with this and the imports done ahead (``tokenmill.engine.core_prestart``), 1.1-2.0 s after
+        (``python benchmarks/startup.py``, docs/benchmarks.md).
         """
         if not self._is_loading.is_set():
             yield

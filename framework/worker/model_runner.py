@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from tokenmill.attention.selector import load_backend_cls, set_attn_backend
@@ -216,11 +218,9 @@ class ModelRunner:
                 for state, n in zip(states, counts):
                     state.num_computed_tokens += n
                 return hidden
-        elif self.compiled_runner is not None:
-            with self.compiled_runner.eager_step(), set_forward_context(batch.attn_metadata):
-                hidden = self.model(batch.input_ids, batch.positions)
         else:
-            with set_forward_context(batch.attn_metadata):
+            eager = self.compiled_runner.eager_step() if self.compiled_runner is not None else nullcontext()
+            with eager, set_forward_context(batch.attn_metadata):
                 hidden = self.model(batch.input_ids, batch.positions)
         self._accumulate_prompt_logprobs(states, counts, batch.attn_metadata.query_start_loc_cpu, hidden)
         sample_rows = [i for i, m in enumerate(batch.sample_mask) if m]

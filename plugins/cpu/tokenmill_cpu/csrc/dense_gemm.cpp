@@ -79,8 +79,9 @@ constexpr int64_t kBlockBytes = 256 * 1024;
 
 // Calls step(k) for k = 0 .. K - 1 in order, stepping the prefetcher after every kKBlock of them. Where a block
 // needs a cache line or more per k (few rows: one row group per panel), AVX-512 spreads the lines over the block's
-// k iterations: 24 prefetches at once after 8 iterations made 1 and 8 rows about 30% slower on Zen 4 than one
-// iteration's 3 lines after each (benchmarks/results/packed_linear_cpu_fp32_zen4_prefetch_thirteenth.txt).
+// k iterations: with 24 prefetches at once after 8 iterations, 8 rows took 21.9-24.6 ms per SmolLM2-135M step on
+// Zen 4, with 3 lines after each iteration 18.5-20.6 ms (1, 32 and 256 rows: no difference beyond the noise;
+// benchmarks/results/packed_linear_cpu_fp32_zen4_prefetch_thirteenth.txt).
 template <typename Step>
 __attribute__((always_inline)) inline void for_each_k(int64_t K, Prefetcher& pf, Step&& step) {
   int64_t k = 0;
