@@ -184,6 +184,35 @@ def test_cpu_kv_cache_pages_are_faulted_in_behind_the_engine_without_changing_th
     assert float(cache.sum()) == 3.0 * 4 * 64 - 16 * 4 * 64
 
 
+@pytest.mark.skipif(platform.system() != "Linux", reason="needs Linux")
+def test_the_prefault_starts_with_the_lowest_blocks_of_every_key_and_value_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from tokenmill_cpu import memory
+
+    monkeypatch.setenv("TOKENMILL_CPU_PREFAULT", "1")
+    monkeypatch.setattr(memory, "_prefault_failed", False)
+    monkeypatch.setattr(memory, "_prefault_queue", [])
+    monkeypatch.setattr(memory, "_prefault_thread", threading.Thread(target=lambda: None))  # claimed by hand here
+    monkeypatch.setattr(memory, "PREFAULT_CHUNK_BYTES", 64 << 10)
+    shape = (2, 3, 50, 16, 64)  # keys and values of 3 KV heads: 6 ranges of 200 KiB (not chunk-aligned)
+    cache = CpuPlatform.allocate_kv_cache(shape, torch.float32, torch.device("cpu"))
+    base, region = cache.data_ptr(), cache[0, 0].numel() * 4
+    claims = []
+    with memory._prefault_lock:
+        while (chunk := memory._claim_chunk()) is not None:
+            claims.append(chunk[1:])
+    starts = [base + r * region for r in range(6)]
+    assert [addr for addr, _, _ in claims[:6]] == starts  # block 0 of each range first
+    assert all(urgent for _, _, urgent in claims[:6]) and not any(urgent for _, _, urgent in claims[6:])
+    assert [addr for addr, _, _ in claims[6:12]] == [(s // (64 << 10) + 1) * (64 << 10) for s in starts]
+    assert sorted((addr, n) for addr, n, _ in claims) == [(a, n) for a, n, _ in sorted(claims)]
+    covered = sum(n for _, n, _ in claims)
+    ends = {s + region for s in starts}  # a chunk ends on a chunk boundary or where its range ends
+    assert covered == cache.numel() * 4 and all((addr + n) % (64 << 10) == 0 or addr + n in ends for addr, n, _ in claims)
+    assert memory.prefault_pending_bytes() == 0
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm") or platform.system() != "Linux", reason="needs Linux")
 def test_finishing_the_kv_cache_faults_in_what_the_background_thread_left(monkeypatch: pytest.MonkeyPatch) -> None:
     import threading

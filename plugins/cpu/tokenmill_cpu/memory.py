@@ -132,15 +132,31 @@ PREFAULT_CHUNK_BYTES = 2 << 20  # one madvise call: one huge page (a few millise
 PREFAULT_NICENESS = 10  # nice increment of the prefault thread where SCHED_IDLE is refused (Linux: per thread)
 
 _prefault_lock = threading.Lock()
-_prefault_queue: list[tuple[weakref.ref, int, int]] = []  # (tensor, next address, end address)
+_prefault_queue: list[tuple[weakref.ref, int, int, bool]] = []  # (tensor, next address, end address, first chunk)
 _prefault_thread: threading.Thread | None = None
+_prefault_next = 0  # queue index of the range whose chunk comes next (round-robin)
 _prefault_failed = False  # madvise refused once (an older kernel): not tried again in this process
 
 
-def prefault_async(tensor: torch.Tensor) -> bool:
-    """Fault in the pages of a :func:`lazily_zeroed_tensor` from a low-priority background thread, without
-    changing its contents; whether that was started (Linux with ``MADV_POPULATE_WRITE``; off with
-    ``TOKENMILL_CPU_PREFAULT=0``).
+def prefault_async(tensor: torch.Tensor, regions: int = 1) -> bool:
+    """Fault in the pages of a :func:`lazily_zeroed_tensor` from a background thread, without changing its
+    contents; whether that was started (Linux with ``MADV_POPULATE_WRITE``; off with ``TOKENMILL_CPU_PREFAULT=0``).
+
+    Args:
+        tensor: a :func:`lazily_zeroed_tensor`.
+        regions: the tensor is this many equal consecutive ranges that fill up front to back together (a KV
+            cache ``[2, Hkv, num_blocks, ...]``: ``2 * Hkv`` ranges indexed by block id, and the block pool hands
+            out the lowest ids first). Each range is its own queue entry, so the round-robin below reaches the
+            start of every range first.
+
+    Order and priority: the thread takes one chunk from each queued range in turn, and the first chunk of every
+    range (the pages that the first requests write) at normal priority; then it drops to ``SCHED_IDLE``. Before,
+    the whole walk ran idle from the start, in address order: a server's first request, arriving while the engine
+    was still loading saved graphs, wrote its first token of every layer and KV head into untouched huge pages,
+    and on one 2-vCPU Intel VM (first write of a huge page 4-8 ms there) a warm start's 5-token prefill took 2.2 s,
+    1.6 s of it in those page faults (py-spy). On another of that kind, four interleaved warm starts each: that
+    first step 833-1,471 ms before, 80-220 ms after; first answer 5.6-6.3 s before, 4.9-5.1 s after
+    (``benchmarks/startup.py``; docs/benchmarks.md, "Issue 16, fourteenth session").
 
     Why: a lazily zeroed KV cache is faulted in by the engine itself, block by block, the first time each block
     is written, and a fresh server keeps meeting untouched blocks until it has used every block once (freed
@@ -162,8 +178,13 @@ def prefault_async(tensor: torch.Tensor) -> bool:
     start = tensor.data_ptr()
     if start % mmap.PAGESIZE:  # madvise takes page-aligned ranges: not a lazily_zeroed_tensor
         return False
+    nbytes = tensor.numel() * tensor.element_size()
+    regions = max(1, min(regions, nbytes // mmap.PAGESIZE))
+    ref = weakref.ref(tensor)
+    # Range r starts on the page that holds its first byte (a page shared with range r - 1 is faulted twice: free).
+    bounds = [start + (nbytes * r // regions) // mmap.PAGESIZE * mmap.PAGESIZE for r in range(regions)]
     with _prefault_lock:
-        _prefault_queue.append((weakref.ref(tensor), start, start + tensor.numel() * tensor.element_size()))
+        _prefault_queue.extend((ref, a, b, True) for a, b in zip(bounds, bounds[1:] + [start + nbytes]))
         if _prefault_thread is None:
             _prefault_thread = threading.Thread(target=_prefault_worker, name="tokenmill-cpu-prefault", daemon=True)
             _prefault_thread.start()
@@ -188,7 +209,7 @@ def wait_for_prefault() -> None:
 def prefault_pending_bytes() -> int:
     """Bytes that :func:`prefault_async` has still to fault in (0 when idle)."""
     with _prefault_lock:
-        return sum(end - addr for _, addr, end in _prefault_queue)
+        return sum(end - addr for _, addr, end, _ in _prefault_queue)
 
 
 def _prefault_worker() -> None:
@@ -202,40 +223,56 @@ def _prefault_worker() -> None:
             _prefault_thread, _prefault_failed = None, True
 
 
+def _claim_chunk() -> tuple[torch.Tensor, int, int, bool] | None:
+    """Under the lock, take the next chunk off the queue: ``(tensor, address, bytes, urgent)``, or ``None`` when
+    the queue is empty. Chunks come round-robin over the queued ranges, each ending on a huge page boundary;
+    ``urgent`` while some range's first chunk is still queued or is this one. The tensor is returned so that its
+    mapping stays alive until the caller's ``madvise`` call is done."""
+    global _prefault_next
+    while _prefault_queue:
+        i = _prefault_next % len(_prefault_queue)
+        ref, addr, end, first = _prefault_queue[i]
+        tensor = ref()
+        if tensor is None:  # freed: dropped, not touched
+            _prefault_queue.pop(i)
+            continue
+        n = min(PREFAULT_CHUNK_BYTES - addr % PREFAULT_CHUNK_BYTES, end - addr)
+        if addr + n >= end:
+            _prefault_queue.pop(i)
+        else:
+            _prefault_queue[i] = (ref, addr + n, end, False)
+            i += 1
+        _prefault_next = i
+        return tensor, addr, n, first or any(entry[3] for entry in _prefault_queue)
+    return None
+
+
 def _prefault_loop(background: bool = True) -> None:
-    """Fault in queued ranges until the queue is empty: the background thread's loop, or (``background=False``)
-    the caller's in :func:`wait_for_prefault`. Each chunk is claimed under the lock before its ``madvise`` call, so
-    both can run at once."""
+    """Fault in queued ranges until the queue is empty: the background thread's loop (which drops to
+    ``SCHED_IDLE`` once no range's first chunk is left), or (``background=False``) the caller's in
+    :func:`wait_for_prefault`. Each chunk is claimed under the lock before its ``madvise`` call, so both can run at
+    once."""
     import ctypes
 
     global _prefault_thread, _prefault_failed
-    policy = _lower_thread_priority() if background else ""
+    policy = ""
     libc = ctypes.CDLL(None, use_errno=True)
     madvise = libc.madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     madvise.restype = ctypes.c_int
     started, done = time.perf_counter(), 0
-    i = 0
     while True:
         with _prefault_lock:
-            if not _prefault_queue:
+            chunk = _claim_chunk()
+            if chunk is None:
                 if background:
                     _prefault_thread = None  # under the lock: a tensor queued from now on starts a new thread
                 break
-            i %= len(_prefault_queue)
-            ref, addr, end = _prefault_queue[i]
-            tensor = ref()  # held across the call, so the mapping cannot go away meanwhile
-            if tensor is None:
-                _prefault_queue.pop(i)
-                continue
-            n = min(PREFAULT_CHUNK_BYTES - addr % PREFAULT_CHUNK_BYTES, end - addr)  # ends on a huge page boundary
-            if addr + n >= end:
-                _prefault_queue.pop(i)
-            else:
-                _prefault_queue[i] = (ref, addr + n, end)
-                i += 1
+        tensor, addr, n, urgent = chunk
+        if background and not urgent and not policy:
+            policy = _lower_thread_priority()
         failed = madvise(addr, n, MADV_POPULATE_WRITE) != 0
-        del tensor
+        del tensor, chunk
         if failed:  # EINVAL: a kernel before 5.14; ENOMEM: out of memory; the engine faults pages itself
             err = ctypes.get_errno()
             with _prefault_lock:
@@ -248,8 +285,8 @@ def _prefault_loop(background: bool = True) -> None:
             return
         done += n
     if background and done:
-        logger.info("KV cache pages faulted in ahead of use: %.2f GiB in %.1f s (background, %s)",
-                    done / 2**30, time.perf_counter() - started, policy)
+        logger.info("KV cache pages faulted in ahead of use: %.2f GiB in %.1f s (background, first pages at normal "
+                    "priority, then %s)", done / 2**30, time.perf_counter() - started, policy or "none left")
 
 
 def _lower_thread_priority() -> str:

@@ -108,10 +108,13 @@ class CpuPlatform(Platform):
     def allocate_kv_cache(cls, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Zeros from anonymous pages the OS zeroes on first touch (``memory.lazily_zeroed_tensor``), so start-up
         does not write the whole cache; a background thread then faults the pages in ahead of use
-        (``memory.prefault_async``), so steps do not pay for first writes."""
+        (``memory.prefault_async``), so steps do not pay for first writes. In the paged layout of this plugin's
+        attention backend, ``[2, Hkv, num_blocks, block_size, D]``, that thread starts with the lowest block ids of
+        each of the ``2 * Hkv`` ranges, which the block pool hands out first; any other layout is faulted in in
+        address order (only the order differs)."""
         cls.set_device(device)
         cache = memory.lazily_zeroed_tensor(shape, dtype)
-        memory.prefault_async(cache)
+        memory.prefault_async(cache, regions=shape[0] * shape[1] if len(shape) == 5 and shape[0] == 2 else 1)
         return cache
 
     @classmethod
