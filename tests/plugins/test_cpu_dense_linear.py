@@ -66,6 +66,21 @@ def test_an_entry_leaves_the_table_when_its_weight_is_freed() -> None:
     assert key not in dense_linear._TABLE
 
 
+@pytest.mark.parametrize("flags", [{"avx512f", "amx_tile", "amx_bf16"}, {"avx2", "fma"}])
+def test_packing_float32_on_a_cpu_with_amx_suggests_bfloat16_once(monkeypatch: pytest.MonkeyPatch,
+                                                                  caplog: pytest.LogCaptureFixture,
+                                                                  flags: set[str]) -> None:
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(dense_linear, "_amx_hint_logged", False)
+    layers = [_layer(seed=seed) for seed in (11, 12)]
+    with caplog.at_level("INFO", logger="tokenmill_cpu.dense_linear"):
+        assert all(dense_linear.pack(layer.weight) for layer in layers)
+        assert dense_linear.pack(_layer(dtype=torch.bfloat16, seed=13).weight) or not _can_pack(torch.bfloat16)
+    hints = [r for r in caplog.records if "--dtype bfloat16" in r.getMessage()]
+    assert len(hints) == ("amx_bf16" in flags)
+    assert ("oneDNN packed (AMX)" in dense_linear.describe()) == ("amx_bf16" in flags)
+
+
 def test_a_weight_that_cannot_be_packed_stays_on_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(weight: torch.Tensor, batch_size: int | None) -> torch.Tensor:
         raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw")

@@ -192,6 +192,7 @@ _panel_ready = False  # the kernels are loaded and their panel width is PANEL_WI
 _TABLE: dict[int, _Packed] = {}  # weight storage address -> packed copy
 _MKL_VERIFIED: dict[tuple[int, int, int], bool] = {}  # (N, K, rows) -> MKL's packed product matched F.linear
 _refused: set[torch.dtype] = set()
+_amx_hint_logged = False
 _refused_libraries: set[str] = set()  # libraries whose loss was logged
 
 
@@ -379,7 +380,29 @@ def pack(weight: torch.Tensor) -> bool:
         return False
     _TABLE[key] = _Packed(packed, library, tuple(weight.shape), weight.dtype)
     weakref.finalize(weight, _TABLE.pop, key, None)
+    if weight.dtype == torch.float32:
+        _log_amx_hint()
     return True
+
+
+def has_amx_bf16() -> bool:
+    """Whether the CPU has AMX tile matmuls for bfloat16 (Linux flag ``amx_bf16``: Intel Xeon from Sapphire Rapids
+    on), which oneDNN uses for bfloat16 products."""
+    return "amx_bf16" in kernels.cpu_flags()
+
+
+def _log_amx_hint() -> None:
+    """Once per process, where float32 weights are packed on a CPU with AMX: say that ``--dtype bfloat16`` is
+    several times faster here. On 2 vCPUs of such a Xeon (2026-12-03), ``tokenmill bench throughput --num-prompts 256
+    --input-len 128 --output-len 128``: 505.8 output tok/s in float32, 1,359.7 in bfloat16 (oneDNN's packed bfloat16
+    matmuls at 1,854-2,753 GFLOP/s against 332-393 for float32; docs/benchmarks.md, "Issue 16, fourteenth
+    session"). float32 stays the default: outputs differ from it at bfloat16 precision."""
+    global _amx_hint_logged
+    if _amx_hint_logged or not has_amx_bf16():
+        return
+    _amx_hint_logged = True
+    logger.info("this CPU has AMX for bfloat16 matmuls: --dtype bfloat16 runs them several times faster than "
+                "float32 (outputs then differ from float32's at bfloat16 precision)")
 
 
 def packed_count() -> int:
@@ -448,4 +471,5 @@ def describe() -> str:
         f32 += f" (kernels unavailable: {MKL if HAS_MKL else 'F.linear'} instead)"
     elif library == PANEL and not kernels.ready():
         f32 += " (F.linear until the kernels are loaded)"
-    return f"prepacked weights: float32 {f32}, bfloat16 {ONEDNN} where oneDNN can pack it; otherwise {base}"
+    bf16 = f"{ONEDNN} (AMX)" if has_amx_bf16() else ONEDNN
+    return f"prepacked weights: float32 {f32}, bfloat16 {bf16} where oneDNN can pack it; otherwise {base}"
