@@ -176,12 +176,20 @@ def test_cpu_kv_cache_pages_are_faulted_in_behind_the_engine_without_changing_th
     cache[0, 7].fill_(-1.0)
     del other  # a freed cache is dropped from the queue, not touched
     deadline = time.monotonic() + 60
-    while memory.prefault_pending_bytes() and time.monotonic() < deadline:
+    while (memory.prefault_pending_bytes() or memory._prefault_thread is not None) and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert memory.prefault_pending_bytes() == 0
+    assert memory.prefault_pending_bytes() == 0 and memory._prefault_thread is None
     assert _resident_bytes() - before >= 60 << 20, "the pages were not faulted in"
     assert cache[1, 2047, 15].eq(3.0).all() and cache[0, 7].eq(-1.0).all()
     assert float(cache.sum()) == 3.0 * 4 * 64 - 16 * 4 * 64
+
+
+def _claim_all(memory) -> list[tuple[int, int, bool]]:
+    claims = []
+    with memory._prefault_lock:
+        while (chunk := memory._claim_chunk()) is not None:
+            claims.append(chunk[1:])
+    return claims
 
 
 @pytest.mark.skipif(platform.system() != "Linux", reason="needs Linux")
@@ -193,24 +201,57 @@ def test_the_prefault_starts_with_the_lowest_blocks_of_every_key_and_value_range
     monkeypatch.setenv("TOKENMILL_CPU_PREFAULT", "1")
     monkeypatch.setattr(memory, "_prefault_failed", False)
     monkeypatch.setattr(memory, "_prefault_queue", [])
+    monkeypatch.setattr(memory, "_prefault_next", 5)  # left over from an earlier tensor: reset for an empty queue
     monkeypatch.setattr(memory, "_prefault_thread", threading.Thread(target=lambda: None))  # claimed by hand here
-    monkeypatch.setattr(memory, "PREFAULT_CHUNK_BYTES", 64 << 10)
+    chunk = 64 << 10
+    monkeypatch.setattr(memory, "PREFAULT_CHUNK_BYTES", chunk)
     shape = (2, 3, 50, 16, 64)  # keys and values of 3 KV heads: 6 ranges of 200 KiB (not chunk-aligned)
     cache = CpuPlatform.allocate_kv_cache(shape, torch.float32, torch.device("cpu"))
     base, region = cache.data_ptr(), cache[0, 0].numel() * 4
-    claims = []
-    with memory._prefault_lock:
-        while (chunk := memory._claim_chunk()) is not None:
-            claims.append(chunk[1:])
     starts = [base + r * region for r in range(6)]
+    claims = _claim_all(memory)
     assert [addr for addr, _, _ in claims[:6]] == starts  # block 0 of each range first
-    assert all(urgent for _, _, urgent in claims[:6]) and not any(urgent for _, _, urgent in claims[6:])
-    assert [addr for addr, _, _ in claims[6:12]] == [(s // (64 << 10) + 1) * (64 << 10) for s in starts]
-    assert sorted((addr, n) for addr, n, _ in claims) == [(a, n) for a, n, _ in sorted(claims)]
-    covered = sum(n for _, n, _ in claims)
-    ends = {s + region for s in starts}  # a chunk ends on a chunk boundary or where its range ends
-    assert covered == cache.numel() * 4 and all((addr + n) % (64 << 10) == 0 or addr + n in ends for addr, n, _ in claims)
+    assert [addr for addr, _, _ in claims[6:12]] == [(s // chunk + 1) * chunk for s in starts]
+    # Urgent (normal priority) until every chunk that begins in the first 64 KiB of its range is taken.
+    begins_early = [addr < max(s for s in starts if s <= addr) + chunk for addr, _, _ in claims]
+    last_early = max(i for i, early in enumerate(begins_early) if early)
+    assert last_early >= 6 and [urgent for _, _, urgent in claims] == [i <= last_early for i in range(len(claims))]
+    pos = base  # the chunks tile the cache: no gap, no overlap
+    for addr, n, _ in sorted(claims):
+        assert addr == pos and n > 0 and ((addr + n) % chunk == 0 or addr + n in {s + region for s in starts})
+        pos += n
+    assert pos == base + cache.numel() * 4 and memory.prefault_pending_bytes() == 0
+
+    # The background loop drops to SCHED_IDLE right after the last urgent chunk.
+    if not _kernel_populates_writes(memory.MADV_POPULATE_WRITE):
+        return
+    other = CpuPlatform.allocate_kv_cache(shape, torch.float32, torch.device("cpu"))
+    queued = list(memory._prefault_queue)
+    order = _claim_all(memory)  # what the loop below will take, in order
+    memory._prefault_queue[:], memory._prefault_next = queued, 0
+    pending_at_drop = []
+    monkeypatch.setattr(memory, "_lower_thread_priority", lambda: pending_at_drop.append(memory.prefault_pending_bytes()) or "idle")
+    memory._prefault_loop(background=True)
+    first_lazy = [urgent for _, _, urgent in order].index(False)
+    assert pending_at_drop == [other.numel() * 4 - sum(n for _, n, _ in order[: first_lazy + 1])]
     assert memory.prefault_pending_bytes() == 0
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="needs Linux")
+def test_a_layout_with_thousands_of_leading_ranges_is_faulted_in_address_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from tokenmill_cpu import memory
+
+    monkeypatch.setenv("TOKENMILL_CPU_PREFAULT", "1")
+    monkeypatch.setattr(memory, "_prefault_failed", False)
+    monkeypatch.setattr(memory, "_prefault_queue", [])
+    monkeypatch.setattr(memory, "_prefault_thread", threading.Thread(target=lambda: None))
+    monkeypatch.setattr(memory, "PREFAULT_CHUNK_BYTES", 64 << 10)
+    cache = CpuPlatform.allocate_kv_cache((2, 512, 16, 2, 64), torch.float32, torch.device("cpu"))  # [2, blocks, ...]
+    claims = _claim_all(memory)
+    assert [addr for addr, _, _ in claims] == sorted(addr for addr, _, _ in claims)
+    assert claims[0][0] == cache.data_ptr() and sum(n for _, n, _ in claims) == cache.numel() * 4
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm") or platform.system() != "Linux", reason="needs Linux")

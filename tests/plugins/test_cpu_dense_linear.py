@@ -66,19 +66,41 @@ def test_an_entry_leaves_the_table_when_its_weight_is_freed() -> None:
     assert key not in dense_linear._TABLE
 
 
-@pytest.mark.parametrize("flags", [{"avx512f", "amx_tile", "amx_bf16"}, {"avx2", "fma"}])
+@pytest.mark.parametrize("amx", [True, False])
 def test_packing_float32_on_a_cpu_with_amx_suggests_bfloat16_once(monkeypatch: pytest.MonkeyPatch,
-                                                                  caplog: pytest.LogCaptureFixture,
-                                                                  flags: set[str]) -> None:
-    monkeypatch.setattr(kernels, "cpu_flags", lambda: flags)
+                                                                  caplog: pytest.LogCaptureFixture, amx: bool) -> None:
+    monkeypatch.setattr(dense_linear, "has_amx_bf16", lambda: amx)
     monkeypatch.setattr(dense_linear, "_amx_hint_logged", False)
-    layers = [_layer(seed=seed) for seed in (11, 12)]
     with caplog.at_level("INFO", logger="tokenmill_cpu.dense_linear"):
+        if _can_pack(torch.bfloat16):  # bfloat16 weights never log it
+            assert dense_linear.pack(_layer(dtype=torch.bfloat16, seed=13).weight)
+            assert "--dtype bfloat16" not in caplog.text
+        layers = [_layer(seed=seed) for seed in (11, 12)]
         assert all(dense_linear.pack(layer.weight) for layer in layers)
-        assert dense_linear.pack(_layer(dtype=torch.bfloat16, seed=13).weight) or not _can_pack(torch.bfloat16)
     hints = [r for r in caplog.records if "--dtype bfloat16" in r.getMessage()]
-    assert len(hints) == ("amx_bf16" in flags)
-    assert ("oneDNN packed (AMX)" in dense_linear.describe()) == ("amx_bf16" in flags)
+    assert len(hints) == amx
+    assert ("oneDNN packed (AMX)" in dense_linear.describe()) == amx
+
+
+@pytest.mark.parametrize(("flags", "isa_cap", "expected"), [
+    ({"avx512f", "amx_tile", "amx_bf16"}, None, True),
+    ({"avx512f", "amx_tile", "amx_bf16"}, "AVX512_CORE_AMX", True),
+    ({"avx512f", "amx_tile", "amx_bf16"}, "AVX2", False),  # oneDNN capped below AMX
+    ({"avx2", "fma"}, None, False),
+])
+def test_amx_counts_only_where_onednn_may_use_it(monkeypatch: pytest.MonkeyPatch, flags: set[str],
+                                                 isa_cap: str | None, expected: bool) -> None:
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    if isa_cap is None:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    else:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa_cap)
+    dense_linear.has_amx_bf16.cache_clear()
+    try:
+        assert dense_linear.has_amx_bf16() is expected
+    finally:
+        dense_linear.has_amx_bf16.cache_clear()
 
 
 def test_a_weight_that_cannot_be_packed_stays_on_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -115,6 +115,7 @@ for MKL / oneDNN instead of the panel kernel (for comparisons).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -385,10 +386,18 @@ def pack(weight: torch.Tensor) -> bool:
     return True
 
 
+@functools.cache
 def has_amx_bf16() -> bool:
-    """Whether the CPU has AMX tile matmuls for bfloat16 (Linux flag ``amx_bf16``: Intel Xeon from Sapphire Rapids
-    on), which oneDNN uses for bfloat16 products."""
-    return "amx_bf16" in kernels.cpu_flags()
+    """Whether oneDNN can run bfloat16 products on AMX tiles here: the CPU has them (Linux flag ``amx_bf16``: Intel
+    Xeon from Sapphire Rapids on), the OS lets this process use them (torch's check, where this torch has one), and
+    ``ONEDNN_MAX_CPU_ISA`` does not cap oneDNN below AMX. Read once per process."""
+    if "amx_bf16" not in kernels.cpu_flags():
+        return False
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    if cap and cap != "ALL" and "AMX" not in cap:
+        return False
+    os_allows = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(os_allows()) if os_allows is not None else True
 
 
 def _log_amx_hint() -> None:
@@ -398,9 +407,11 @@ def _log_amx_hint() -> None:
     matmuls at 1,854-2,753 GFLOP/s against 332-393 for float32; docs/benchmarks.md, "Issue 16, fourteenth
     session"). float32 stays the default: outputs differ from it at bfloat16 precision."""
     global _amx_hint_logged
-    if _amx_hint_logged or not has_amx_bf16():
+    if _amx_hint_logged:
         return
     _amx_hint_logged = True
+    if not has_amx_bf16():
+        return
     logger.info("this CPU has AMX for bfloat16 matmuls: --dtype bfloat16 runs them several times faster than "
                 "float32 (outputs then differ from float32's at bfloat16 precision)")
 

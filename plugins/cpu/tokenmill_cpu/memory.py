@@ -132,7 +132,7 @@ PREFAULT_CHUNK_BYTES = 2 << 20  # one madvise call: one huge page (a few millise
 PREFAULT_NICENESS = 10  # nice increment of the prefault thread where SCHED_IDLE is refused (Linux: per thread)
 
 _prefault_lock = threading.Lock()
-_prefault_queue: list[tuple[weakref.ref, int, int, bool]] = []  # (tensor, next address, end address, first chunk)
+_prefault_queue: list[tuple[weakref.ref, int, int, int]] = []  # (tensor, next address, end, urgent below this)
 _prefault_thread: threading.Thread | None = None
 _prefault_next = 0  # queue index of the range whose chunk comes next (round-robin)
 _prefault_failed = False  # madvise refused once (an older kernel): not tried again in this process
@@ -147,10 +147,13 @@ def prefault_async(tensor: torch.Tensor, regions: int = 1) -> bool:
         regions: the tensor is this many equal consecutive ranges that fill up front to back together (a KV
             cache ``[2, Hkv, num_blocks, ...]``: ``2 * Hkv`` ranges indexed by block id, and the block pool hands
             out the lowest ids first). Each range is its own queue entry, so the round-robin below reaches the
-            start of every range first.
+            start of every range first. At most one range per :data:`PREFAULT_CHUNK_BYTES` of the tensor.
 
-    Order and priority: the thread takes one chunk from each queued range in turn, and the first chunk of every
-    range (the pages that the first requests write) at normal priority; then it drops to ``SCHED_IDLE``. Before,
+    Order and priority: the thread takes one chunk from each queued range in turn, and the first
+    :data:`PREFAULT_CHUNK_BYTES` of every range (the pages that the first requests write; one or two chunks, as
+    the range starts on a chunk boundary or not) at normal priority; then it drops to ``SCHED_IDLE`` for the rest.
+    It cannot rise again: ranges queued after that, while it still runs (a second engine in the process), start
+    at ``SCHED_IDLE`` too. Before,
     the whole walk ran idle from the start, in address order: a server's first request, arriving while the engine
     was still loading saved graphs, wrote its first token of every layer and KV head into untouched huge pages,
     and on one 2-vCPU Intel VM (first write of a huge page 4-8 ms there) a warm start's 5-token prefill took 2.2 s,
@@ -164,9 +167,9 @@ def prefault_async(tensor: torch.Tensor, regions: int = 1) -> bool:
     page costs about 2.7 ms (4 GiB took 5.6 s): about 1 s of every 64-prompt concurrency-32 run of a fresh
     server, and 12% of a prefill profile. ``madvise(MADV_POPULATE_WRITE)`` faults pages in writable as a write
     would, but never writes them (Linux ``madvise(2)``), so it is safe while the engine writes the same cache;
-    ctypes releases the GIL for the call. The thread walks the queued tensors round-robin in
-    :data:`PREFAULT_CHUNK_BYTES` steps under ``SCHED_IDLE`` (:func:`_lower_thread_priority`), so it fills idle
-    time and gives way to the engine's steps, and drops a tensor that was freed.
+    ctypes releases the GIL for the call. After the first pages the thread runs under ``SCHED_IDLE``
+    (:func:`_lower_thread_priority`), so it fills idle time and gives way to the engine's steps; it drops a tensor
+    that was freed.
     The steps are one 2 MiB huge page each: with 16 MiB calls a warm start's first answer took 20.6-22.4 s instead
     of 11.9 s (probably the low-priority thread, preempted inside a long call, held up the engine's page faults); with
     2 MiB, 10.7-11.6 s (docs/benchmarks.md, "Issue 16, tenth session").
@@ -179,12 +182,15 @@ def prefault_async(tensor: torch.Tensor, regions: int = 1) -> bool:
     if start % mmap.PAGESIZE:  # madvise takes page-aligned ranges: not a lazily_zeroed_tensor
         return False
     nbytes = tensor.numel() * tensor.element_size()
-    regions = max(1, min(regions, nbytes // mmap.PAGESIZE))
+    global _prefault_next
+    regions = max(1, min(regions, nbytes // PREFAULT_CHUNK_BYTES))
     ref = weakref.ref(tensor)
-    # Range r starts on the page that holds its first byte (a page shared with range r - 1 is faulted twice: free).
+    # Range r starts on the page that holds its first byte (so range r - 1 ends there).
     bounds = [start + (nbytes * r // regions) // mmap.PAGESIZE * mmap.PAGESIZE for r in range(regions)]
     with _prefault_lock:
-        _prefault_queue.extend((ref, a, b, True) for a, b in zip(bounds, bounds[1:] + [start + nbytes]))
+        if not _prefault_queue:
+            _prefault_next = 0
+        _prefault_queue.extend((ref, a, b, a + PREFAULT_CHUNK_BYTES) for a, b in zip(bounds, bounds[1:] + [start + nbytes]))
         if _prefault_thread is None:
             _prefault_thread = threading.Thread(target=_prefault_worker, name="tokenmill-cpu-prefault", daemon=True)
             _prefault_thread.start()
@@ -225,13 +231,14 @@ def _prefault_worker() -> None:
 
 def _claim_chunk() -> tuple[torch.Tensor, int, int, bool] | None:
     """Under the lock, take the next chunk off the queue: ``(tensor, address, bytes, urgent)``, or ``None`` when
-    the queue is empty. Chunks come round-robin over the queued ranges, each ending on a huge page boundary;
-    ``urgent`` while some range's first chunk is still queued or is this one. The tensor is returned so that its
-    mapping stays alive until the caller's ``madvise`` call is done."""
+    the queue is empty. Chunks come round-robin over the queued ranges, each ending on a multiple of
+    :data:`PREFAULT_CHUNK_BYTES` or at its range's end; ``urgent`` while this chunk or one still queued begins
+    within the first :data:`PREFAULT_CHUNK_BYTES` of its range. The tensor is returned so that its mapping stays
+    alive until the caller's ``madvise`` call is done."""
     global _prefault_next
     while _prefault_queue:
         i = _prefault_next % len(_prefault_queue)
-        ref, addr, end, first = _prefault_queue[i]
+        ref, addr, end, urgent_below = _prefault_queue[i]
         tensor = ref()
         if tensor is None:  # freed: dropped, not touched
             _prefault_queue.pop(i)
@@ -240,16 +247,16 @@ def _claim_chunk() -> tuple[torch.Tensor, int, int, bool] | None:
         if addr + n >= end:
             _prefault_queue.pop(i)
         else:
-            _prefault_queue[i] = (ref, addr + n, end, False)
+            _prefault_queue[i] = (ref, addr + n, end, urgent_below)
             i += 1
         _prefault_next = i
-        return tensor, addr, n, first or any(entry[3] for entry in _prefault_queue)
+        return tensor, addr, n, addr < urgent_below or any(a < u for _, a, _, u in _prefault_queue)
     return None
 
 
 def _prefault_loop(background: bool = True) -> None:
     """Fault in queued ranges until the queue is empty: the background thread's loop (which drops to
-    ``SCHED_IDLE`` once no range's first chunk is left), or (``background=False``) the caller's in
+    ``SCHED_IDLE`` once no range's first pages are left), or (``background=False``) the caller's in
     :func:`wait_for_prefault`. Each chunk is claimed under the lock before its ``madvise`` call, so both can run at
     once."""
     import ctypes
@@ -285,8 +292,9 @@ def _prefault_loop(background: bool = True) -> None:
             return
         done += n
     if background and done:
+        rest = f"then {policy}" if policy else "nothing left after them"
         logger.info("KV cache pages faulted in ahead of use: %.2f GiB in %.1f s (background, first pages at normal "
-                    "priority, then %s)", done / 2**30, time.perf_counter() - started, policy or "none left")
+                    "priority, %s)", done / 2**30, time.perf_counter() - started, rest)
 
 
 def _lower_thread_priority() -> str:

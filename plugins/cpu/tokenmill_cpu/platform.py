@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
 GiB = 1 << 30
 DEFAULT_KV_CACHE_CAP_BYTES = 4 * GiB
+MAX_PREFAULT_RANGES = 128  # 2 * Hkv of the paged layout; more: taken for another layout (allocate_kv_cache)
 CPU_ATTN_BACKEND = "CPU_PAGED"  # registered by tokenmill_cpu.plugin (tokenmill_cpu.attention:CpuPagedAttentionBackend)
 
 
@@ -110,11 +111,14 @@ class CpuPlatform(Platform):
         does not write the whole cache; a background thread then faults the pages in ahead of use
         (``memory.prefault_async``), so steps do not pay for first writes. In the paged layout of this plugin's
         attention backend, ``[2, Hkv, num_blocks, block_size, D]``, that thread starts with the lowest block ids of
-        each of the ``2 * Hkv`` ranges, which the block pool hands out first; any other layout is faulted in in
-        address order (only the order differs)."""
+        each of the ``2 * Hkv`` ranges, which the block pool hands out first. The shape alone does not name the
+        layout: a 5-D shape ``[2, X, ...]`` with ``2 * X`` above :data:`MAX_PREFAULT_RANGES` (another backend's
+        ``[2, num_blocks, ...]``) is faulted in in address order, as is any other shape (only the order
+        differs)."""
         cls.set_device(device)
         cache = memory.lazily_zeroed_tensor(shape, dtype)
-        memory.prefault_async(cache, regions=shape[0] * shape[1] if len(shape) == 5 and shape[0] == 2 else 1)
+        ranges = 2 * shape[1] if len(shape) == 5 and shape[0] == 2 else 1
+        memory.prefault_async(cache, regions=ranges if ranges <= MAX_PREFAULT_RANGES else 1)
         return cache
 
     @classmethod
