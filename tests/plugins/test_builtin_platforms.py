@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import types
 
 import pytest
 import torch
@@ -184,7 +185,8 @@ def test_cpu_kv_cache_pages_are_faulted_in_behind_the_engine_without_changing_th
     assert float(cache.sum()) == 3.0 * 4 * 64 - 16 * 4 * 64
 
 
-def _claim_all(memory) -> list[tuple[int, int, bool]]:
+def _claim_all(memory: types.ModuleType) -> list[tuple[int, int, bool]]:
+    """Every queued prefault chunk, taken by hand: ``(address, bytes, urgent)`` in claim order."""
     claims = []
     with memory._prefault_lock:
         while (chunk := memory._claim_chunk()) is not None:

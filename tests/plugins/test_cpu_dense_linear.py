@@ -70,7 +70,7 @@ def test_an_entry_leaves_the_table_when_its_weight_is_freed() -> None:
 def test_packing_float32_on_a_cpu_with_amx_suggests_bfloat16_once(monkeypatch: pytest.MonkeyPatch,
                                                                   caplog: pytest.LogCaptureFixture, amx: bool) -> None:
     monkeypatch.setattr(dense_linear, "has_amx_bf16", lambda: amx)
-    monkeypatch.setattr(dense_linear, "_amx_hint_logged", False)
+    dense_linear._log_amx_hint.cache_clear()
     with caplog.at_level("INFO", logger="tokenmill_cpu.dense_linear"):
         if _can_pack(torch.bfloat16):  # bfloat16 weights never log it
             assert dense_linear.pack(_layer(dtype=torch.bfloat16, seed=13).weight)

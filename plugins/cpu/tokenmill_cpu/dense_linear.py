@@ -193,7 +193,6 @@ _panel_ready = False  # the kernels are loaded and their panel width is PANEL_WI
 _TABLE: dict[int, _Packed] = {}  # weight storage address -> packed copy
 _MKL_VERIFIED: dict[tuple[int, int, int], bool] = {}  # (N, K, rows) -> MKL's packed product matched F.linear
 _refused: set[torch.dtype] = set()
-_amx_hint_logged = False
 _refused_libraries: set[str] = set()  # libraries whose loss was logged
 
 
@@ -400,20 +399,16 @@ def has_amx_bf16() -> bool:
     return bool(os_allows()) if os_allows is not None else True
 
 
+@functools.cache
 def _log_amx_hint() -> None:
     """Once per process, where float32 weights are packed on a CPU with AMX: say that ``--dtype bfloat16`` is
     several times faster here. On 2 vCPUs of such a Xeon (2026-12-03), ``tokenmill bench throughput --num-prompts 256
     --input-len 128 --output-len 128``: 505.8 output tok/s in float32, 1,359.7 in bfloat16 (oneDNN's packed bfloat16
     matmuls at 1,854-2,753 GFLOP/s against 332-393 for float32; docs/benchmarks.md, "Issue 16, fourteenth
     session"). float32 stays the default: outputs differ from it at bfloat16 precision."""
-    global _amx_hint_logged
-    if _amx_hint_logged:
-        return
-    _amx_hint_logged = True
-    if not has_amx_bf16():
-        return
-    logger.info("this CPU has AMX for bfloat16 matmuls: --dtype bfloat16 runs them several times faster than "
-                "float32 (outputs then differ from float32's at bfloat16 precision)")
+    if has_amx_bf16():
+        logger.info("this CPU has AMX for bfloat16 matmuls: --dtype bfloat16 runs them several times faster than "
+                    "float32 (outputs then differ from float32's at bfloat16 precision)")
 
 
 def packed_count() -> int:

@@ -153,13 +153,13 @@ def prefault_async(tensor: torch.Tensor, regions: int = 1) -> bool:
     :data:`PREFAULT_CHUNK_BYTES` of every range (the pages that the first requests write; one or two chunks, as
     the range starts on a chunk boundary or not) at normal priority; then it drops to ``SCHED_IDLE`` for the rest.
     It cannot rise again: ranges queued after that, while it still runs (a second engine in the process), start
-    at ``SCHED_IDLE`` too. Before,
-    the whole walk ran idle from the start, in address order: a server's first request, arriving while the engine
-    was still loading saved graphs, wrote its first token of every layer and KV head into untouched huge pages,
-    and on one 2-vCPU Intel VM (first write of a huge page 4-8 ms there) a warm start's 5-token prefill took 2.2 s,
-    1.6 s of it in those page faults (py-spy). On another of that kind, four interleaved warm starts each: that
-    first step 833-1,471 ms before, 80-220 ms after; first answer 5.6-6.3 s before, 4.9-5.1 s after
-    (``benchmarks/startup.py``; docs/benchmarks.md, "Issue 16, fourteenth session").
+    at ``SCHED_IDLE`` too. Before, the whole walk ran idle from the start, in address order: a server's first
+    request, arriving while the engine was still loading saved graphs, wrote its first token of every layer and KV
+    head into untouched huge pages, and on one 2-vCPU Intel VM (first write of a huge page 4-8 ms there) a warm
+    start's 5-token prefill took 2.2 s, 1.6 s of it in those page faults (py-spy). On another of that kind, four
+    interleaved warm starts each: that first step 833-1,471 ms before, 80-220 ms with the first chunk of each range
+    urgent; first answer 5.6-6.3 s before, 4.9-5.1 s after; widening that to the first 2 MiB made no difference
+    visible in a noisier A/B (``benchmarks/startup.py``; docs/benchmarks.md, "Issue 16, fourteenth session").
 
     Why: a lazily zeroed KV cache is faulted in by the engine itself, block by block, the first time each block
     is written, and a fresh server keeps meeting untouched blocks until it has used every block once (freed
@@ -177,12 +177,11 @@ def prefault_async(tensor: torch.Tensor, regions: int = 1) -> bool:
     if os.environ.get("TOKENMILL_CPU_PREFAULT", "1") == "0" or platform.system() != "Linux" or tensor.numel() == 0 \
             or _prefault_failed:
         return False
-    global _prefault_thread
+    global _prefault_thread, _prefault_next
     start = tensor.data_ptr()
     if start % mmap.PAGESIZE:  # madvise takes page-aligned ranges: not a lazily_zeroed_tensor
         return False
     nbytes = tensor.numel() * tensor.element_size()
-    global _prefault_next
     regions = max(1, min(regions, nbytes // PREFAULT_CHUNK_BYTES))
     ref = weakref.ref(tensor)
     # Range r starts on the page that holds its first byte (so range r - 1 ends there).
