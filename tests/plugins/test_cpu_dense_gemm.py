@@ -1,5 +1,5 @@
-"""tokenmill-cpu's float32 panel matmul (``csrc/dense_gemm.cpp``, ``torch.ops.tokenmill_cpu.dense_gemm``) and how
-``tokenmill_cpu.dense_linear`` uses it."""
+"""tokenmill-cpu's float32 and bfloat16 panel matmuls (``csrc/dense_gemm.cpp``, ``torch.ops.tokenmill_cpu.dense_gemm``
+and ``dense_gemm_bf16``) and how ``tokenmill_cpu.dense_linear`` uses them."""
 
 from __future__ import annotations
 
@@ -159,6 +159,106 @@ def test_a_failed_kernel_build_repacks_the_weights_for_mkl(monkeypatch: pytest.M
     entry = dense_linear._TABLE[w.data_ptr()]
     assert entry.library == dense_linear.MKL
     assert "kernels unavailable" in dense_linear.describe()
+
+
+def _bf16_rel_err(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
+    return _rel_err(got, F.linear(x.double(), w.double()))
+
+
+@pytest.mark.parametrize(("n", "k"), [(48, 64), (100, 30), (7, 2), (960, 576), (50, 1538)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 17, 70])
+def test_bf16_panel_product_matches_the_fp64_reference(n: int, k: int, rows: int) -> None:
+    """``dense_gemm_bf16`` (AVX-512 BF16 pair dot products, or the plain loops of other builds): float32 sums of
+    exact bfloat16 products, rounded once to bfloat16, so within bfloat16's rounding of the float64 product."""
+    g = torch.Generator().manual_seed(n * 1000 + k * 10 + rows)
+    w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    got = torch.ops.tokenmill_cpu.dense_gemm_bf16(x, dense_linear.pack_panels_bf16(w), n)
+    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+    assert _bf16_rel_err(got, x, w) < 8e-3
+    exact = F.linear(x.double(), w.double())
+    assert float((got.double() - exact).abs().max()) <= float((F.linear(x, w).double() - exact).abs().max()) * 2 + 1e-6
+
+
+def test_bf16_panel_rows_do_not_depend_on_the_row_count() -> None:
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(130, 96, generator=g).bfloat16(), torch.randn(21, 96, generator=g).bfloat16()
+    packed = dense_linear.pack_panels_bf16(w)
+    batch = torch.ops.tokenmill_cpu.dense_gemm_bf16(x, packed, 130)
+    one = torch.cat([torch.ops.tokenmill_cpu.dense_gemm_bf16(x[i:i + 1], packed, 130) for i in range(21)])
+    assert torch.equal(batch, one)
+
+
+def test_bf16_pack_layout_and_bad_inputs() -> None:
+    w = torch.arange(3 * 4, dtype=torch.float32).view(3, 4).bfloat16()
+    packed = dense_linear.pack_panels_bf16(w, 2)
+    assert packed.shape == (2, 2, 4)
+    assert packed[0, 1].tolist() == [w[0, 2], w[0, 3], w[1, 2], w[1, 3]]
+    assert packed[1, 0].tolist() == [w[2, 0], w[2, 1], 0, 0]
+    with pytest.raises(ValueError, match="even input size"):
+        dense_linear.pack_panels_bf16(torch.zeros(4, 5, dtype=torch.bfloat16))
+    good = dense_linear.pack_panels_bf16(torch.randn(40, 16).bfloat16())
+    x = torch.randn(3, 16).bfloat16()
+    gemm = torch.ops.tokenmill_cpu.dense_gemm_bf16
+    assert gemm(torch.empty(0, 16, dtype=torch.bfloat16), good, 40).shape == (0, 40)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        gemm(x.float(), good, 40)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        gemm(torch.randn(16, 3).bfloat16().T, good, 40)
+    with pytest.raises(RuntimeError, match="even count"):
+        gemm(torch.randn(3, 18).bfloat16(), good, 40)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        gemm(x, good, 49)
+    with pytest.raises(RuntimeError, match="packed weight must be"):
+        gemm(x, dense_linear.pack_panels_bf16(torch.randn(40, 16).bfloat16(), 24), 40)
+
+
+def _packable_bf16() -> torch.Tensor | None:
+    """A bfloat16 weight that oneDNN packs here (it needs AVX-512 or AVX-NE-CONVERT), or None."""
+    w = torch.randn(100, 64).bfloat16()
+    return w if dense_linear.pack(w) else None
+
+
+def test_bf16_layers_use_the_panel_copy_up_to_the_bound_and_onednn_above(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dense_linear, "BF16_PANEL_MAX_ROWS", 4)
+    monkeypatch.setattr(dense_linear, "_bf16_panel_ready", None)
+    w = _packable_bf16()
+    if w is None:
+        pytest.skip("oneDNN cannot pack bfloat16 weights here")
+    entry = dense_linear._TABLE[w.data_ptr()]
+    assert entry.small is not None and dense_linear.packed_bytes(w) == 2 * w.numel() * 2
+    calls = []
+    real = torch.ops.tokenmill_cpu.dense_gemm_bf16
+    monkeypatch.setattr(torch.ops.tokenmill_cpu, "dense_gemm_bf16",
+                        lambda x, p, n: calls.append(len(x)) or real(x, p, n))
+    for rows in (1, 4, 5, 40):
+        x = torch.randn(rows, 64).bfloat16()
+        assert _bf16_rel_err(dense_linear.dense_linear(x, w), x, w) < 8e-3
+    if str(torch.ops.tokenmill_cpu.dense_gemm_bf16_isa()) == "avx512_bf16":
+        assert calls == [1, 4] and "panel bf16 dot for 1-4 rows" in dense_linear.describe()
+    else:  # a build without AVX-512 BF16: the copies are dropped at the first product and oneDNN serves all rows
+        assert calls == [] and entry.small is None and dense_linear._bf16_panel_ready is False
+        assert "panel bf16" not in dense_linear.describe()
+
+
+def test_bf16_products_wait_for_the_kernels_and_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dense_linear, "BF16_PANEL_MAX_ROWS", 4)
+    monkeypatch.setattr(dense_linear, "_bf16_panel_ready", None)
+    w = _packable_bf16()
+    if w is None:
+        pytest.skip("oneDNN cannot pack bfloat16 weights here")
+    monkeypatch.setattr(kernels, "ready", lambda: False)
+    monkeypatch.setattr(kernels, "failed", lambda: False)
+    monkeypatch.setattr(torch.ops.tokenmill_cpu, "dense_gemm_bf16", lambda *a: pytest.fail("kernel called before load"))
+    x = torch.randn(2, 64).bfloat16()
+    assert _bf16_rel_err(dense_linear.dense_linear(x, w), x, w) < 8e-3
+    assert dense_linear._bf16_panel_ready is None  # asked again at the next product
+    monkeypatch.setattr(dense_linear, "BF16_PANEL_MAX_ROWS", 0)
+    w2 = torch.randn(32, 64).bfloat16()
+    assert not dense_linear.small_copy_wanted(w2)
+    assert dense_linear.packed_bytes(w2) == w2.numel() * 2
+    monkeypatch.setenv(dense_linear.BF16_PANEL_ROWS_ENV, "0")
+    assert dense_linear._bf16_panel_max_rows() == 0
 
 
 @pytest.mark.slow

@@ -45,7 +45,9 @@ def test_packed_product_matches_f_linear(dtype: torch.dtype, rows: int) -> None:
         pytest.skip(f"oneDNN cannot pack {dtype} on this CPU")
     layer = _layer(dtype=dtype)
     method = CpuUnquantizedLinearMethod()
-    assert method.process_weights_after_loading(layer) == layer.weight.numel() * layer.weight.element_size()
+    assert method.process_weights_after_loading(layer) == dense_linear.packed_bytes(layer.weight)
+    if dtype == torch.bfloat16 and dense_linear.small_copy_wanted(layer.weight):
+        assert dense_linear.packed_bytes(layer.weight) == 2 * layer.weight.numel() * 2
     assert layer.weight.data_ptr() in dense_linear._TABLE
     x = (torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)) * 0.5).to(dtype)
     want = F.linear(x.double(), layer.weight.double())

@@ -21,6 +21,14 @@ decode step that repacking costs as much as the multiplication. Weights are pack
   sends that shape and count to ``F.linear`` for good (with a warning).
 * bfloat16, and float32 where torch has no MKL: oneDNN (``torch.ops.mkldnn._reorder_linear_weight`` /
   ``torch.ops.mkldnn._linear_pointwise``), whose packed copy serves any row count.
+* bfloat16 on a CPU with AVX-512 BF16, at 1 to :data:`BF16_PANEL_MAX_ROWS` rows (a decode step of a few
+  requests): a second copy in panels for tokenmill-cpu's bfloat16 matmul (``torch.ops.tokenmill_cpu.dense_gemm_bf16``,
+  the float32 panel loops with the BF16 pair dot product), which keeps more of the weights in flight than
+  oneDNN at those rows; above them oneDNN's copy (AMX tiles where the CPU has them) is faster. On 2 vCPUs of a
+  Xeon with AMX (2026-12-03, a scratch script timing SmolLM2-135M's 121 distinct weights, ms per step; no committed
+  command reproduces this table): 1 row 12.4 against oneDNN's 16.3, 4 rows 14.1 / 16.1, 8 rows 16.4 / 15.9,
+  16 rows 23.9 / 16.6. The copy doubles a bfloat16 weight's packed memory (it counts against
+  :data:`MEMORY_FRACTION` like the other); ``TOKENMILL_CPU_BF16_PANEL_MAX_ROWS=0`` turns it off.
 
 ``python benchmarks/packed_linear.py`` (SmolLM2-135M's shapes, distinct weights for each of the 30 layers so
 that they stream from memory as in the model, plus the LM head; 2 cores of an AVX-512 Xeon, 2026-12-01;
@@ -146,6 +154,10 @@ CALIBRATION_REPEATS = 3  # timed products of each path in the measurement (alter
 MKL = "MKL packed sgemm"
 ONEDNN = "oneDNN packed"
 PANEL = "tokenmill-cpu panel sgemm"
+BF16_PANEL = "tokenmill-cpu panel bf16 dot"
+BF16_PANEL_ROWS_ENV = "TOKENMILL_CPU_BF16_PANEL_MAX_ROWS"
+_BF16_PANEL_MAX_ROWS = 4  # bfloat16 products of 1 to this many rows use the panel copy (module docstring)
+_BF16_PANEL_WIDTH = 48  # csrc/dense_gemm.cpp's kPanelBf16
 _PANEL_WIDTH = {"AVX512": 48, "AVX2": 16}  # csrc/dense_gemm.cpp's kPanel per ATen capability
 
 
@@ -155,6 +167,7 @@ class _Packed:
     library: str  # MKL or ONEDNN
     shape: tuple[int, int]
     dtype: torch.dtype
+    small: torch.Tensor | None = None  # bfloat16: the panel copy for 1 to BF16_PANEL_MAX_ROWS rows, where made
 
 
 # read once: graphs trace packed_rows, torch.compile cannot trace these; TOKENMILL_CPU_PREPACK=onednn: no MKL
@@ -183,7 +196,26 @@ def _panel_max_rows() -> tuple[int, bool]:
     return _PANEL_MAX_ROWS.get(torch.backends.cpu.get_cpu_capability(), 0), False
 
 
+def _bf16_panel_max_rows() -> int:
+    """Up to how many rows bfloat16 products run on ``dense_gemm_bf16``'s panel copy: :data:`_BF16_PANEL_MAX_ROWS`
+    (or ``TOKENMILL_CPU_BF16_PANEL_MAX_ROWS``) where its AVX-512 BF16 build will be made (torch's capability
+    ``AVX512`` and the CPU's ``avx512_bf16`` flag; the build uses ``-march=native``), else 0 (no panel copy)."""
+    if os.environ.get("TOKENMILL_CPU_KERNELS", "1") == "0" or _PREPACK in ("mkl", "onednn"):
+        return 0
+    if torch.backends.cpu.get_cpu_capability() != "AVX512" or "avx512_bf16" not in kernels.cpu_flags():
+        return 0
+    explicit = os.environ.get(BF16_PANEL_ROWS_ENV)
+    if explicit:
+        try:
+            return max(int(explicit), 0)
+        except ValueError:
+            logger.warning("%s=%r is not a row count; ignored", BF16_PANEL_ROWS_ENV, explicit)
+    return _BF16_PANEL_MAX_ROWS
+
+
 PANEL_WIDTH = _panel_width()
+BF16_PANEL_MAX_ROWS = _bf16_panel_max_rows()
+_bf16_panel_ready: bool | None = None  # None: not checked yet (the kernels may still be building)
 PANEL_MAX_ROWS, _PANEL_ROWS_FIXED = _panel_max_rows()
 # Above PANEL_MAX_ROWS: None until measured, then whether the panel kernel was the faster; the measurement's
 # (rows, panel ms, F.linear ms) is kept for describe().
@@ -257,6 +289,8 @@ def _dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     elif rows > hi:
         return F.linear(x, weight)
     x = x.contiguous()
+    if entry.small is not None and rows <= BF16_PANEL_MAX_ROWS and _check_bf16_panel_kernel():
+        return torch.ops.tokenmill_cpu.dense_gemm_bf16(x, entry.small, entry.shape[0])
     if entry.library == MKL:
         if rows > MKL_MAX_ROWS or not _mkl_matches(entry, weight, rows):
             return F.linear(x, weight)
@@ -314,6 +348,23 @@ def _check_panel_kernel() -> bool:
     return True
 
 
+def _check_bf16_panel_kernel() -> bool:
+    """Whether ``dense_gemm_bf16`` runs its AVX-512 BF16 loops now: false while the kernels build (those products
+    use oneDNN meanwhile) and for good where they failed or were built without BF16 (the panel copies are then
+    dropped)."""
+    global _bf16_panel_ready
+    if _bf16_panel_ready is None:
+        if not kernels.ready() and not kernels.failed():
+            return False
+        _bf16_panel_ready = kernels.ready() and str(torch.ops.tokenmill_cpu.dense_gemm_bf16_isa()) == "avx512_bf16"
+        if not _bf16_panel_ready:
+            for entry in _TABLE.values():
+                entry.small = None
+            logger.info("tokenmill-cpu's bfloat16 panel matmul is unavailable here; bfloat16 products of few rows "
+                        "use oneDNN")
+    return _bf16_panel_ready
+
+
 def _repack_for_mkl(entry: _Packed, weight: torch.Tensor) -> None:
     """The kernels could not be built: ``entry``'s panel copy is replaced by MKL's packed copy (once per weight)."""
     with torch.no_grad():
@@ -332,6 +383,21 @@ def pack_panels(weight: torch.Tensor, width: int) -> torch.Tensor:
     panels = -(-n // width)
     padded = F.pad(weight, (0, 0, 0, panels * width - n))
     return padded.view(panels, width, k).transpose(1, 2).contiguous()
+
+
+def pack_panels_bf16(weight: torch.Tensor, width: int = _BF16_PANEL_WIDTH) -> torch.Tensor:
+    """``weight [N, K]`` (bfloat16, K even) -> ``[ceil(N / width), K / 2, 2 * width]``: element ``(p, c, 2 j + t)``
+    is ``weight[p * width + j, 2 c + t]``, rows past ``N`` zero (``csrc/dense_gemm.cpp``'s bfloat16 layout).
+
+    Raises:
+        ValueError: ``K`` is odd.
+    """
+    n, k = weight.shape
+    if k % 2:
+        raise ValueError(f"the bfloat16 panel layout needs an even input size, got {k}")
+    panels = -(-n // width)
+    padded = F.pad(weight, (0, 0, 0, panels * width - n))
+    return padded.view(panels, width, k // 2, 2).permute(0, 2, 1, 3).contiguous().view(panels, k // 2, 2 * width)
 
 
 def _dense_linear_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -378,11 +444,29 @@ def pack(weight: torch.Tensor) -> bool:
             logger.info("%s: cannot prepack %s weights here (%s); they use F.linear", library, weight.dtype,
                         str(exc).splitlines()[0])
         return False
-    _TABLE[key] = _Packed(packed, library, tuple(weight.shape), weight.dtype)
+    small = None
+    if weight.dtype == torch.bfloat16 and small_copy_wanted(weight):
+        kernels.load_async()
+        with torch.no_grad():
+            small = pack_panels_bf16(weight.detach().contiguous())
+    _TABLE[key] = _Packed(packed, library, tuple(weight.shape), weight.dtype, small)
     weakref.finalize(weight, _TABLE.pop, key, None)
     if weight.dtype == torch.float32:
         _log_amx_hint()
     return True
+
+
+def small_copy_wanted(weight: torch.Tensor) -> bool:
+    """Whether :func:`pack` makes ``weight`` a bfloat16 panel copy for products of few rows as well (module
+    docstring): bfloat16, an even input size, and a CPU and build where :data:`BF16_PANEL_MAX_ROWS` is above 0."""
+    return weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[1] % 2 == 0 \
+        and BF16_PANEL_MAX_ROWS > 0 and _bf16_panel_ready is not False
+
+
+def packed_bytes(weight: torch.Tensor) -> int:
+    """Bytes :func:`pack` allocates for ``weight``'s packed copies (two for a bfloat16 weight with a panel copy)."""
+    nbytes = weight.numel() * weight.element_size()
+    return 2 * nbytes if small_copy_wanted(weight) else nbytes
 
 
 @functools.cache
@@ -438,7 +522,7 @@ class CpuUnquantizedLinearMethod(UnquantizedLinearMethod):
         weight = layer.weight
         if not prepack_enabled() or weight.dtype not in PACKED_DTYPES:
             return 0
-        nbytes = weight.numel() * weight.element_size()
+        nbytes = packed_bytes(weight)
         if self.budget_bytes is None:
             self.budget_bytes = int(memory.available_memory_bytes() * MEMORY_FRACTION)
         if nbytes > self.budget_bytes:
@@ -478,4 +562,6 @@ def describe() -> str:
     elif library == PANEL and not kernels.ready():
         f32 += " (F.linear until the kernels are loaded)"
     bf16 = f"{ONEDNN} (AMX)" if has_amx_bf16() else ONEDNN
+    if BF16_PANEL_MAX_ROWS > 0 and _bf16_panel_ready is not False:
+        bf16 = f"{BF16_PANEL} for 1-{BF16_PANEL_MAX_ROWS} rows, {bf16} above"
     return f"prepacked weights: float32 {f32}, bfloat16 {bf16} where oneDNN can pack it; otherwise {base}"

@@ -257,6 +257,10 @@ def _register_fake() -> None:
     def _(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
         return x.new_empty(x.shape[0], n)
 
+    @torch.library.register_fake("tokenmill_cpu::dense_gemm_bf16")
+    def _(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+        return x.new_empty(x.shape[0], n)
+
     @torch.library.register_fake("tokenmill_cpu::q4_linear")
     def _(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
         return x.new_empty(x.shape[0], packed.shape[0] * 16)

@@ -234,6 +234,154 @@ at::Tensor dense_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n) 
   return y;
 }
 
+// ---- bfloat16 weights and activations, few rows (AVX-512 BF16) ----
+//
+// Why not oneDNN (what bfloat16 linear layers run otherwise): at the few rows of a decode step with one or a few
+// requests, the product is a pass over the weights, and oneDNN's packed bfloat16 matmul does not keep enough of
+// them in flight: on 2 vCPUs of a Xeon with AMX, one SmolLM2-135M step's matmuls at 1 row took 15.2 ms inside a
+// decode step (python benchmarks/profile_decode.py --batch 1 --dtype bfloat16) for 270 MB of weights. These loops
+// are the float32 panel loops above with the AVX-512 BF16 pair dot product (vdpbf16ps: exact bfloat16 products,
+// float32 sums) in place of the multiply-add; at a few dozen rows and more the pair dot product is the limit and
+// oneDNN (AMX tiles where the CPU has them) is faster, so tokenmill_cpu/dense_linear.py uses this kernel only up to
+// a measured row count (docs/benchmarks.md).
+//
+// Layout: panels of kPanelBf16 output rows over K / 2 input-channel pairs, packed [P, K / 2, 2 * kPanelBf16]:
+// element (p, c, 2 j + t) = W[p * kPanelBf16 + j, 2 c + t] (zero rows past N), so that one 32-bit lane holds the
+// two weights one output row takes from the pair (x[2 c], x[2 c + 1]). K must be even. Outputs are rounded to
+// bfloat16 (nearest even) once, from the float32 sums.
+constexpr int64_t kPanelBf16 = 48;
+constexpr int kRowsBf16 = 8;
+
+#if defined(TOKENMILL_GEMM_AVX512) && defined(__AVX512BF16__)
+#define TOKENMILL_GEMM_BF16 1
+#endif
+
+// y[r, 0:cols] = sum_c x[r, 2c:2c+2] . panel[c, :, 0:2] for r < R, as float32 (ldx, ldy: row strides in elements).
+template <int R>
+inline void micro_kernel_bf16(const at::BFloat16* x, int64_t ldx, const at::BFloat16* panel, int64_t pairs,
+                              float* y, int64_t ldy, Prefetcher& pf) {
+#if defined(TOKENMILL_GEMM_BF16)
+  __m512 acc[R][3];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 3; ++j) acc[r][j] = _mm512_setzero_ps();
+  auto c_step = [&](int64_t c) __attribute__((always_inline)) {
+    const at::BFloat16* b = panel + c * 2 * kPanelBf16;
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b), b1 = (__m512bh)_mm512_loadu_si512(b + 32),
+                   b2 = (__m512bh)_mm512_loadu_si512(b + 64);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * ldx + 2 * c, sizeof(pair));
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
+      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], a, b2);
+    }
+  };
+  for_each_k(pairs, pf, c_step);
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 3; ++j) _mm512_storeu_ps(y + r * ldy + 16 * j, acc[r][j]);
+#else
+  float acc[R][kPanelBf16] = {};
+  for_each_k(pairs, pf, [&](int64_t c) {
+    const at::BFloat16* b = panel + c * 2 * kPanelBf16;
+    for (int r = 0; r < R; ++r) {
+      const float a0 = static_cast<float>(x[r * ldx + 2 * c]), a1 = static_cast<float>(x[r * ldx + 2 * c + 1]);
+      for (int64_t j = 0; j < kPanelBf16; ++j)
+        acc[r][j] += a0 * static_cast<float>(b[2 * j]) + a1 * static_cast<float>(b[2 * j + 1]);
+    }
+  });
+  for (int r = 0; r < R; ++r) std::memcpy(y + r * ldy, acc[r], sizeof(acc[r]));
+#endif
+}
+
+template <int R>
+inline void rows_tail_bf16(int rows, const at::BFloat16* x, int64_t ldx, const at::BFloat16* panel, int64_t pairs,
+                           float* y, int64_t ldy, Prefetcher& pf) {
+  if constexpr (R > 0) {
+    if (rows == R) {
+      micro_kernel_bf16<R>(x, ldx, panel, pairs, y, ldy, pf);
+      return;
+    }
+    rows_tail_bf16<R - 1>(rows, x, ldx, panel, pairs, y, ldy, pf);
+  }
+}
+
+// One panel for all M rows: float32 sums in a tile, then rounded into y's columns col0 .. col0 + cols.
+void panel_product_bf16(const at::BFloat16* x, int64_t M, int64_t K, const at::BFloat16* panel, int64_t col0,
+                        int64_t N, at::BFloat16* y, Prefetcher& pf) {
+  const int64_t cols = std::min<int64_t>(kPanelBf16, N - col0);
+  alignas(64) float tile[kRowsBf16 * kPanelBf16];
+  for (int64_t m0 = 0; m0 < M; m0 += kRowsBf16) {
+    const int rows = static_cast<int>(std::min<int64_t>(kRowsBf16, M - m0));
+    rows_tail_bf16<kRowsBf16>(rows, x + m0 * K, K, panel, K / 2, tile, kPanelBf16, pf);
+    for (int r = 0; r < rows; ++r) {
+      at::BFloat16* out = y + (m0 + r) * N + col0;
+      const float* sums = tile + r * kPanelBf16;
+#if defined(TOKENMILL_GEMM_BF16)
+      if (cols == kPanelBf16) {
+        for (int j = 0; j < 3; ++j)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * j),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(sums + 16 * j)));
+        continue;
+      }
+#endif
+      for (int64_t j = 0; j < cols; ++j) out[j] = static_cast<at::BFloat16>(sums[j]);
+    }
+  }
+}
+
+at::Tensor dense_gemm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "dense_gemm_bf16: CPU tensors expected");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
+              "dense_gemm_bf16: bfloat16 x and packed weight expected, got ", x.scalar_type(), " and ",
+              packed.scalar_type());
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "dense_gemm_bf16: x must be a contiguous [M, K] tensor");
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == 2 * kPanelBf16,
+              "dense_gemm_bf16: packed weight must be a contiguous [P, K / 2, ", 2 * kPanelBf16, "] tensor, got ",
+              packed.sizes());
+  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
+  TORCH_CHECK(K % 2 == 0 && packed.size(1) * 2 == K, "dense_gemm_bf16: x has ", K,
+              " input channels, the packed weight ", 2 * packed.size(1), " (an even count is needed)");
+  TORCH_CHECK(n > (P - 1) * kPanelBf16 && n <= P * kPanelBf16, "dense_gemm_bf16: ", n,
+              " output rows do not fit ", P, " panels of ", kPanelBf16);
+  at::Tensor y = at::empty({M, n}, x.options());
+  if (M == 0 || K == 0) return y.zero_();
+  const at::BFloat16* xs = x.const_data_ptr<at::BFloat16>();
+  const at::BFloat16* ws = packed.const_data_ptr<at::BFloat16>();
+  at::BFloat16* ys = y.data_ptr<at::BFloat16>();
+  const int64_t panel_elems = K * kPanelBf16;
+  const int64_t block_rows =
+      std::max<int64_t>(kRowsBf16, kBlockBytes / (K * static_cast<int64_t>(sizeof(at::BFloat16))) / kRowsBf16 * kRowsBf16);
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
+      const int64_t rows = std::min(block_rows, M - m0);
+      for (int64_t p = p0; p < p1; ++p) {
+        const at::BFloat16* panel = ws + p * panel_elems;
+        Prefetcher pf;
+        if (p + 1 < p1) {
+          const int64_t bytes = panel_elems * static_cast<int64_t>(sizeof(at::BFloat16));
+          const int64_t iters = std::max<int64_t>(((rows + kRowsBf16 - 1) / kRowsBf16) * (K / 2 / kKBlock), 1);
+          pf.next = reinterpret_cast<const char*>(panel + panel_elems);
+          pf.end = pf.next + bytes;
+          pf.stride = 64 * ((bytes / 64 + iters - 1) / iters);
+          if (pf.stride >= kKBlock * 64) pf.lines_per_k = (pf.stride / 64 + kKBlock - 1) / kKBlock;
+        }
+        panel_product_bf16(xs + m0 * K, rows, K, panel, p * kPanelBf16, n, ys + m0 * n, pf);
+      }
+    }
+  });
+  return y;
+}
+
+std::string dense_gemm_bf16_isa() {
+#if defined(TOKENMILL_GEMM_BF16)
+  return "avx512_bf16";
+#else
+  return "scalar";
+#endif
+}
+
 int64_t dense_gemm_panel() { return kPanel; }
 
 std::string dense_gemm_isa() {
@@ -252,6 +400,12 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("dense_gemm(Tensor x, Tensor packed, int n) -> Tensor");
   m.def("dense_gemm_panel() -> int", &dense_gemm_panel);
   m.def("dense_gemm_isa() -> str", &dense_gemm_isa);
+  m.def("dense_gemm_bf16(Tensor x, Tensor packed, int n) -> Tensor");
+  m.def("dense_gemm_bf16_panel() -> int", [] { return kPanelBf16; });
+  m.def("dense_gemm_bf16_isa() -> str", &dense_gemm_bf16_isa);
 }
 
-TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) { m.impl("dense_gemm", &dense_gemm); }
+TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
+  m.impl("dense_gemm", &dense_gemm);
+  m.impl("dense_gemm_bf16", &dense_gemm_bf16);
+}
