@@ -34,6 +34,7 @@
 #endif
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -50,7 +51,29 @@ constexpr int64_t kPanel = 16;
 constexpr int kRows = 4;
 #endif
 
-// Prefetches one panel's worth of cache lines, spread over the k blocks of the current panel.
+// Where the next panel is prefetched to: L2 (PREFETCHT1) on Intel CPUs, L1 (PREFETCHT0) elsewhere;
+// TOKENMILL_CPU_GEMM_PREFETCH=l1|l2 overrides. On 2 vCPUs of an Intel Xeon with AMX (2026-12-03, python
+// benchmarks/packed_linear.py, alternating builds, relative to MKL's packed GEMM in the same run) L2 took 5-20%
+// less time at 4-16 rows in the AVX-512 build and 5-25% at 1-8 rows in the AVX2 build, the same at 32 and 256
+// rows: a software prefetch into L1 holds one of the core's few L1 miss buffers until its line arrives, and a
+// panel is too large for L1 anyway. On AMD the L1 prefetch was tuned (Zen 4, thirteenth session) and is kept.
+bool prefetch_to_l2() {
+  static const bool to_l2 = [] {
+    const char* env = std::getenv("TOKENMILL_CPU_GEMM_PREFETCH");
+    if (env != nullptr && std::strcmp(env, "l1") == 0) return false;
+    if (env != nullptr && std::strcmp(env, "l2") == 0) return true;
+#if defined(__x86_64__) || defined(__i386__)
+    return __builtin_cpu_is("intel") != 0;
+#else
+    return false;
+#endif
+  }();
+  return to_l2;
+}
+
+// Prefetches one panel's worth of cache lines, spread over the k blocks of the current panel (kLocality: 3 into
+// L1, 2 into L2).
+template <int kLocality>
 struct Prefetcher {
   const char* next = nullptr;  // the next panel of this thread, or nullptr
   const char* end = nullptr;
@@ -60,7 +83,7 @@ struct Prefetcher {
 #if defined(TOKENMILL_GEMM_AVX512) || defined(TOKENMILL_GEMM_AVX2)
     if (next < end) {
       const char* stop = std::min(next + stride, end);
-      for (const char* c = next; c < stop; c += 64) _mm_prefetch(c, _MM_HINT_T0);
+      for (const char* c = next; c < stop; c += 64) __builtin_prefetch(c, 0, kLocality);
       next = stop;
     }
 #endif
@@ -82,8 +105,8 @@ constexpr int64_t kBlockBytes = 256 * 1024;
 // k iterations: with 24 prefetches at once after 8 iterations, 8 rows took 21.9-24.6 ms per SmolLM2-135M step on
 // Zen 4, with 3 lines after each iteration 18.5-20.6 ms (1, 32 and 256 rows: no difference beyond the noise;
 // benchmarks/results/packed_linear_cpu_fp32_zen4_prefetch_thirteenth.txt).
-template <typename Step>
-__attribute__((always_inline)) inline void for_each_k(int64_t K, Prefetcher& pf, Step&& step) {
+template <int kLocality, typename Step>
+__attribute__((always_inline)) inline void for_each_k(int64_t K, Prefetcher<kLocality>& pf, Step&& step) {
   int64_t k = 0;
 #if defined(TOKENMILL_GEMM_AVX512)
   if (pf.lines_per_k > 0) {
@@ -94,7 +117,7 @@ __attribute__((always_inline)) inline void for_each_k(int64_t K, Prefetcher& pf,
 #pragma GCC unroll 8
         for (int64_t kk = 0; kk < kKBlock; ++kk) {
           step(k + kk);
-          for (int64_t i = 0; i < lines; ++i) _mm_prefetch(c + (kk * lines + i) * 64, _MM_HINT_T0);
+          for (int64_t i = 0; i < lines; ++i) __builtin_prefetch(c + (kk * lines + i) * 64, 0, kLocality);
         }
         pf.next = c + kKBlock * lines * 64;
       } else {  // the panel's last lines (or none left): the block-at-once path stops at its end
@@ -114,9 +137,9 @@ __attribute__((always_inline)) inline void for_each_k(int64_t K, Prefetcher& pf,
 }
 
 // y[r, 0:kPanel] = sum_k x[r, k] * panel[k, 0:kPanel] for r < R (ldx, ldy: row strides in elements).
-template <int R>
+template <int R, int kLocality>
 inline void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_t K, float* y, int64_t ldy,
-                         Prefetcher& pf) {
+                         Prefetcher<kLocality>& pf) {
 #if defined(TOKENMILL_GEMM_AVX512)
   __m512 acc[R][3];
   for (int r = 0; r < R; ++r)
@@ -165,31 +188,62 @@ inline void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_
 #endif
 }
 
-template <int R>
+template <int R, int kLocality>
 inline void rows_tail(int rows, const float* x, int64_t ldx, const float* panel, int64_t K, float* y, int64_t ldy,
-                      Prefetcher& pf) {
+                      Prefetcher<kLocality>& pf) {
   if constexpr (R > 0) {
     if (rows == R) {
-      micro_kernel<R>(x, ldx, panel, K, y, ldy, pf);
+      micro_kernel<R, kLocality>(x, ldx, panel, K, y, ldy, pf);
       return;
     }
-    rows_tail<R - 1>(rows, x, ldx, panel, K, y, ldy, pf);
+    rows_tail<R - 1, kLocality>(rows, x, ldx, panel, K, y, ldy, pf);
   }
 }
 
 // One panel for all M rows; columns past N go to a scratch tile.
+template <int kLocality>
 void panel_product(const float* x, int64_t M, int64_t K, const float* panel, int64_t col0, int64_t N, float* y,
-                   Prefetcher& pf) {
+                   Prefetcher<kLocality>& pf) {
   const int64_t cols = std::min<int64_t>(kPanel, N - col0);
   alignas(64) float tile[kRows * kPanel];
   for (int64_t m0 = 0; m0 < M; m0 += kRows) {
     const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
     float* out = cols == kPanel ? y + m0 * N + col0 : tile;
     const int64_t ldy = cols == kPanel ? N : kPanel;
-    rows_tail<kRows>(rows, x + m0 * K, K, panel, K, out, ldy, pf);
+    rows_tail<kRows, kLocality>(rows, x + m0 * K, K, panel, K, out, ldy, pf);
     if (cols < kPanel)
       for (int r = 0; r < rows; ++r) std::memcpy(y + (m0 + r) * N + col0, tile + r * kPanel, cols * sizeof(float));
   }
+}
+
+// The P panels of ws ([P, panel_elems]) against M rows of K input channels: threads take contiguous ranges of
+// panels; the rows go in blocks of about kBlockBytes of activations (a multiple of group_rows, the micro-kernel's
+// row count, so that the row groups, and with them every sum, are those of one unblocked pass), each block by all
+// of a thread's panels; while product(m0, rows, p, panel, pf) multiplies one panel its prefetcher pf fetches the
+// next, spread over the k_steps steps of each of its row groups.
+template <int kLocality, typename T, typename Product>
+void run_panels(int64_t M, int64_t K, int64_t P, int64_t panel_elems, int64_t group_rows, int64_t k_steps,
+                const T* ws, Product&& product) {
+  const int64_t block_rows =
+      std::max<int64_t>(group_rows, kBlockBytes / (K * static_cast<int64_t>(sizeof(T))) / group_rows * group_rows);
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
+      const int64_t rows = std::min(block_rows, M - m0);
+      for (int64_t p = p0; p < p1; ++p) {
+        const T* panel = ws + p * panel_elems;
+        Prefetcher<kLocality> pf;
+        if (p + 1 < p1) {
+          const int64_t bytes = panel_elems * static_cast<int64_t>(sizeof(T));
+          const int64_t iters = std::max<int64_t>(((rows + group_rows - 1) / group_rows) * (k_steps / kKBlock), 1);
+          pf.next = reinterpret_cast<const char*>(panel + panel_elems);
+          pf.end = pf.next + bytes;
+          pf.stride = 64 * ((bytes / 64 + iters - 1) / iters);
+          if (pf.stride >= kKBlock * 64) pf.lines_per_k = (pf.stride / 64 + kKBlock - 1) / kKBlock;
+        }
+        product(m0, rows, p, panel, pf);
+      }
+    }
+  });
 }
 
 at::Tensor dense_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
@@ -210,27 +264,14 @@ at::Tensor dense_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n) 
   const float* ws = packed.data_ptr<float>();
   float* ys = y.data_ptr<float>();
   const int64_t panel_floats = K * kPanel;
-  // Rows in blocks whose activations stay in L2 while the thread's panels pass over them (a multiple of kRows, so
-  // the row groups, and with them every sum, are those of one unblocked pass).
-  const int64_t block_rows = std::max<int64_t>(kRows, kBlockBytes / (K * static_cast<int64_t>(sizeof(float))) / kRows * kRows);
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
-      const int64_t rows = std::min(block_rows, M - m0);
-      for (int64_t p = p0; p < p1; ++p) {
-        const float* panel = ws + p * panel_floats;
-        Prefetcher pf;
-        if (p + 1 < p1) {
-          const int64_t bytes = panel_floats * static_cast<int64_t>(sizeof(float));
-          const int64_t iters = std::max<int64_t>(((rows + kRows - 1) / kRows) * (K / kKBlock), 1);
-          pf.next = reinterpret_cast<const char*>(panel + panel_floats);
-          pf.end = pf.next + bytes;
-          pf.stride = 64 * ((bytes / 64 + iters - 1) / iters);
-          if (pf.stride >= kKBlock * 64) pf.lines_per_k = (pf.stride / 64 + kKBlock - 1) / kKBlock;
-        }
-        panel_product(xs + m0 * K, rows, K, panel, p * kPanel, n, ys + m0 * n, pf);
-      }
-    }
-  });
+  auto product = [&](int64_t m0, int64_t rows, int64_t p, const float* panel, auto& pf) {
+    panel_product(xs + m0 * K, rows, K, panel, p * kPanel, n, ys + m0 * n, pf);
+  };
+  if (prefetch_to_l2()) {
+    run_panels<2>(M, K, P, panel_floats, kRows, K, ws, product);
+  } else {
+    run_panels<3>(M, K, P, panel_floats, kRows, K, ws, product);
+  }
   return y;
 }
 
@@ -257,9 +298,9 @@ constexpr int kRowsBf16 = 8;
 #endif
 
 // y[r, 0:cols] = sum_c x[r, 2c:2c+2] . panel[c, :, 0:2] for r < R, as float32 (ldx, ldy: row strides in elements).
-template <int R>
+template <int R, int kLocality>
 inline void micro_kernel_bf16(const at::BFloat16* x, int64_t ldx, const at::BFloat16* panel, int64_t pairs,
-                              float* y, int64_t ldy, Prefetcher& pf) {
+                              float* y, int64_t ldy, Prefetcher<kLocality>& pf) {
 #if defined(TOKENMILL_GEMM_BF16)
   __m512 acc[R][3];
   for (int r = 0; r < R; ++r)
@@ -295,26 +336,27 @@ inline void micro_kernel_bf16(const at::BFloat16* x, int64_t ldx, const at::BFlo
 #endif
 }
 
-template <int R>
+template <int R, int kLocality>
 inline void rows_tail_bf16(int rows, const at::BFloat16* x, int64_t ldx, const at::BFloat16* panel, int64_t pairs,
-                           float* y, int64_t ldy, Prefetcher& pf) {
+                           float* y, int64_t ldy, Prefetcher<kLocality>& pf) {
   if constexpr (R > 0) {
     if (rows == R) {
-      micro_kernel_bf16<R>(x, ldx, panel, pairs, y, ldy, pf);
+      micro_kernel_bf16<R, kLocality>(x, ldx, panel, pairs, y, ldy, pf);
       return;
     }
-    rows_tail_bf16<R - 1>(rows, x, ldx, panel, pairs, y, ldy, pf);
+    rows_tail_bf16<R - 1, kLocality>(rows, x, ldx, panel, pairs, y, ldy, pf);
   }
 }
 
 // One panel for all M rows: float32 sums in a tile, then rounded into y's columns col0 .. col0 + cols.
+template <int kLocality>
 void panel_product_bf16(const at::BFloat16* x, int64_t M, int64_t K, const at::BFloat16* panel, int64_t col0,
-                        int64_t N, at::BFloat16* y, Prefetcher& pf) {
+                        int64_t N, at::BFloat16* y, Prefetcher<kLocality>& pf) {
   const int64_t cols = std::min<int64_t>(kPanelBf16, N - col0);
   alignas(64) float tile[kRowsBf16 * kPanelBf16];
   for (int64_t m0 = 0; m0 < M; m0 += kRowsBf16) {
     const int rows = static_cast<int>(std::min<int64_t>(kRowsBf16, M - m0));
-    rows_tail_bf16<kRowsBf16>(rows, x + m0 * K, K, panel, K / 2, tile, kPanelBf16, pf);
+    rows_tail_bf16<kRowsBf16, kLocality>(rows, x + m0 * K, K, panel, K / 2, tile, kPanelBf16, pf);
     for (int r = 0; r < rows; ++r) {
       at::BFloat16* out = y + (m0 + r) * N + col0;
       const float* sums = tile + r * kPanelBf16;
@@ -351,26 +393,14 @@ at::Tensor dense_gemm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_
   const at::BFloat16* ws = packed.const_data_ptr<at::BFloat16>();
   at::BFloat16* ys = y.data_ptr<at::BFloat16>();
   const int64_t panel_elems = K * kPanelBf16;
-  const int64_t block_rows =
-      std::max<int64_t>(kRowsBf16, kBlockBytes / (K * static_cast<int64_t>(sizeof(at::BFloat16))) / kRowsBf16 * kRowsBf16);
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
-      const int64_t rows = std::min(block_rows, M - m0);
-      for (int64_t p = p0; p < p1; ++p) {
-        const at::BFloat16* panel = ws + p * panel_elems;
-        Prefetcher pf;
-        if (p + 1 < p1) {
-          const int64_t bytes = panel_elems * static_cast<int64_t>(sizeof(at::BFloat16));
-          const int64_t iters = std::max<int64_t>(((rows + kRowsBf16 - 1) / kRowsBf16) * (K / 2 / kKBlock), 1);
-          pf.next = reinterpret_cast<const char*>(panel + panel_elems);
-          pf.end = pf.next + bytes;
-          pf.stride = 64 * ((bytes / 64 + iters - 1) / iters);
-          if (pf.stride >= kKBlock * 64) pf.lines_per_k = (pf.stride / 64 + kKBlock - 1) / kKBlock;
-        }
-        panel_product_bf16(xs + m0 * K, rows, K, panel, p * kPanelBf16, n, ys + m0 * n, pf);
-      }
-    }
-  });
+  auto product = [&](int64_t m0, int64_t rows, int64_t p, const at::BFloat16* panel, auto& pf) {
+    panel_product_bf16(xs + m0 * K, rows, K, panel, p * kPanelBf16, n, ys + m0 * n, pf);
+  };
+  if (prefetch_to_l2()) {
+    run_panels<2>(M, K, P, panel_elems, kRowsBf16, K / 2, ws, product);
+  } else {
+    run_panels<3>(M, K, P, panel_elems, kRowsBf16, K / 2, ws, product);
+  }
   return y;
 }
 
