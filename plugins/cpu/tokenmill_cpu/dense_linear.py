@@ -25,9 +25,11 @@ decode step that repacking costs as much as the multiplication. Weights are pack
   requests): a second copy in panels for tokenmill-cpu's bfloat16 matmul (``torch.ops.tokenmill_cpu.dense_gemm_bf16``,
   the float32 panel loops with the BF16 pair dot product), which keeps more of the weights in flight than
   oneDNN at those rows; above them oneDNN's copy (AMX tiles where the CPU has them) is faster. On 2 vCPUs of a
-  Xeon with AMX (2026-12-03, a scratch script timing SmolLM2-135M's 121 distinct weights, ms per step; no committed
-  command reproduces this table): 1 row 12.4 against oneDNN's 16.3, 4 rows 14.1 / 16.1, 8 rows 16.4 / 15.9,
-  16 rows 23.9 / 16.6. The copy doubles a bfloat16 weight's packed memory (it counts against
+  Xeon with AMX (2026-12-03, ``python benchmarks/packed_linear.py --dtype bfloat16 --rows 1,2,4,8,16,32``, ms per
+  step, panel kernel / oneDNN; ``benchmarks/results/packed_linear_cpu_bf16_panel_intel_amx_fifteenth.json``):
+  1 row 7.6 / 10.5, 2 rows 8.3 / 10.8, 4 rows 8.6 / 10.0, 8 rows 13.0 / 10.9, 16 rows 22.3 / 11.3, 32 rows
+  42.9 / 12.9 (with weights that, unlike a model's in a serving step, stay in this CPU's 480 MiB L3 between
+  products; inside decode steps of one request the matmuls took 11.6 ms against 14.8). The copy doubles a bfloat16 weight's packed memory (it counts against
   :data:`MEMORY_FRACTION` like the other); ``TOKENMILL_CPU_BF16_PANEL_MAX_ROWS=0`` turns it off.
 
 ``python benchmarks/packed_linear.py`` (SmolLM2-135M's shapes, distinct weights for each of the 30 layers so

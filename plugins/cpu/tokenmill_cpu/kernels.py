@@ -1,7 +1,8 @@
 """tokenmill-cpu's C++ kernels (``csrc/``), compiled on first use with ``torch.utils.cpp_extension``:
 ``paged_decode`` and ``prefill_attention`` (``csrc/paged_attention.cpp``, below), the quantized matmuls ``q8_linear`` / ``q4_linear``
-(``csrc/quant_linear.cpp``, why: ``tokenmill_cpu.quant_linear``) and the float32 panel matmul ``dense_gemm``
-(``csrc/dense_gemm.cpp``, why: its header and ``tokenmill_cpu.dense_linear``).
+(``csrc/quant_linear.cpp``, why: ``tokenmill_cpu.quant_linear``) and the panel matmuls ``dense_gemm`` (float32)
+and ``dense_gemm_bf16`` (bfloat16, few rows) (``csrc/dense_gemm.cpp``, why: its header and
+``tokenmill_cpu.dense_linear``).
 
 Why a custom attention kernel: decode attention over the paged cache is a memory-bound loop over the blocks of
 every request. Neither eager torch (gather the blocks, then two batched matmuls of a few rows each) nor
@@ -119,7 +120,9 @@ def failed() -> bool:
 def isa() -> dict[str, str]:
     """The code paths of the loaded kernels: ``capability`` (the ATen level they were built for),
     ``quant_linear`` (``avx512_vnni``, ``avx2`` or ``scalar``), ``paged_decode`` (``avx512_bf16``,
-    ``avx512``, ``avx2`` or ``scalar``) and ``dense_gemm`` (``avx512``, ``avx2`` or ``scalar``);
+    ``avx512``, ``avx2`` or ``scalar``), ``dense_gemm`` (``avx512``, ``avx2`` or ``scalar``), ``dense_gemm_bf16``
+    (``avx512_bf16`` or ``scalar``) and ``dense_gemm_prefetch`` (``l2`` or ``l1``: where the panel matmuls
+    prefetch their next panel to);
     ``{"status": "not loaded"}`` before :func:`load` succeeded."""
     if not ready():
         return {"status": "not loaded"}
@@ -128,6 +131,8 @@ def isa() -> dict[str, str]:
         "quant_linear": str(torch.ops.tokenmill_cpu.quant_linear_isa()),
         "paged_decode": _paged_decode_isa(),
         "dense_gemm": str(torch.ops.tokenmill_cpu.dense_gemm_isa()),
+        "dense_gemm_bf16": str(torch.ops.tokenmill_cpu.dense_gemm_bf16_isa()),
+        "dense_gemm_prefetch": str(torch.ops.tokenmill_cpu.dense_gemm_prefetch()),
     }
 
 

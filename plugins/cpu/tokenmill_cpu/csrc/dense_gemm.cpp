@@ -433,6 +433,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("dense_gemm_bf16(Tensor x, Tensor packed, int n) -> Tensor");
   m.def("dense_gemm_bf16_panel() -> int", [] { return kPanelBf16; });
   m.def("dense_gemm_bf16_isa() -> str", &dense_gemm_bf16_isa);
+  m.def("dense_gemm_prefetch() -> str", [] { return std::string(prefetch_to_l2() ? "l2" : "l1"); });
 }
 
 TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
