@@ -193,6 +193,25 @@ def test_packing_stops_at_the_memory_budget(monkeypatch: pytest.MonkeyPatch) -> 
     assert layers[2].weight.data_ptr() not in dense_linear._TABLE
 
 
+def test_a_bfloat16_panel_copy_is_made_only_where_both_copies_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not _can_pack(torch.bfloat16):
+        pytest.skip("oneDNN cannot pack bfloat16 on this CPU")
+    monkeypatch.setattr(dense_linear, "BF16_PANEL_MAX_ROWS", 4)
+    monkeypatch.setattr(dense_linear, "_bf16_panel_ready", None)
+    layers = [_layer(dtype=torch.bfloat16, seed=20 + i) for i in range(3)]
+    per_copy = layers[0].weight.numel() * 2
+    # budget = half the available RAM: 3.5 copies, so two copies for the first layer, one for the second, none after
+    monkeypatch.setattr(dense_linear.memory, "available_memory_bytes", lambda: 7 * per_copy)
+    method = CpuUnquantizedLinearMethod()
+    assert [method.process_weights_after_loading(layer) for layer in layers] == [2 * per_copy, per_copy, 0]
+    assert dense_linear._TABLE[layers[0].weight.data_ptr()].small is not None
+    assert dense_linear._TABLE[layers[1].weight.data_ptr()].small is None
+    x = torch.randn(2, 64).bfloat16()
+    for layer in layers:  # every layer right, whichever copies it has
+        want = F.linear(x.double(), layer.weight.double())
+        assert torch.allclose(method.apply(layer, x).double(), want, atol=2e-2, rtol=2e-2)
+
+
 def test_tokenmill_cpu_prepack_onednn_packs_float32_with_onednn() -> None:
     import os
     import subprocess

@@ -418,10 +418,11 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.tokenmill_cpu.dense_linear(x, weight)
 
 
-def pack(weight: torch.Tensor) -> bool:
+def pack(weight: torch.Tensor, small: bool = True) -> bool:
     """Make (once) the packed copy :func:`dense_linear` uses for ``weight`` (2-D, float32 or bfloat16, CPU):
     for float32 the panels of tokenmill-cpu's ``dense_gemm`` where it has an AVX2 or AVX-512 build, else MKL's
-    where torch has MKL, else oneDNN's; oneDNN's for bfloat16; whether there is one. Never raises: a library
+    where torch has MKL, else oneDNN's; oneDNN's for bfloat16, and with ``small`` the bfloat16 panel copy for few
+    rows as well where :func:`small_copy_wanted`; whether there is one. Never raises: a library
     refusing the weight (oneDNN and bfloat16 without AVX-512) is logged once and the weight stays on
     ``F.linear``."""
     if weight.dim() != 2 or weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES:
@@ -446,12 +447,12 @@ def pack(weight: torch.Tensor) -> bool:
             logger.info("%s: cannot prepack %s weights here (%s); they use F.linear", library, weight.dtype,
                         str(exc).splitlines()[0])
         return False
-    small = None
-    if weight.dtype == torch.bfloat16 and small_copy_wanted(weight):
+    panels = None
+    if small and small_copy_wanted(weight):
         kernels.load_async()
         with torch.no_grad():
-            small = pack_panels_bf16(weight.detach().contiguous())
-    _TABLE[key] = _Packed(packed, library, tuple(weight.shape), weight.dtype, small)
+            panels = pack_panels_bf16(weight.detach().contiguous())
+    _TABLE[key] = _Packed(packed, library, tuple(weight.shape), weight.dtype, panels)
     weakref.finalize(weight, _TABLE.pop, key, None)
     if weight.dtype == torch.float32:
         _log_amx_hint()
@@ -509,8 +510,9 @@ def prepack_enabled() -> bool:
 
 
 class CpuUnquantizedLinearMethod(UnquantizedLinearMethod):
-    """Linear layers on packed copies of their weights (MKL's for float32, oneDNN's for bfloat16; module
-    docstring); one instance per model.
+    """Linear layers on packed copies of their weights (for float32 the panel kernel's, MKL's or oneDNN's; for
+    bfloat16 oneDNN's, plus the bfloat16 panel kernel's for few rows where both fit the budget; module docstring);
+    one instance per model.
 
     Attributes:
         budget_bytes: RAM the packed copies may still take (set by the first layer: :data:`MEMORY_FRACTION` of
@@ -524,15 +526,17 @@ class CpuUnquantizedLinearMethod(UnquantizedLinearMethod):
         weight = layer.weight
         if not prepack_enabled() or weight.dtype not in PACKED_DTYPES:
             return 0
-        nbytes = packed_bytes(weight)
         if self.budget_bytes is None:
             self.budget_bytes = int(memory.available_memory_bytes() * MEMORY_FRACTION)
-        if nbytes > self.budget_bytes:
+        if weight.numel() * weight.element_size() > self.budget_bytes:
             return 0
         if weight.data_ptr() in _TABLE:  # a tied weight packed through another layer
             return 0
-        if not pack(weight):
+        # the bfloat16 panel copy only where both copies fit: the main one serves every row count
+        if not pack(weight, small=packed_bytes(weight) <= self.budget_bytes):
             return 0
+        entry = _TABLE[weight.data_ptr()]
+        nbytes = weight.numel() * weight.element_size() * (2 if entry.small is not None else 1)
         self.budget_bytes -= nbytes
         return nbytes
 
