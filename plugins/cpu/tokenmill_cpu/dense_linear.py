@@ -448,10 +448,13 @@ def pack(weight: torch.Tensor, small: bool = True) -> bool:
                         str(exc).splitlines()[0])
         return False
     panels = None
-    if small and small_copy_wanted(weight):
+    if small and small_copy_wanted(weight) and not kernels.failed():
         kernels.load_async()
-        with torch.no_grad():
-            panels = pack_panels_bf16(weight.detach().contiguous())
+        try:
+            with torch.no_grad():
+                panels = pack_panels_bf16(weight.detach().contiguous())
+        except RuntimeError:  # out of memory for the second copy: the main copy serves every row count
+            panels = None
     _TABLE[key] = _Packed(packed, library, tuple(weight.shape), weight.dtype, panels)
     weakref.finalize(weight, _TABLE.pop, key, None)
     if weight.dtype == torch.float32:
@@ -521,6 +524,7 @@ class CpuUnquantizedLinearMethod(UnquantizedLinearMethod):
 
     def __init__(self) -> None:
         self.budget_bytes: int | None = None
+        self.panel_floor = 0  # bfloat16 panel copies only while the budget stays above this (half of it)
 
     def process_weights_after_loading(self, layer: nn.Module) -> int:
         weight = layer.weight
@@ -528,12 +532,14 @@ class CpuUnquantizedLinearMethod(UnquantizedLinearMethod):
             return 0
         if self.budget_bytes is None:
             self.budget_bytes = int(memory.available_memory_bytes() * MEMORY_FRACTION)
+            self.panel_floor = self.budget_bytes // 2
         if weight.numel() * weight.element_size() > self.budget_bytes:
             return 0
         if weight.data_ptr() in _TABLE:  # a tied weight packed through another layer
             return 0
-        # the bfloat16 panel copy only where both copies fit: the main one serves every row count
-        if not pack(weight, small=packed_bytes(weight) <= self.budget_bytes):
+        # the bfloat16 panel copy only from the first half of the budget, so that later layers' main copies (which
+        # serve every row count) are not crowded out by earlier layers' panel copies
+        if not pack(weight, small=self.budget_bytes - packed_bytes(weight) >= self.panel_floor):
             return 0
         entry = _TABLE[weight.data_ptr()]
         nbytes = weight.numel() * weight.element_size() * (2 if entry.small is not None else 1)
