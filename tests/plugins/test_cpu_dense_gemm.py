@@ -213,18 +213,21 @@ def test_bf16_pack_layout_and_bad_inputs() -> None:
         gemm(x, dense_linear.pack_panels_bf16(torch.randn(40, 16).bfloat16(), 24), 40)
 
 
-def _packable_bf16() -> torch.Tensor | None:
-    """A bfloat16 weight that oneDNN packs here (it needs AVX-512 or AVX-NE-CONVERT), or None."""
-    w = torch.randn(100, 64).bfloat16()
-    return w if dense_linear.pack(w) else None
-
-
-def test_bf16_layers_use_the_panel_copy_up_to_the_bound_and_onednn_above(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def packed_bf16(monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
+    """A bfloat16 weight packed with a panel copy for up to 4 rows (the bound set here, on any CPU); skips where
+    oneDNN cannot pack bfloat16 (it needs AVX-512 or AVX-NE-CONVERT)."""
     monkeypatch.setattr(dense_linear, "BF16_PANEL_MAX_ROWS", 4)
     monkeypatch.setattr(dense_linear, "_bf16_panel_ready", None)
-    w = _packable_bf16()
-    if w is None:
+    w = torch.randn(100, 64).bfloat16()
+    if not dense_linear.pack(w):
         pytest.skip("oneDNN cannot pack bfloat16 weights here")
+    return w
+
+
+def test_bf16_layers_use_the_panel_copy_up_to_the_bound_and_onednn_above(
+        monkeypatch: pytest.MonkeyPatch, packed_bf16: torch.Tensor) -> None:
+    w = packed_bf16
     entry = dense_linear._TABLE[w.data_ptr()]
     assert entry.small is not None and dense_linear.packed_bytes(w) == 2 * w.numel() * 2
     calls = []
@@ -241,24 +244,32 @@ def test_bf16_layers_use_the_panel_copy_up_to_the_bound_and_onednn_above(monkeyp
         assert "panel bf16" not in dense_linear.describe()
 
 
-def test_bf16_products_wait_for_the_kernels_and_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(dense_linear, "BF16_PANEL_MAX_ROWS", 4)
-    monkeypatch.setattr(dense_linear, "_bf16_panel_ready", None)
-    w = _packable_bf16()
-    if w is None:
-        pytest.skip("oneDNN cannot pack bfloat16 weights here")
+def test_bf16_products_wait_for_the_kernels(monkeypatch: pytest.MonkeyPatch, packed_bf16: torch.Tensor) -> None:
+    w = packed_bf16
     monkeypatch.setattr(kernels, "ready", lambda: False)
     monkeypatch.setattr(kernels, "failed", lambda: False)
     monkeypatch.setattr(torch.ops.tokenmill_cpu, "dense_gemm_bf16", lambda *a: pytest.fail("kernel called before load"))
     x = torch.randn(2, 64).bfloat16()
     assert _bf16_rel_err(dense_linear.dense_linear(x, w), x, w) < 8e-3
     assert dense_linear._bf16_panel_ready is None  # asked again at the next product
-    monkeypatch.setattr(dense_linear, "BF16_PANEL_MAX_ROWS", 0)
-    w2 = torch.randn(32, 64).bfloat16()
-    assert not dense_linear.small_copy_wanted(w2)
-    assert dense_linear.packed_bytes(w2) == w2.numel() * 2
-    monkeypatch.setenv(dense_linear.BF16_PANEL_ROWS_ENV, "0")
-    assert dense_linear._bf16_panel_max_rows() == 0
+
+
+def test_an_odd_input_size_gets_no_bf16_panel_copy(packed_bf16: torch.Tensor) -> None:
+    w = torch.randn(40, 63).bfloat16()
+    assert not dense_linear.small_copy_wanted(w) and dense_linear.packed_bytes(w) == w.numel() * 2
+    assert dense_linear.pack(w) and dense_linear._TABLE[w.data_ptr()].small is None
+    x = torch.randn(2, 63).bfloat16()
+    assert _bf16_rel_err(dense_linear.dense_linear(x, w), x, w) < 8e-3
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512" or "avx512_bf16" not in kernels.cpu_flags(),
+                    reason="the bfloat16 panel copy is only made on CPUs with AVX-512 BF16")
+def test_the_bf16_row_bound_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(dense_linear.BF16_PANEL_ROWS_ENV, raising=False)
+    assert dense_linear._bf16_panel_max_rows() == 4
+    for value, rows in (("3", 3), ("0", 0), ("lots", 4)):
+        monkeypatch.setenv(dense_linear.BF16_PANEL_ROWS_ENV, value)
+        assert dense_linear._bf16_panel_max_rows() == rows
 
 
 @pytest.mark.slow

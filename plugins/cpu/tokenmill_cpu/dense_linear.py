@@ -26,11 +26,12 @@ decode step that repacking costs as much as the multiplication. Weights are pack
   the float32 panel loops with the BF16 pair dot product), which keeps more of the weights in flight than
   oneDNN at those rows; above them oneDNN's copy (AMX tiles where the CPU has them) is faster. On 2 vCPUs of a
   Xeon with AMX (2026-12-03, ``python benchmarks/packed_linear.py --dtype bfloat16 --rows 1,2,4,8,16,32``, ms per
-  step, panel kernel / oneDNN; ``benchmarks/results/packed_linear_cpu_bf16_panel_intel_amx_fifteenth.json``):
-  1 row 7.6 / 10.5, 2 rows 8.3 / 10.8, 4 rows 8.6 / 10.0, 8 rows 13.0 / 10.9, 16 rows 22.3 / 11.3, 32 rows
-  42.9 / 12.9 (with weights that, unlike a model's in a serving step, stay in this CPU's 480 MiB L3 between
-  products; inside decode steps of one request the matmuls took 11.6 ms against 14.8). The copy doubles a bfloat16 weight's packed memory (it counts against
-  :data:`MEMORY_FRACTION` like the other); ``TOKENMILL_CPU_BF16_PANEL_MAX_ROWS=0`` turns it off.
+  step, panel kernel / oneDNN; ``benchmarks/results/packed_linear_cpu_bf16_panel_l2_intel_amx_fifteenth.json``):
+  1 row 5.8 / 9.4, 2 rows 5.7 / 9.0, 4 rows 6.6 / 9.1, 8 rows 11.1 / 9.5, 16 rows 20.9 / 9.3, 32 rows
+  41.1 / 11.9 (with weights that, unlike a model's in a serving step, stay in this CPU's 480 MiB L3 between
+  products; inside decode steps of one request the matmuls took 11.6 ms against 14.8). The copy doubles a
+  bfloat16 weight's packed memory; :class:`CpuUnquantizedLinearMethod` makes such copies only from the first half
+  of its budget. ``TOKENMILL_CPU_BF16_PANEL_MAX_ROWS=0`` turns it off.
 
 ``python benchmarks/packed_linear.py`` (SmolLM2-135M's shapes, distinct weights for each of the 30 layers so
 that they stream from memory as in the model, plus the LM head; 2 cores of an AVX-512 Xeon, 2026-12-01;
@@ -454,7 +455,7 @@ def pack(weight: torch.Tensor, small: bool = True) -> bool:
             with torch.no_grad():
                 panels = pack_panels_bf16(weight.detach().contiguous())
         except RuntimeError:  # out of memory for the second copy: the main copy serves every row count
-            panels = None
+            pass
     _TABLE[key] = _Packed(packed, library, tuple(weight.shape), weight.dtype, panels)
     weakref.finalize(weight, _TABLE.pop, key, None)
     if weight.dtype == torch.float32:
@@ -576,4 +577,6 @@ def describe() -> str:
     bf16 = f"{ONEDNN} (AMX)" if has_amx_bf16() else ONEDNN
     if BF16_PANEL_MAX_ROWS > 0 and _bf16_panel_ready is not False:
         bf16 = f"{BF16_PANEL} for 1-{BF16_PANEL_MAX_ROWS} rows, {bf16} above"
+        if _bf16_panel_ready is None and not kernels.ready():
+            bf16 += " (oneDNN for all rows until the kernels are loaded)"
     return f"prepacked weights: float32 {f32}, bfloat16 {bf16} where oneDNN can pack it; otherwise {base}"

@@ -121,7 +121,7 @@ def isa() -> dict[str, str]:
     """The code paths of the loaded kernels: ``capability`` (the ATen level they were built for),
     ``quant_linear`` (``avx512_vnni``, ``avx2`` or ``scalar``), ``paged_decode`` (``avx512_bf16``,
     ``avx512``, ``avx2`` or ``scalar``), ``dense_gemm`` (``avx512``, ``avx2`` or ``scalar``), ``dense_gemm_bf16``
-    (``avx512_bf16`` or ``scalar``) and ``dense_gemm_prefetch`` (``l2`` or ``l1``: where the panel matmuls
+    (``avx512_bf16`` or ``scalar``) and ``dense_gemm_prefetch`` (``l2``, ``l1`` or ``none``: where the panel matmuls
     prefetch their next panel to);
     ``{"status": "not loaded"}`` before :func:`load` succeeded."""
     if not ready():

@@ -37,6 +37,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <strings.h>
+#include <type_traits>
 
 namespace {
 
@@ -52,7 +54,7 @@ constexpr int kRows = 4;
 #endif
 
 // Where the next panel is prefetched to: L2 (PREFETCHT1) on Intel CPUs, L1 (PREFETCHT0) elsewhere;
-// TOKENMILL_CPU_GEMM_PREFETCH=l1|l2 overrides. On 2 vCPUs of an Intel Xeon with AMX (2026-12-03, python
+// TOKENMILL_CPU_GEMM_PREFETCH=l1|l2 overrides (read once per process). On 2 vCPUs of an Intel Xeon with AMX (2026-12-03, python
 // benchmarks/packed_linear.py, alternating builds, relative to MKL's packed GEMM in the same run) L2 took 5-20%
 // less time at 4-16 rows in the AVX-512 build and 5-25% at 1-8 rows in the AVX2 build, the same at 32 and 256
 // rows: a software prefetch into L1 holds one of the core's few L1 miss buffers until its line arrives, and a
@@ -60,8 +62,8 @@ constexpr int kRows = 4;
 bool prefetch_to_l2() {
   static const bool to_l2 = [] {
     const char* env = std::getenv("TOKENMILL_CPU_GEMM_PREFETCH");
-    if (env != nullptr && std::strcmp(env, "l1") == 0) return false;
-    if (env != nullptr && std::strcmp(env, "l2") == 0) return true;
+    if (env != nullptr && strcasecmp(env, "l1") == 0) return false;
+    if (env != nullptr && strcasecmp(env, "l2") == 0) return true;
 #if defined(__x86_64__) || defined(__i386__)
     return __builtin_cpu_is("intel") != 0;
 #else
@@ -188,15 +190,16 @@ inline void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_
 #endif
 }
 
-template <int R, int kLocality>
-inline void rows_tail(int rows, const float* x, int64_t ldx, const float* panel, int64_t K, float* y, int64_t ldy,
-                      Prefetcher<kLocality>& pf) {
+// Calls fn(std::integral_constant<int, rows>{}) for 1 <= rows <= R: a micro-kernel's row count as a template
+// argument, so that its accumulators stay in registers.
+template <int R, typename Fn>
+inline void with_rows(int rows, Fn&& fn) {
   if constexpr (R > 0) {
     if (rows == R) {
-      micro_kernel<R, kLocality>(x, ldx, panel, K, y, ldy, pf);
+      fn(std::integral_constant<int, R>{});
       return;
     }
-    rows_tail<R - 1, kLocality>(rows, x, ldx, panel, K, y, ldy, pf);
+    with_rows<R - 1>(rows, fn);
   }
 }
 
@@ -210,7 +213,7 @@ void panel_product(const float* x, int64_t M, int64_t K, const float* panel, int
     const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
     float* out = cols == kPanel ? y + m0 * N + col0 : tile;
     const int64_t ldy = cols == kPanel ? N : kPanel;
-    rows_tail<kRows, kLocality>(rows, x + m0 * K, K, panel, K, out, ldy, pf);
+    with_rows<kRows>(rows, [&](auto r) { micro_kernel<decltype(r)::value>(x + m0 * K, K, panel, K, out, ldy, pf); });
     if (cols < kPanel)
       for (int r = 0; r < rows; ++r) std::memcpy(y + (m0 + r) * N + col0, tile + r * kPanel, cols * sizeof(float));
   }
@@ -279,7 +282,7 @@ at::Tensor dense_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n) 
 //
 // Why not oneDNN (what bfloat16 linear layers run otherwise): at the few rows of a decode step with one or a few
 // requests, the product is a pass over the weights, and oneDNN's packed bfloat16 matmul does not keep enough of
-// them in flight: on 2 vCPUs of a Xeon with AMX, one SmolLM2-135M step's matmuls at 1 row took 15.2 ms inside a
+// them in flight: on 2 vCPUs of a Xeon with AMX, one SmolLM2-135M step's matmuls at 1 row took 14.8-15.2 ms inside a
 // decode step (python benchmarks/profile_decode.py --batch 1 --dtype bfloat16) for 270 MB of weights. These loops
 // are the float32 panel loops above with the AVX-512 BF16 pair dot product (vdpbf16ps: exact bfloat16 products,
 // float32 sums) in place of the multiply-add; at a few dozen rows and more the pair dot product is the limit and
@@ -336,18 +339,6 @@ inline void micro_kernel_bf16(const at::BFloat16* x, int64_t ldx, const at::BFlo
 #endif
 }
 
-template <int R, int kLocality>
-inline void rows_tail_bf16(int rows, const at::BFloat16* x, int64_t ldx, const at::BFloat16* panel, int64_t pairs,
-                           float* y, int64_t ldy, Prefetcher<kLocality>& pf) {
-  if constexpr (R > 0) {
-    if (rows == R) {
-      micro_kernel_bf16<R, kLocality>(x, ldx, panel, pairs, y, ldy, pf);
-      return;
-    }
-    rows_tail_bf16<R - 1, kLocality>(rows, x, ldx, panel, pairs, y, ldy, pf);
-  }
-}
-
 // One panel for all M rows: float32 sums in a tile, then rounded into y's columns col0 .. col0 + cols.
 template <int kLocality>
 void panel_product_bf16(const at::BFloat16* x, int64_t M, int64_t K, const at::BFloat16* panel, int64_t col0,
@@ -356,7 +347,9 @@ void panel_product_bf16(const at::BFloat16* x, int64_t M, int64_t K, const at::B
   alignas(64) float tile[kRowsBf16 * kPanelBf16];
   for (int64_t m0 = 0; m0 < M; m0 += kRowsBf16) {
     const int rows = static_cast<int>(std::min<int64_t>(kRowsBf16, M - m0));
-    rows_tail_bf16<kRowsBf16, kLocality>(rows, x + m0 * K, K, panel, K / 2, tile, kPanelBf16, pf);
+    with_rows<kRowsBf16>(rows, [&](auto r) {
+      micro_kernel_bf16<decltype(r)::value>(x + m0 * K, K, panel, K / 2, tile, kPanelBf16, pf);
+    });
     for (int r = 0; r < rows; ++r) {
       at::BFloat16* out = y + (m0 + r) * N + col0;
       const float* sums = tile + r * kPanelBf16;
@@ -404,6 +397,15 @@ at::Tensor dense_gemm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_
   return y;
 }
 
+// Where the panel matmuls prefetch their next panel to: "l2", "l1", or "none" (the plain C++ build issues none).
+std::string dense_gemm_prefetch() {
+#if defined(TOKENMILL_GEMM_AVX512) || defined(TOKENMILL_GEMM_AVX2)
+  return prefetch_to_l2() ? "l2" : "l1";
+#else
+  return "none";
+#endif
+}
+
 std::string dense_gemm_bf16_isa() {
 #if defined(TOKENMILL_GEMM_BF16)
   return "avx512_bf16";
@@ -433,7 +435,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("dense_gemm_bf16(Tensor x, Tensor packed, int n) -> Tensor");
   m.def("dense_gemm_bf16_panel() -> int", [] { return kPanelBf16; });
   m.def("dense_gemm_bf16_isa() -> str", &dense_gemm_bf16_isa);
-  m.def("dense_gemm_prefetch() -> str", [] { return std::string(prefetch_to_l2() ? "l2" : "l1"); });
+  m.def("dense_gemm_prefetch() -> str", &dense_gemm_prefetch);
 }
 
 TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
