@@ -268,7 +268,7 @@ def test_lower_isa_builds_match_the_fp64_reference(capability, isa):
     from tests.lower_isa import check_lower_isa_build
 
     check_lower_isa_build(__file__, capability, "paged_decode", isa,
-                          "16-gqa3 or w20-softcap-16 or strided or (prefill_kernel and (gqa3 or tail))")
+                          "16-gqa3 or w20-softcap-16 or strided or (prefill_kernel and (gqa3 or tail)) or write_kv_cache")
 
 
 def test_a_lock_file_left_by_a_killed_build_does_not_hang_the_next_start():
@@ -322,3 +322,86 @@ def test_the_background_build_and_its_compilers_run_at_lower_priority(monkeypatc
     expected = min(main + kernels.BUILD_NICENESS, 19)
     assert seen == {"thread": expected, "child": expected}
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_write_kv_cache_kernel_matches_the_torch_write_and_skips_negative_slots(cache_dtype):
+    from tokenmill.plugin_api import write_kv_cache
+
+    q, k, v = fused_qkv(40, 9, 3, 64, torch.float32, seed=4)  # k, v: strided views of one projection
+    cache = torch.randn(2, 3, 10, 16, 64).to(cache_dtype)
+    slots = torch.randperm(160, generator=torch.Generator().manual_seed(1))[:40]
+    slots[[3, 17]] = -1
+    want = cache.clone()
+    keep = slots >= 0
+    write_kv_cache(k[keep], v[keep], want, slots[keep])
+    got = cache.clone()
+    kernels.write_kv_cache(k, v, got, slots)
+    assert torch.equal(got, want)
+
+
+def test_write_kv_cache_kernel_rejects_bad_slots_before_writing_and_traces_under_torch_compile():
+    _, k, v = fused_qkv(5, 4, 2, 32, torch.float32)
+    cache = torch.zeros(2, 2, 3, 4, 32)
+    with pytest.raises(RuntimeError, match="outside the cache's 12 slots"):
+        kernels.write_kv_cache(k, v, cache, torch.tensor([0, 1, 2, 3, 12]))
+    assert not cache.any()  # nothing written by the failed call
+    with pytest.raises(RuntimeError, match="int64"):
+        kernels.write_kv_cache(k, v, cache, torch.arange(5, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="KV heads and head size"):
+        kernels.write_kv_cache(k, v, torch.zeros(2, 1, 3, 4, 32), torch.arange(5))
+    with pytest.raises(RuntimeError, match="k's dtype"):
+        kernels.write_kv_cache(k.double(), v.double(), cache, torch.arange(5))
+
+    # Only the op in the graph (no Inductor loops, which the plain build's lower-ISA run cannot compile).
+    compiled = torch.compile(kernels.write_kv_cache, dynamic=True, fullgraph=True)
+    slots = torch.tensor([0, 5, 6, 11, -1])
+    compiled(k, v, cache, slots)
+    assert torch.equal(cache[0].view(2, -1, 32)[:, 0], k[0])
+    assert torch.equal(cache[1].view(2, -1, 32)[:, 11], v[3])  # the cache itself was written in place
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_size", [(9, 3, 64), (12, 1, 72)], ids=["gqa3", "tail"])
+@pytest.mark.parametrize("window", [None, 7], ids=["full", "w7"])
+def test_prefill_kernel_varlen_matches_each_prompt_alone(dtype, num_heads, num_kv_heads, head_size, window):
+    lengths = [17, 1, 130, 40]
+    q, k, v = fused_qkv(sum(lengths) + 5, num_heads, num_kv_heads, head_size, dtype, seed=6)
+    starts = [5 + sum(lengths[:i]) for i in range(len(lengths))]  # rows 0-4: a decode's rows, not to be touched
+    ranges = torch.tensor([[s, s + n] for s, n in zip(starts, lengths)], dtype=torch.int32)
+    out = torch.full((q.shape[0], num_heads * head_size), 7.0, dtype=dtype)
+    kernels.prefill_attention_varlen(q, k, v, ranges, head_size**-0.5, window, out)
+    assert (out[:5] == 7.0).all()
+    for s, n in zip(starts, lengths):
+        want = prefill_reference(q[s:s + n], k[s:s + n], v[s:s + n], head_size**-0.5, window)
+        assert rel_err(out[s:s + n], want) < TOL[dtype]
+
+
+def test_prefill_kernel_varlen_rejects_bad_ranges():
+    q, k, v = fused_qkv(6, 4, 2, 32, torch.float32)
+    out = torch.empty(6, 128)
+    for bad in ([[0, 7]], [[3, 3]], [[-1, 2]]):
+        with pytest.raises(RuntimeError, match="not a non-empty range"):
+            kernels.prefill_attention_varlen(q, k, v, torch.tensor(bad, dtype=torch.int32), 0.2, None, out)
+    with pytest.raises(RuntimeError, match="int32"):
+        kernels.prefill_attention_varlen(q, k, v, torch.tensor([[0, 2]]), 0.2, None, out)
+    with pytest.raises(RuntimeError, match="out must be"):
+        kernels.prefill_attention_varlen(q, k, v, torch.tensor([[0, 2]], dtype=torch.int32), 0.2, None, out[:, :64])
+
+
+@pytest.mark.parametrize("soft_cap", [None, 5.0], ids=["plain", "softcap"])
+def test_cpu_backend_sends_a_steps_fresh_prompts_to_the_kernel_in_one_call(monkeypatch, soft_cap):
+    calls = []
+    real = kernels.prefill_attention_varlen
+    monkeypatch.setattr(kernels, "prefill_attention_varlen", lambda *a: calls.append(a[3].tolist()) or real(*a))
+    num_heads, num_kv_heads, head_size = 8, 2, 16
+    batch = make_batch(MIXED_Q_LENS, MIXED_SEQ_LENS, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                       head_size=head_size, block_size=8, fill_cache=False, poison=1.0e4)
+    impl = CpuPagedAttentionBackend.get_impl_cls()(num_heads, head_size, head_size**-0.5, num_kv_heads,
+                                                    logits_soft_cap=soft_cap)
+    k, v = new_kv(batch)
+    out = impl.forward(batch.q.reshape(len(batch.q), -1), k.reshape(len(k), -1), v.reshape(len(v), -1),
+                       head_major(batch.kv_cache), batch.md)
+    assert rel_err(out.view_as(batch.q), reference_attention(batch, head_size**-0.5, None, soft_cap)) < 1e-5
+    # requests 0 and 4 are fresh prompts (rows 0-6 and 14-16); request 2 continues a cached prefix
+    assert calls == ([] if soft_cap else [[[0, 7], [14, 17]]])

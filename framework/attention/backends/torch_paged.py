@@ -5,13 +5,17 @@ Head-major blocks make a request's gathered context ``[Hkv, S, D]`` contiguous, 
 multiplies it directly (no transposing copy). Decodes (one query token each) are batched into two products over
 the gathered, padded context; prefill chunks run one SDPA call per request
 (:meth:`TorchPagedAttentionImpl.forward_prefill`), with the causal mask shifted by the request's cached prefix
-(sliding windows and logit soft caps as masks / a float32 path, see :class:`TorchPagedAttentionImpl`). A pure decode step reads only device tensors of the metadata (and ``max_query_len``),
+(sliding windows and logit soft caps as masks / a float32 path, see :class:`TorchPagedAttentionImpl`); the
+fresh prompts of a step (nothing cached before them) go through :meth:`TorchPagedAttentionImpl.forward_prefills`
+together. A pure decode step reads only device tensors of the metadata (and ``max_query_len``),
 so torch.compile can trace it (``supports_compile``).
 
 A vendor kernel for one-token queries plugs in by subclassing :class:`TorchPagedAttentionImpl` and overriding
 :meth:`TorchPagedAttentionImpl.forward_decode`, one for prompt chunks by overriding
-:meth:`TorchPagedAttentionImpl.forward_prefill` (their contracts are in those docstrings); the cache layout, the
-cache write and the gathering of a cached prefix stay the torch ones. The CPU plugin's C++ kernels are such a
+:meth:`TorchPagedAttentionImpl.forward_prefill` (or, for all fresh prompts of a step in one call,
+:meth:`TorchPagedAttentionImpl.forward_prefills`), and a cache-write kernel by overriding
+:meth:`TorchPagedAttentionImpl.write_kv` (their contracts are in those docstrings); the cache layout and the
+gathering of a cached prefix stay the torch ones. The CPU plugin's C++ kernels are such a
 subclass.
 """
 
@@ -58,7 +62,7 @@ class TorchPagedAttentionImpl(AttentionImpl):
         v = value.view(num_tokens, self.num_kv_heads, self.head_size)
         if attn_metadata is None:
             return self.forward_prefill(q, k, v)
-        write_kv_cache(k, v, kv_cache, attn_metadata.slot_mapping)
+        self.write_kv(k, v, kv_cache, attn_metadata.slot_mapping)
         if attn_metadata.max_query_len == 1:  # every request decodes one token
             return self.forward_decode(q, kv_cache, attn_metadata.block_table, attn_metadata.seq_lens,
                                        attn_metadata.block_size)
@@ -72,19 +76,57 @@ class TorchPagedAttentionImpl(AttentionImpl):
             done = set(decode_idx)
         else:
             done = set()
+        fresh: list[tuple[int, int]] = []  # prompt chunks with nothing cached before them
         for i in range(len(seq_lens)):
             if i in done:
                 continue
             start, end, seq_len = qsl[i], qsl[i + 1], seq_lens[i]
             offset = seq_len - (end - start)  # position of the chunk's first query
-            if offset == 0:  # nothing cached before this chunk: its own keys/values are the context
-                k_ctx, v_ctx = k[start:end], v[start:end]
-            else:
-                first = 0 if self.sliding_window is None else max(0, offset - self.sliding_window + 1) // bs
-                k_ctx, v_ctx = gather_kv(kv_cache, attn_metadata.block_table[i], seq_len, bs, first_block=first)
-                k_ctx, v_ctx = k_ctx.to(q.dtype), v_ctx.to(q.dtype)  # a cache in another dtype (--kv-cache-dtype)
+            if offset == 0:  # its own keys/values are the context
+                fresh.append((start, end))
+                continue
+            first = 0 if self.sliding_window is None else max(0, offset - self.sliding_window + 1) // bs
+            k_ctx, v_ctx = gather_kv(kv_cache, attn_metadata.block_table[i], seq_len, bs, first_block=first)
+            k_ctx, v_ctx = k_ctx.to(q.dtype), v_ctx.to(q.dtype)  # a cache in another dtype (--kv-cache-dtype)
             out[start:end] = self.forward_prefill(q[start:end], k_ctx, v_ctx).view(-1, *q.shape[1:])
+        if fresh:
+            self.forward_prefills(q, k, v, fresh, out.view(num_tokens, -1))
         return out.reshape(num_tokens, -1)
+
+    def forward_prefills(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranges: list[tuple[int, int]], out: torch.Tensor
+    ) -> None:
+        """Causal attention of a step's fresh prompt chunks (nothing cached before them, so each chunk's own keys
+        and values are its whole context), all at once: the extension point for a kernel that takes many prompts
+        in one call (override it in a subclass, as :meth:`forward_decode`). The default runs
+        :meth:`forward_prefill` per chunk. Called once per layer of a prefill or mixed step (eagerly), after the
+        decodes of the step and the chunks after a cached prefix have been written to ``out``.
+
+        Args:
+            q: ``[T, Hq, D]``, the step's queries, rows contiguous (any row stride), already rotated.
+            k: ``[T, Hkv, D]``, the step's keys, in ``q``'s dtype.
+            v: ``[T, Hkv, D]``, likewise.
+            ranges: ``(start, end)`` rows of each fresh chunk, disjoint and non-empty; query ``j`` of a chunk sees
+                the chunk's rows ``0 .. j`` (only the last ``sliding_window`` of them when the impl has one).
+            out: ``[T, Hq * D]`` in ``q``'s dtype: write the rows of ``ranges``, leave the others.
+        """
+        for start, end in ranges:
+            out[start:end] = self.forward_prefill(q[start:end], k[start:end], v[start:end])
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store the step's keys and values in the cache, before any attention is computed: the extension point
+        for a cache-write kernel (override it in a subclass, as :meth:`forward_decode`). Called once per layer and
+        step, inside the compiled graph of pure decode steps (so an override must be traceable: a custom op that
+        declares its mutation of ``kv_cache``). The default is :func:`write_kv_cache`.
+
+        Args:
+            k: ``[T, Hkv, D]`` in the model's dtype, rows contiguous (any row and head stride).
+            v: ``[T, Hkv, D]``, likewise.
+            kv_cache: ``[2, Hkv, num_blocks, block_size, D]`` in the cache's dtype (``--kv-cache-dtype``).
+            slot_mapping: ``[T]`` int64: token ``t`` goes to row ``slot % block_size`` of block
+                ``slot // block_size``.
+        """
+        write_kv_cache(k, v, kv_cache, slot_mapping)
 
     def forward_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of one request's prompt chunk over its context: the extension point for a prefill

@@ -1,11 +1,13 @@
 """CpuPagedAttentionBackend: the torch paged backend with decode attention in tokenmill-cpu's C++ kernel.
 
 Same cache layout as tokenmill's ``TorchPagedAttentionBackend``, through its documented extension points:
-one-token queries (pure decode steps, and the decodes of mixed steps) go to
+the cache write goes to :func:`tokenmill_cpu.kernels.write_kv_cache` (``write_kv``), one-token queries (pure
+decode steps, and the decodes of mixed steps) go to
 :func:`tokenmill_cpu.kernels.paged_decode` (``forward_decode``), which reads the cache blocks in place (sliding
-windows and logit soft caps included), and prompt chunks (fresh, or after a cached prefix, which the torch
-backend gathers from the cache) to :func:`tokenmill_cpu.kernels.prefill_attention` (``forward_prefill``; with a
-logit soft cap they stay on torch's path). The kernels build in the background
+windows and logit soft caps included), the fresh prompts of a step to
+:func:`tokenmill_cpu.kernels.prefill_attention_varlen` in one call (``forward_prefills``), and prompt chunks after
+a cached prefix (which the torch backend gathers from the cache) to :func:`tokenmill_cpu.kernels.prefill_attention`
+(``forward_prefill``); with a logit soft cap prompts stay on torch's path. The kernels build in the background
 (:func:`tokenmill_cpu.kernels.load_async`) while the model loads; until they are ready, and when they cannot be
 built, the backend behaves exactly like the torch one.
 """
@@ -69,6 +71,26 @@ class CpuPagedAttentionImpl(TorchPagedAttentionImpl):
             self.scale, self.sliding_window, self.logits_soft_cap,
         )
         return out.to(dtype)
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """The C++ cache write (:func:`tokenmill_cpu.kernels.write_kv_cache`) under the torch backend's contract
+        (:meth:`TorchPagedAttentionImpl.write_kv`); torch's indexed assignment for a cache dtype it does not
+        convert to."""
+        if (not self.use_kernel or kv_cache.device.type != "cpu" or slot_mapping.dtype != torch.int64
+                or not (kv_cache.dtype == k.dtype or (k.dtype == torch.float32 and kv_cache.dtype in _WIDENED))):
+            return super().write_kv(k, v, kv_cache, slot_mapping)
+        kernels.write_kv_cache(k, v, kv_cache, slot_mapping)
+
+    def forward_prefills(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranges: list[tuple[int, int]], out: torch.Tensor
+    ) -> None:
+        """All fresh prompts of a step in one call of the C++ kernel
+        (:func:`tokenmill_cpu.kernels.prefill_attention_varlen`) under the torch backend's contract
+        (:meth:`TorchPagedAttentionImpl.forward_prefills`); torch's path with a logit soft cap."""
+        if not self.use_kernel or q.device.type != "cpu" or self.logits_soft_cap is not None:
+            return super().forward_prefills(q, k, v, ranges, out)
+        kernels.prefill_attention_varlen(q, k, v, torch.tensor(ranges, dtype=torch.int32).view(-1, 2), self.scale,
+                                         self.sliding_window, out)
 
     def forward_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The C++ kernel (:func:`tokenmill_cpu.kernels.prefill_attention`) under the torch backend's contract

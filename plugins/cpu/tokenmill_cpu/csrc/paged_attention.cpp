@@ -438,56 +438,73 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
 // Items are taken in the order 0, Lq - 1, 1, Lq - 2, ... so that any contiguous split of them between threads
 // gets about the same number of key rows.
 template <typename T>
-void prefill_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, int64_t sliding_window,
-                    at::Tensor& out) {
-  const int64_t len = q.size(0), num_heads = q.size(1), head_size = q.size(2), num_kv_heads = k.size(1);
-  const int64_t ctx = k.size(0), offset = ctx - len;
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t vec_end = head_size - head_size % W;
-  const T* q_ptr = q.const_data_ptr<T>();
-  const T* k_ptr = k.const_data_ptr<T>();
-  const T* v_ptr = v.const_data_ptr<T>();
-  T* out_ptr = out.data_ptr<T>();
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0),
-                vs1 = v.stride(1);
-  const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, len * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * head_size), acc(group * head_size), scores(group * ctx);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t slot = item / num_kv_heads, h = item % num_kv_heads;
-      const int64_t t = slot % 2 == 0 ? slot / 2 : len - 1 - slot / 2;
-      const int64_t pos = offset + t;
-      const int64_t first = sliding_window > 0 ? std::max<int64_t>(pos - sliding_window + 1, 0) : 0;
-      const int64_t n = pos - first + 1;
-      for (int64_t g = 0; g < group; ++g) {
-        const T* src = q_ptr + t * qs0 + (h * group + g) * qs1;
-        for (int64_t i = 0; i < head_size; ++i) qf[g * head_size + i] = static_cast<float>(src[i]) * fscale;
-      }
-      const T* kh = k_ptr + first * ks0 + h * ks1;
-      const T* vh = v_ptr + first * vs0 + h * vs1;
+struct PrefillChunk {
+  const T* q;  // [Lq, Hq, D], strides qs0 / qs1
+  const T* k;  // [S, Hkv, D], strides ks0 / ks1
+  const T* v;  // likewise
+  T* out;      // [Lq, Hq * D] rows ldo elements apart
+  int64_t len, offset, qs0, qs1, ks0, ks1, vs0, vs1, ldo;
+};
+
+// Work item `slot` (0 .. Lq * Hkv) of chunk c, with per-thread buffers qf / acc ([G, D]) and scores ([G, S]).
+template <typename T>
+inline void prefill_item(const PrefillChunk<T>& c, int64_t slot_item, int64_t group, int64_t head_size,
+                         int64_t num_kv_heads, int64_t vec_end, float fscale, int64_t sliding_window, float* qf,
+                         float* acc, float* scores) {
+  const int64_t slot = slot_item / num_kv_heads, h = slot_item % num_kv_heads;
+  const int64_t t = slot % 2 == 0 ? slot / 2 : c.len - 1 - slot / 2;
+  const int64_t pos = c.offset + t;
+  const int64_t first = sliding_window > 0 ? std::max<int64_t>(pos - sliding_window + 1, 0) : 0;
+  const int64_t n = pos - first + 1;
+  for (int64_t g = 0; g < group; ++g) {
+    const T* src = c.q + t * c.qs0 + (h * group + g) * c.qs1;
+    for (int64_t i = 0; i < head_size; ++i) qf[g * head_size + i] = static_cast<float>(src[i]) * fscale;
+  }
+  const T* kh = c.k + first * c.ks0 + h * c.ks1;
+  const T* vh = c.v + first * c.vs0 + h * c.vs1;
 #ifdef TOKENMILL_REDUCE4
-      if (vec_end == head_size) {
-        qk_rows4(qf.data(), group, kh, ks0, n, head_size, scores.data(), n);
-      } else
+  if (vec_end == head_size) {
+    qk_rows4(qf, group, kh, c.ks0, n, head_size, scores, n);
+  } else
 #endif
-      {
-        for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
-          with_group(std::min(kMaxGroup, group - g0), [&](auto ng) {
-            qk_rows<decltype(ng)::value>(qf.data() + g0 * head_size, kh, ks0, n, head_size, vec_end,
-                                          scores.data() + g0 * n, n);
-          });
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) softmax_inplace(scores.data() + g * n, n);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
-        with_group(std::min(kMaxGroup, group - g0), [&](auto ng) {
-          pv_rows<decltype(ng)::value>(scores.data() + g0 * n, n, vh, vs0, n, head_size, vec_end,
-                                        acc.data() + g0 * head_size);
-        });
-      }
-      T* dst = out_ptr + (t * num_heads + h * group) * head_size;
-      for (int64_t i = 0; i < group * head_size; ++i) dst[i] = static_cast<T>(acc[i]);
+  {
+    for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
+      with_group(std::min(kMaxGroup, group - g0), [&](auto ng) {
+        qk_rows<decltype(ng)::value>(qf + g0 * head_size, kh, c.ks0, n, head_size, vec_end, scores + g0 * n, n);
+      });
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) softmax_inplace(scores + g * n, n);
+  std::fill(acc, acc + group * head_size, 0.f);
+  for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
+    with_group(std::min(kMaxGroup, group - g0), [&](auto ng) {
+      pv_rows<decltype(ng)::value>(scores + g0 * n, n, vh, c.vs0, n, head_size, vec_end, acc + g0 * head_size);
+    });
+  }
+  T* dst = c.out + t * c.ldo + h * group * head_size;
+  for (int64_t i = 0; i < group * head_size; ++i) dst[i] = static_cast<T>(acc[i]);
+}
+
+// The chunks' work items split between threads in one parallel region: chunk c owns items
+// [item_start[c], item_start[c + 1]); scores are sized for the longest context.
+template <typename T>
+void prefill_chunks(const std::vector<PrefillChunk<T>>& chunks, int64_t num_heads, int64_t num_kv_heads,
+                    int64_t head_size, double scale, int64_t sliding_window) {
+  const int64_t group = num_heads / num_kv_heads, vec_end = head_size - head_size % W;
+  const float fscale = static_cast<float>(scale);
+  std::vector<int64_t> item_start(chunks.size() + 1, 0);
+  int64_t max_ctx = 0;
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    item_start[c + 1] = item_start[c] + chunks[c].len * num_kv_heads;
+    max_ctx = std::max(max_ctx, chunks[c].offset + chunks[c].len);
+  }
+  at::parallel_for(0, item_start.back(), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * head_size), acc(group * head_size), scores(group * max_ctx);
+    size_t c = std::upper_bound(item_start.begin(), item_start.end(), begin) - item_start.begin() - 1;
+    for (int64_t item = begin; item < end; ++item) {
+      while (item >= item_start[c + 1]) ++c;
+      prefill_item(chunks[c], item - item_start[c], group, head_size, num_kv_heads, vec_end, fscale, sliding_window,
+                   qf.data(), acc.data(), scores.data());
     }
   });
 }
@@ -506,9 +523,51 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
               "q, k and v must have one dtype");
   at::Tensor out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "prefill_attention", [&] {
-    prefill_kernel<scalar_t>(q, k, v, scale, sliding_window, out);
+    const std::vector<PrefillChunk<scalar_t>> chunks{{q.const_data_ptr<scalar_t>(), k.const_data_ptr<scalar_t>(),
+                                                      v.const_data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                                                      q.size(0), k.size(0) - q.size(0), q.stride(0), q.stride(1),
+                                                      k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                                                      out.stride(0)}};
+    prefill_chunks(chunks, q.size(1), k.size(1), q.size(2), scale, sliding_window);
   });
   return out;
+}
+
+// Several fresh prompts of one step at once: prompt i is rows starts[i] .. ends[i] - 1 of q, k and v (its own
+// keys and values are its whole context); out's rows of those ranges are written, others are left alone.
+void prefill_attention_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& ranges,
+                              double scale, int64_t sliding_window, at::Tensor& out) {
+  TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: no window)");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k and v must be [T, H, D] tensors");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "q, k and v need contiguous rows");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(2) == q.size(2),
+              "k and v must be [T, Hkv, D] with q's T and D, got ", k.sizes(), " and ", v.sizes(), " for q ",
+              q.sizes());
+  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0 && q.size(2) > 0,
+              "q's heads must be a positive multiple of k's, with a head size above 0");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type()
+                  && out.scalar_type() == q.scalar_type(), "q, k, v and out must have one dtype");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == q.size(0) && out.size(1) == q.size(1) * q.size(2) && out.stride(1) == 1,
+              "out must be [T, Hq * D] with contiguous rows, got ", out.sizes());
+  TORCH_CHECK(ranges.scalar_type() == at::kInt && ranges.dim() == 2 && ranges.size(1) == 2 && ranges.is_contiguous(),
+              "ranges must be a contiguous [N, 2] int32 tensor of (start, end) rows");
+  const int32_t* r = ranges.const_data_ptr<int32_t>();
+  for (int64_t i = 0; i < ranges.size(0); ++i) {
+    TORCH_CHECK(0 <= r[2 * i] && r[2 * i] < r[2 * i + 1] && r[2 * i + 1] <= q.size(0), "ranges[", i, "] = (",
+                r[2 * i], ", ", r[2 * i + 1], ") is not a non-empty range of q's ", q.size(0), " rows");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "prefill_attention_varlen", [&] {
+    std::vector<PrefillChunk<scalar_t>> chunks;
+    chunks.reserve(ranges.size(0));
+    for (int64_t i = 0; i < ranges.size(0); ++i) {
+      const int64_t s0 = r[2 * i], len = r[2 * i + 1] - s0;
+      chunks.push_back({q.const_data_ptr<scalar_t>() + s0 * q.stride(0), k.const_data_ptr<scalar_t>() + s0 * k.stride(0),
+                        v.const_data_ptr<scalar_t>() + s0 * v.stride(0), out.data_ptr<scalar_t>() + s0 * out.stride(0),
+                        len, 0, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                        out.stride(0)});
+    }
+    prefill_chunks(chunks, q.size(1), k.size(1), q.size(2), scale, sliding_window);
+  });
 }
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
@@ -549,9 +608,12 @@ TORCH_LIBRARY(tokenmill_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, float scale, "
         "int sliding_window=0, float soft_cap=0.0) -> Tensor");
   m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale, int sliding_window=0) -> Tensor");
+  m.def("prefill_attention_varlen(Tensor q, Tensor k, Tensor v, Tensor ranges, float scale, int sliding_window, "
+        "Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
   m.impl("paged_decode", &paged_decode);
   m.impl("prefill_attention", &prefill_attention);
+  m.impl("prefill_attention_varlen", &prefill_attention_varlen);
 }
