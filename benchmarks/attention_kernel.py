@@ -25,6 +25,7 @@ import torch
 
 from tokenmill.attention.backends.torch_paged import TorchPagedAttentionImpl
 from tokenmill_cpu import kernels
+from tokenmill_cpu.platform import separate_inductor_cache
 
 from timing import median_ms  # benchmarks/timing.py: this script's folder is on sys.path
 
@@ -45,6 +46,7 @@ def main() -> None:
                    help="distinct caches per call (30: a SmolLM2-135M step's worth, streaming from memory as in "
                         "the engine; 1 may stay in the last-level cache)")
     args = p.parse_args()
+    separate_inductor_cache()  # under ATEN_CPU_CAPABILITY: not the default level's compiled loops
     if not kernels.load():
         raise SystemExit("tokenmill-cpu's kernel did not build; see the log above")
     dtype = getattr(torch, args.dtype)

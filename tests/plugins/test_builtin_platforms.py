@@ -391,3 +391,18 @@ def test_cuda_config_checks_tensor_parallel_size(cuda_build: pytest.MonkeyPatch)
     config.parallel_config.tensor_parallel_size = 4
     with pytest.raises(ValueError, match="--tensor-parallel-size 4.*CUDA_VISIBLE_DEVICES"):
         CudaPlatform.check_and_update_config(config)
+
+
+def test_cpu_platform_gives_inductor_its_own_cache_under_a_lowered_capability(monkeypatch):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    CpuPlatform.set_device(torch.device("cpu"))
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ  # the machine's own level: torch's default cache
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "AVX2")
+    CpuPlatform.set_device(torch.device("cpu"))
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"].endswith("_avx2")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/chosen")
+    CpuPlatform.set_device(torch.device("cpu"))
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere/chosen"  # a choice of the user's is kept
+    with pytest.raises(ValueError, match="cannot use device"):
+        CpuPlatform.set_device(torch.device("meta"))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import getpass
+import os
+import tempfile
 from typing import TYPE_CHECKING, ClassVar
 
 from tokenmill.plugin_api import Platform
@@ -131,8 +134,12 @@ class CpuPlatform(Platform):
 
     @classmethod
     def set_device(cls, device: torch.device) -> None:
+        """Check that ``device`` is the CPU, and give Inductor a cache of its own under a lowered instruction set
+        (:func:`separate_inductor_cache`) before this worker compiles anything. Raises ``ValueError`` for
+        another device."""
         if device.type != "cpu":
             raise ValueError(f"the cpu platform cannot use device {device}")
+        separate_inductor_cache()
 
     @classmethod
     def synchronize(cls) -> None:
@@ -143,3 +150,25 @@ class CpuPlatform(Platform):
         import torch
 
         return torch.device("cpu")
+
+
+def separate_inductor_cache() -> str | None:
+    """Under ``ATEN_CPU_CAPABILITY`` (e.g. ``avx2`` to measure an AVX-512 machine's AVX2 paths, as
+    docs/benchmarks.md does), point ``TORCHINDUCTOR_CACHE_DIR`` at a directory of that capability, unless the
+    variable is set already; returns the directory set, or ``None``.
+
+    Why: Inductor generates its C++ loops for the capability it sees, but its cache key does not tell the
+    capabilities apart, so a process at the machine's own level can load loops generated under ``avx2`` for the
+    same graph. On an AVX-512 Xeon (torch 2.13.0) that aborted the process ("double free or corruption") the
+    first time a graph compiled under ``ATEN_CPU_CAPABILITY=avx2`` was loaded without it.
+    """
+    capability = os.environ.get("ATEN_CPU_CAPABILITY")
+    if not capability or os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return None
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = str(os.getuid())
+    path = os.path.join(tempfile.gettempdir(), f"torchinductor_{user}_{capability.lower()}")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    return path
