@@ -324,7 +324,7 @@ def test_the_background_build_and_its_compilers_run_at_lower_priority(monkeypatc
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_write_kv_cache_kernel_matches_the_torch_write_and_skips_negative_slots(cache_dtype):
     from tokenmill.plugin_api import write_kv_cache
 
@@ -348,6 +348,8 @@ def test_write_kv_cache_kernel_rejects_bad_slots_before_writing_and_traces_under
     assert not cache.any()  # nothing written by the failed call
     with pytest.raises(RuntimeError, match="int64"):
         kernels.write_kv_cache(k, v, cache, torch.arange(5, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="one slot for each"):
+        kernels.write_kv_cache(k, v, cache, torch.arange(6))
     with pytest.raises(RuntimeError, match="KV heads and head size"):
         kernels.write_kv_cache(k, v, torch.zeros(2, 1, 3, 4, 32), torch.arange(5))
     with pytest.raises(RuntimeError, match="k's dtype"):
@@ -364,8 +366,8 @@ def test_write_kv_cache_kernel_rejects_bad_slots_before_writing_and_traces_under
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_size", [(9, 3, 64), (12, 1, 72)], ids=["gqa3", "tail"])
 @pytest.mark.parametrize("window", [None, 7], ids=["full", "w7"])
-def test_prefill_kernel_varlen_matches_each_prompt_alone(dtype, num_heads, num_kv_heads, head_size, window):
-    lengths = [17, 1, 130, 40]
+@pytest.mark.parametrize("lengths", [[17, 1, 130, 40], [300] + [8] * 12], ids=["mixed", "long-and-short"])
+def test_prefill_kernel_varlen_matches_each_prompt_alone(dtype, num_heads, num_kv_heads, head_size, window, lengths):
     q, k, v = fused_qkv(sum(lengths) + 5, num_heads, num_kv_heads, head_size, dtype, seed=6)
     starts = [5 + sum(lengths[:i]) for i in range(len(lengths))]  # rows 0-4: a decode's rows, not to be touched
     ranges = torch.tensor([[s, s + n] for s, n in zip(starts, lengths)], dtype=torch.int32)
@@ -385,6 +387,11 @@ def test_prefill_kernel_varlen_rejects_bad_ranges():
             kernels.prefill_attention_varlen(q, k, v, torch.tensor(bad, dtype=torch.int32), 0.2, None, out)
     with pytest.raises(RuntimeError, match="int32"):
         kernels.prefill_attention_varlen(q, k, v, torch.tensor([[0, 2]]), 0.2, None, out)
+    with pytest.raises(RuntimeError, match="in order and disjoint"):
+        kernels.prefill_attention_varlen(q, k, v, torch.tensor([[0, 4], [3, 6]], dtype=torch.int32), 0.2, None, out)
+    with pytest.raises(RuntimeError, match="rows must not overlap"):
+        kernels.prefill_attention_varlen(q, k, v, torch.tensor([[0, 2]], dtype=torch.int32), 0.2, None,
+                                         torch.empty(128).expand(6, 128))
     with pytest.raises(RuntimeError, match="out must be"):
         kernels.prefill_attention_varlen(q, k, v, torch.tensor([[0, 2]], dtype=torch.int32), 0.2, None, out[:, :64])
 
@@ -405,3 +412,19 @@ def test_cpu_backend_sends_a_steps_fresh_prompts_to_the_kernel_in_one_call(monke
     assert rel_err(out.view_as(batch.q), reference_attention(batch, head_size**-0.5, None, soft_cap)) < 1e-5
     # requests 0 and 4 are fresh prompts (rows 0-6 and 14-16); request 2 continues a cached prefix
     assert calls == ([] if soft_cap else [[[0, 7], [14, 17]]])
+
+
+def test_cpu_backend_writes_the_cache_with_the_kernel(monkeypatch):
+    writes = []
+    real = kernels.write_kv_cache
+    monkeypatch.setattr(kernels, "write_kv_cache", lambda *a: writes.append(a[0].shape[0]) or real(*a))
+    num_heads, num_kv_heads, head_size = 8, 2, 16
+    batch = make_batch(MIXED_Q_LENS, MIXED_SEQ_LENS, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                       head_size=head_size, block_size=8, fill_cache=False, poison=1.0e4)
+    impl = CpuPagedAttentionBackend.get_impl_cls()(num_heads, head_size, head_size**-0.5, num_kv_heads)
+    k, v = new_kv(batch)
+    cache = head_major(batch.kv_cache)
+    impl.forward(batch.q.reshape(len(batch.q), -1), k.reshape(len(k), -1), v.reshape(len(v), -1), cache, batch.md)
+    assert writes == [len(batch.q)]
+    written = cache[1].view(num_kv_heads, -1, head_size)[:, batch.md.slot_mapping].transpose(0, 1)
+    assert torch.equal(written, v)

@@ -394,11 +394,20 @@ def test_cuda_config_checks_tensor_parallel_size(cuda_build: pytest.MonkeyPatch)
 
 
 def test_cpu_platform_gives_inductor_its_own_cache_under_a_lowered_capability(monkeypatch):
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    # set, then removed: monkeypatch restores the variable's state from before the test at teardown
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "x")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "x")
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
     CpuPlatform.set_device(torch.device("cpu"))
     assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ  # the machine's own level: torch's default cache
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "AVX2")
+    CpuPlatform.set_device(torch.device("cpu"))
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == os.path.abspath(default_cache_dir()) + "_avx2"
+    # Inductor's own default, written into the environment by an earlier compile, is not a user's choice
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
     CpuPlatform.set_device(torch.device("cpu"))
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"].endswith("_avx2")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/chosen")

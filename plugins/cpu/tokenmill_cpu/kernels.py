@@ -357,7 +357,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slo
         v: ``[T, Hkv, D]``, ``k``'s dtype, likewise.
         kv_cache: ``[2, Hkv, num_blocks, block_size, D]`` contiguous, ``k``'s dtype, or bfloat16 / float16 under
             float32 ``k`` (rows rounded as they are stored); written in place.
-        slot_mapping: ``[T]`` int64 (contiguous): token ``t`` goes to slot ``slot_mapping[t]`` (block
+        slot_mapping: ``[T]`` int64 (contiguous), one slot per row of ``k``: token ``t`` goes to slot ``slot_mapping[t]`` (block
             ``slot // block_size``, row ``slot % block_size``); a negative slot writes nothing (graph padding).
 
     Raises:
@@ -373,13 +373,15 @@ def prefill_attention_varlen(
 ) -> None:
     """Causal attention of several fresh prompts of one step (nothing cached before them) in one call, into
     ``out``: :func:`prefill_attention` of each prompt, with the work of all of them split between the threads at
-    once (one parallel region, not one per prompt and layer, and no per-prompt Python).
+    once (one parallel region, not one per prompt and layer, and no per-prompt Python), split by the key rows each
+    query reads so that a long prompt among short ones is shared between threads too.
 
     Args:
         q: ``[T, Hq, D]`` float32, bfloat16 or float16, rows contiguous (any row and head stride), already rotated.
         k: ``[T, Hkv, D]``, ``q``'s dtype, likewise.
         v: ``[T, Hkv, D]``, likewise.
-        ranges: ``[N, 2]`` int32 (contiguous): prompt ``i`` is rows ``ranges[i, 0] .. ranges[i, 1] - 1`` of ``q``,
+        ranges: ``[N, 2]`` int32 (contiguous), in order and disjoint: prompt ``i`` is rows
+            ``ranges[i, 0] .. ranges[i, 1] - 1`` of ``q``,
             ``k`` and ``v`` (its keys and values are its whole context; query ``j`` of it sees its rows ``0 .. j``,
             or the last ``sliding_window`` of them).
         scale: softmax scale (usually ``D ** -0.5``).
@@ -388,6 +390,7 @@ def prefill_attention_varlen(
             are left as they are.
 
     Raises:
-        RuntimeError: shapes, dtypes or layouts are not as above, or a range is empty or outside ``q``'s rows.
+        RuntimeError: shapes, dtypes or layouts are not as above, or a range is empty, outside ``q``'s rows or
+            overlaps the one before it.
     """
     torch.ops.tokenmill_cpu.prefill_attention_varlen(q, k, v, ranges, scale, sliding_window or 0, out)

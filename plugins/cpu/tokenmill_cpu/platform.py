@@ -154,8 +154,9 @@ class CpuPlatform(Platform):
 
 def separate_inductor_cache() -> str | None:
     """Under ``ATEN_CPU_CAPABILITY`` (e.g. ``avx2`` to measure an AVX-512 machine's AVX2 paths, as
-    docs/benchmarks.md does), point ``TORCHINDUCTOR_CACHE_DIR`` at a directory of that capability, unless the
-    variable is set already; returns the directory set, or ``None``.
+    docs/benchmarks.md does), point ``TORCHINDUCTOR_CACHE_DIR`` at a directory of that capability
+    (``<Inductor's default>_<capability>``), unless the variable names another directory than Inductor's default;
+    returns the directory set, or ``None``.
 
     Why: Inductor generates its C++ loops for the capability it sees, but its cache key does not tell the
     capabilities apart, so a process at the machine's own level can load loops generated under ``avx2`` for the
@@ -163,12 +164,28 @@ def separate_inductor_cache() -> str | None:
     first time a graph compiled under ``ATEN_CPU_CAPABILITY=avx2`` was loaded without it.
     """
     capability = os.environ.get("ATEN_CPU_CAPABILITY")
-    if not capability or os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+    if not capability:
         return None
-    try:
-        user = getpass.getuser()
-    except (KeyError, OSError):
-        user = str(os.getuid())
-    path = os.path.join(tempfile.gettempdir(), f"torchinductor_{user}_{capability.lower()}")
+    default = _default_inductor_cache()
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    # Inductor writes its default into the environment when it first runs, and children inherit it: that value
+    # is not a choice of the user's.
+    if chosen and os.path.abspath(chosen) != default:
+        return None
+    path = f"{default}_{capability.lower()}"
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
     return path
+
+
+def _default_inductor_cache() -> str:
+    """Inductor's default cache directory (``<tmp>/torchinductor_<user>``), absolute."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        return os.path.abspath(default_cache_dir())
+    except (ImportError, AttributeError):  # another torch layout: the same rule, written out
+        try:
+            user = getpass.getuser()
+        except (KeyError, OSError):
+            user = f"uid_{os.getuid()}"
+        return os.path.abspath(os.path.join(tempfile.gettempdir(), f"torchinductor_{user}"))

@@ -56,8 +56,8 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cac
   TORCH_CHECK(kv_cache.size(1) == k.size(1) && kv_cache.size(4) == k.size(2),
               "kv_cache's KV heads and head size must match k's, got ", kv_cache.sizes(), " for ", k.sizes());
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.is_contiguous()
-                  && slot_mapping.size(0) >= k.size(0),
-              "slot_mapping must be a contiguous [T] int64 tensor with a slot for each of k's ", k.size(0), " rows");
+                  && slot_mapping.size(0) == k.size(0),
+              "slot_mapping must be a contiguous [T] int64 tensor, one slot for each of k's ", k.size(0), " rows");
   const bool same = kv_cache.scalar_type() == k.scalar_type();
   const bool narrowed = k.scalar_type() == at::kFloat
                         && (kv_cache.scalar_type() == at::kBFloat16 || kv_cache.scalar_type() == at::kHalf);

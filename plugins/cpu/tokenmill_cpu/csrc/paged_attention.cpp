@@ -435,8 +435,8 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
 // for a fresh prompt), so query row t sits at position p = S - Lq + t and attends to positions
 // max(0, p - W + 1) .. p (all of 0 .. p without a window). One work item is one (query row, KV head) pair,
 // computed like a decode step whose context is the first p + 1 rows of k and v (read in place, any row stride).
-// Items are taken in the order 0, Lq - 1, 1, Lq - 2, ... so that any contiguous split of them between threads
-// gets about the same number of key rows.
+// Items are numbered in the order 0, Lq - 1, 1, Lq - 2, ... and split between threads by their cost
+// (prefill_chunks).
 template <typename T>
 struct PrefillChunk {
   const T* q;  // [Lq, Hq, D], strides qs0 / qs1
@@ -485,11 +485,13 @@ inline void prefill_item(const PrefillChunk<T>& c, int64_t slot_item, int64_t gr
   for (int64_t i = 0; i < group * head_size; ++i) dst[i] = static_cast<T>(acc[i]);
 }
 
-// The chunks' work items split between threads in one parallel region: chunk c owns items
-// [item_start[c], item_start[c + 1]); scores are sized for the longest context.
+// The chunks' work items in one parallel region: chunk c owns items [item_start[c], item_start[c + 1]), and each
+// thread takes a contiguous run of items of about equal cost (key rows read, plus a fixed per-item part), so a
+// long prompt next to short ones is split between threads like the rest; scores are sized for the longest context.
 template <typename T>
 void prefill_chunks(const std::vector<PrefillChunk<T>>& chunks, int64_t num_heads, int64_t num_kv_heads,
                     int64_t head_size, double scale, int64_t sliding_window) {
+  constexpr int64_t kItemCost = 16;  // per-item work besides the key rows (query copy, softmax set-up, output), in rows
   const int64_t group = num_heads / num_kv_heads, vec_end = head_size - head_size % W;
   const float fscale = static_cast<float>(scale);
   std::vector<int64_t> item_start(chunks.size() + 1, 0);
@@ -498,8 +500,28 @@ void prefill_chunks(const std::vector<PrefillChunk<T>>& chunks, int64_t num_head
     item_start[c + 1] = item_start[c] + chunks[c].len * num_kv_heads;
     max_ctx = std::max(max_ctx, chunks[c].offset + chunks[c].len);
   }
-  at::parallel_for(0, item_start.back(), 1, [&](int64_t begin, int64_t end) {
+  const int64_t num_items = item_start.back();
+  if (num_items == 0) return;
+  std::vector<int64_t> cost(num_items + 1, 0);  // cost[i]: total cost of items before i
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    for (int64_t i = 0; i < chunks[c].len * num_kv_heads; ++i) {
+      const int64_t slot = i / num_kv_heads;
+      const int64_t t = slot % 2 == 0 ? slot / 2 : chunks[c].len - 1 - slot / 2;
+      const int64_t pos = chunks[c].offset + t;
+      const int64_t first = sliding_window > 0 ? std::max<int64_t>(pos - sliding_window + 1, 0) : 0;
+      cost[item_start[c] + i + 1] = cost[item_start[c] + i] + (pos - first + 1) + kItemCost;
+    }
+  }
+  const int64_t parts = std::min<int64_t>(at::get_num_threads(), num_items);
+  at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
     std::vector<float> qf(group * head_size), acc(group * head_size), scores(group * max_ctx);
+    // Part p covers the items whose cost prefix lies in [total * p / parts, total * (p + 1) / parts).
+    auto bound = [&](int64_t p) -> int64_t {
+      return std::lower_bound(cost.begin(), cost.end() - 1, cost.back() * p / parts) - cost.begin();
+    };
+    const int64_t begin = part_begin == 0 ? 0 : bound(part_begin);
+    const int64_t end = part_end == parts ? num_items : bound(part_end);
+    if (begin >= end) return;
     size_t c = std::upper_bound(item_start.begin(), item_start.end(), begin) - item_start.begin() - 1;
     for (int64_t item = begin; item < end; ++item) {
       while (item >= item_start[c + 1]) ++c;
@@ -551,10 +573,13 @@ void prefill_attention_varlen(const at::Tensor& q, const at::Tensor& k, const at
               "out must be [T, Hq * D] with contiguous rows, got ", out.sizes());
   TORCH_CHECK(ranges.scalar_type() == at::kInt && ranges.dim() == 2 && ranges.size(1) == 2 && ranges.is_contiguous(),
               "ranges must be a contiguous [N, 2] int32 tensor of (start, end) rows");
+  TORCH_CHECK(out.size(0) <= 1 || out.stride(0) >= out.size(1), "out's rows must not overlap");
   const int32_t* r = ranges.const_data_ptr<int32_t>();
   for (int64_t i = 0; i < ranges.size(0); ++i) {
     TORCH_CHECK(0 <= r[2 * i] && r[2 * i] < r[2 * i + 1] && r[2 * i + 1] <= q.size(0), "ranges[", i, "] = (",
                 r[2 * i], ", ", r[2 * i + 1], ") is not a non-empty range of q's ", q.size(0), " rows");
+    TORCH_CHECK(i == 0 || r[2 * i] >= r[2 * i - 1], "ranges must be in order and disjoint; ranges[", i,
+                "] starts before ranges[", i - 1, "] ends");
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "prefill_attention_varlen", [&] {
     std::vector<PrefillChunk<scalar_t>> chunks;
