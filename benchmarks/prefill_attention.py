@@ -2,6 +2,7 @@
 and the C++ cache write against torch's indexed assignment, same inputs, same process.
 
     python benchmarks/prefill_attention.py [--prompts 15 --prompt-len 128 --decodes 48] [--json FILE]
+    python benchmarks/prefill_attention.py --lengths 1024,32x32   # one long prompt among 32 short ones
 
 One layer of SmolLM2-135M's shape (9 query heads, 3 KV heads, head size 64, float32 unless ``--dtype``), with
 q, k and v as views of one fused projection as the model gives them. Prints the median milliseconds per layer
@@ -36,6 +37,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompts", type=int, default=15, help="fresh prompts in the step")
     p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--lengths", default=None,
+                   help="prompt lengths instead of --prompts x --prompt-len: comma-separated, LxN for N prompts of L")
     p.add_argument("--decodes", type=int, default=48, help="one-token rows of the step (cache write only)")
     p.add_argument("--num-heads", type=int, default=9)
     p.add_argument("--num-kv-heads", type=int, default=3)
@@ -49,15 +52,20 @@ def main() -> None:
     if not kernels.load():
         raise SystemExit("tokenmill-cpu's kernels did not build; see the log above")
     dtype = getattr(torch, args.dtype)
-    h, hkv, d, n, length = args.num_heads, args.num_kv_heads, args.head_size, args.prompts, args.prompt_len
+    h, hkv, d = args.num_heads, args.num_kv_heads, args.head_size
+    lengths = [args.prompt_len] * args.prompts
+    if args.lengths:
+        lengths = [int(part.split("x")[0]) for part in args.lengths.split(",")
+                   for _ in range(int(part.split("x")[1]) if "x" in part else 1)]
     g = torch.Generator().manual_seed(0)
-    rows = n * length + args.decodes
+    rows = sum(lengths) + args.decodes
     qkv = torch.randn(rows, (h + 2 * hkv) * d, generator=g).to(dtype)
     q = qkv[:, : h * d].view(rows, h, d)
     k = qkv[:, h * d : (h + hkv) * d].view(rows, hkv, d)
     v = qkv[:, (h + hkv) * d :].view(rows, hkv, d)
     first = args.decodes  # decodes first, then the prompts, as the scheduler orders a mixed step
-    spans = [(first + i * length, first + (i + 1) * length) for i in range(n)]
+    starts = [first + sum(lengths[:i]) for i in range(len(lengths))]
+    spans = [(start, start + length) for start, length in zip(starts, lengths)]
     ranges = torch.tensor(spans, dtype=torch.int32)
     out = torch.empty(rows, h * d, dtype=dtype)
     scale = d**-0.5
@@ -84,7 +92,8 @@ def main() -> None:
             "write_torch_compiled_ms": median_ms(lambda: compiled_write(k, v, cache, slots), args.iters),
             "write_kernel_ms": median_ms(lambda: kernels.write_kv_cache(k, v, cache, slots), args.iters),
         }
-    print(f"{n} prompts x {length} tokens + {args.decodes} decodes, {h}/{hkv} heads of {d}, {args.dtype}, "
+    shape = f"{len(lengths)} prompts x {lengths[0]} tokens" if len(set(lengths)) == 1 else f"prompts of {args.lengths} tokens"
+    print(f"{shape} + {args.decodes} decodes, {h}/{hkv} heads of {d}, {args.dtype}, "
           f"{torch.get_num_threads()} threads, capability {torch.backends.cpu.get_cpu_capability()} "
           f"(ms per layer, median of {args.iters})")
     for name, ms in results.items():
