@@ -19,7 +19,13 @@ import torch
 from tokenmill.plugin_api import AttentionImpl, TorchPagedAttentionBackend, TorchPagedAttentionImpl
 from tokenmill_cpu import kernels
 
-_WIDENED = (torch.bfloat16, torch.float16)  # caches the kernel reads under float32 queries (--kv-cache-dtype)
+_WIDENED = (torch.bfloat16, torch.float16)  # caches the kernels take under a float32 model (--kv-cache-dtype)
+
+
+def _kernel_converts(model_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether the kernels take this model dtype over this cache dtype as they are (same dtype, or a reduced cache
+    under float32)."""
+    return model_dtype == cache_dtype or (model_dtype == torch.float32 and cache_dtype in _WIDENED)
 
 
 class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
@@ -64,7 +70,7 @@ class CpuPagedAttentionImpl(TorchPagedAttentionImpl):
         if not self.use_kernel or kv_cache.device.type != "cpu":
             return super().forward_decode(q, kv_cache, block_table, seq_lens, block_size)
         dtype = q.dtype
-        if q.dtype != kv_cache.dtype and not (q.dtype == torch.float32 and kv_cache.dtype in _WIDENED):
+        if not _kernel_converts(q.dtype, kv_cache.dtype):
             q = q.to(kv_cache.dtype)  # a combination the kernel does not widen
         out = kernels.paged_decode(
             q, kv_cache, block_table.to(torch.int32).contiguous(), seq_lens.to(torch.int32),
@@ -77,7 +83,7 @@ class CpuPagedAttentionImpl(TorchPagedAttentionImpl):
         (:meth:`TorchPagedAttentionImpl.write_kv`); torch's indexed assignment for a cache dtype it does not
         convert to."""
         if (not self.use_kernel or kv_cache.device.type != "cpu" or slot_mapping.dtype != torch.int64
-                or not (kv_cache.dtype == k.dtype or (k.dtype == torch.float32 and kv_cache.dtype in _WIDENED))):
+                or not _kernel_converts(k.dtype, kv_cache.dtype)):
             return super().write_kv(k, v, kv_cache, slot_mapping)
         kernels.write_kv_cache(k, v, kv_cache, slot_mapping)
 

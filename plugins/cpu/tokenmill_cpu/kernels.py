@@ -347,18 +347,20 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slo
     """Store each token's keys and values in its cache slot, in place (the torch backend's
     :func:`tokenmill.plugin_api.write_kv_cache`, one parallel copy per row instead of a stack and a scatter).
 
-    Why not torch's indexed assignment: under torch.compile it becomes a serial copy of the stacked keys and values
-    and a scatter split between two threads at most (about 170 us per layer for 256 tokens, 5.2 ms per decode step
-    of SmolLM2-135M, 2 cores of an Intel Xeon with ``ATEN_CPU_CAPABILITY=avx2``; eagerly 1.2-1.8 ms per layer for a
-    2,048-token prefill); this kernel copies each row once, straight from the projection output.
+    Why not torch's indexed assignment: it stacks the keys and values first, and under torch.compile becomes a
+    serial copy and a scatter split between two threads at most; this kernel copies each row once, straight from
+    the projection output. For a 1,968-token mixed step of SmolLM2-135M on 2 cores of an Intel Xeon: 0.28-0.32 ms
+    per layer against 0.65-0.76 ms compiled and 1.13-1.25 ms eager (``python benchmarks/prefill_attention.py``,
+    AVX-512 and AVX2 builds); no measurable difference in the engine's 256-request decode steps.
 
     Args:
         k: ``[T, Hkv, D]`` float32, bfloat16 or float16, rows contiguous (any row and head stride).
         v: ``[T, Hkv, D]``, ``k``'s dtype, likewise.
         kv_cache: ``[2, Hkv, num_blocks, block_size, D]`` contiguous, ``k``'s dtype, or bfloat16 / float16 under
             float32 ``k`` (rows rounded as they are stored); written in place.
-        slot_mapping: ``[T]`` int64 (contiguous), one slot per row of ``k``: token ``t`` goes to slot ``slot_mapping[t]`` (block
-            ``slot // block_size``, row ``slot % block_size``); a negative slot writes nothing (graph padding).
+        slot_mapping: ``[T]`` int64 (contiguous), one slot per row of ``k``: token ``t`` goes to slot
+            ``slot_mapping[t]`` (block ``slot // block_size``, row ``slot % block_size``); a negative slot writes
+            nothing (graph padding).
 
     Raises:
         RuntimeError: shapes, dtypes or layouts are not as above, or a slot is past the cache's
@@ -381,9 +383,8 @@ def prefill_attention_varlen(
         k: ``[T, Hkv, D]``, ``q``'s dtype, likewise.
         v: ``[T, Hkv, D]``, likewise.
         ranges: ``[N, 2]`` int32 (contiguous), in order and disjoint: prompt ``i`` is rows
-            ``ranges[i, 0] .. ranges[i, 1] - 1`` of ``q``,
-            ``k`` and ``v`` (its keys and values are its whole context; query ``j`` of it sees its rows ``0 .. j``,
-            or the last ``sliding_window`` of them).
+            ``ranges[i, 0] .. ranges[i, 1] - 1`` of ``q``, ``k`` and ``v`` (its keys and values are its whole
+            context; query ``j`` of it sees its rows ``0 .. j``, or the last ``sliding_window`` of them).
         scale: softmax scale (usually ``D ** -0.5``).
         sliding_window: attend to the last ``sliding_window`` positions only; ``None``: all earlier ones.
         out: ``[T, Hq * D]`` in ``q``'s dtype, rows contiguous; the rows of the ranges are written, the others

@@ -435,8 +435,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
 // for a fresh prompt), so query row t sits at position p = S - Lq + t and attends to positions
 // max(0, p - W + 1) .. p (all of 0 .. p without a window). One work item is one (query row, KV head) pair,
 // computed like a decode step whose context is the first p + 1 rows of k and v (read in place, any row stride).
-// Items are numbered in the order 0, Lq - 1, 1, Lq - 2, ... and split between threads by their cost
-// (prefill_chunks).
+// Items are split between threads by the key rows they read (prefill_chunks).
 template <typename T>
 struct PrefillChunk {
   const T* q;  // [Lq, Hq, D], strides qs0 / qs1
@@ -446,16 +445,21 @@ struct PrefillChunk {
   int64_t len, offset, qs0, qs1, ks0, ks1, vs0, vs1, ldo;
 };
 
-// Work item `slot` (0 .. Lq * Hkv) of chunk c, with per-thread buffers qf / acc ([G, D]) and scores ([G, S]).
+// First context row query row t of chunk c attends to (positions before it are outside the window).
 template <typename T>
-inline void prefill_item(const PrefillChunk<T>& c, int64_t slot_item, int64_t group, int64_t head_size,
+inline int64_t first_row(const PrefillChunk<T>& c, int64_t t, int64_t sliding_window) {
+  return sliding_window > 0 ? std::max<int64_t>(c.offset + t - sliding_window + 1, 0) : 0;
+}
+
+// Work item (query row t, KV head h) = item / Hkv, item % Hkv of chunk c, with per-thread buffers qf / acc
+// ([G, D]) and scores ([G, S]).
+template <typename T>
+inline void prefill_item(const PrefillChunk<T>& c, int64_t item, int64_t group, int64_t head_size,
                          int64_t num_kv_heads, int64_t vec_end, float fscale, int64_t sliding_window, float* qf,
                          float* acc, float* scores) {
-  const int64_t slot = slot_item / num_kv_heads, h = slot_item % num_kv_heads;
-  const int64_t t = slot % 2 == 0 ? slot / 2 : c.len - 1 - slot / 2;
-  const int64_t pos = c.offset + t;
-  const int64_t first = sliding_window > 0 ? std::max<int64_t>(pos - sliding_window + 1, 0) : 0;
-  const int64_t n = pos - first + 1;
+  const int64_t t = item / num_kv_heads, h = item % num_kv_heads;
+  const int64_t first = first_row(c, t, sliding_window);
+  const int64_t n = c.offset + t - first + 1;
   for (int64_t g = 0; g < group; ++g) {
     const T* src = c.q + t * c.qs0 + (h * group + g) * c.qs1;
     for (int64_t i = 0; i < head_size; ++i) qf[g * head_size + i] = static_cast<float>(src[i]) * fscale;
@@ -505,11 +509,9 @@ void prefill_chunks(const std::vector<PrefillChunk<T>>& chunks, int64_t num_head
   std::vector<int64_t> cost(num_items + 1, 0);  // cost[i]: total cost of items before i
   for (size_t c = 0; c < chunks.size(); ++c) {
     for (int64_t i = 0; i < chunks[c].len * num_kv_heads; ++i) {
-      const int64_t slot = i / num_kv_heads;
-      const int64_t t = slot % 2 == 0 ? slot / 2 : chunks[c].len - 1 - slot / 2;
-      const int64_t pos = chunks[c].offset + t;
-      const int64_t first = sliding_window > 0 ? std::max<int64_t>(pos - sliding_window + 1, 0) : 0;
-      cost[item_start[c] + i + 1] = cost[item_start[c] + i] + (pos - first + 1) + kItemCost;
+      const int64_t t = i / num_kv_heads;
+      const int64_t rows = chunks[c].offset + t - first_row(chunks[c], t, sliding_window) + 1;
+      cost[item_start[c] + i + 1] = cost[item_start[c] + i] + rows + kItemCost;
     }
   }
   const int64_t parts = std::min<int64_t>(at::get_num_threads(), num_items);
@@ -582,12 +584,15 @@ void prefill_attention_varlen(const at::Tensor& q, const at::Tensor& k, const at
                 "] starts before ranges[", i - 1, "] ends");
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "prefill_attention_varlen", [&] {
+    const scalar_t* qp = q.const_data_ptr<scalar_t>();
+    const scalar_t* kp = k.const_data_ptr<scalar_t>();
+    const scalar_t* vp = v.const_data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
     std::vector<PrefillChunk<scalar_t>> chunks;
     chunks.reserve(ranges.size(0));
     for (int64_t i = 0; i < ranges.size(0); ++i) {
       const int64_t s0 = r[2 * i], len = r[2 * i + 1] - s0;
-      chunks.push_back({q.const_data_ptr<scalar_t>() + s0 * q.stride(0), k.const_data_ptr<scalar_t>() + s0 * k.stride(0),
-                        v.const_data_ptr<scalar_t>() + s0 * v.stride(0), out.data_ptr<scalar_t>() + s0 * out.stride(0),
+      chunks.push_back({qp + s0 * q.stride(0), kp + s0 * k.stride(0), vp + s0 * v.stride(0), op + s0 * out.stride(0),
                         len, 0, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                         out.stride(0)});
     }
