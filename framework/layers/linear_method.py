@@ -17,6 +17,10 @@ Contract of a replacement (checked by ``tokenmill plugins check``, item ``custom
 * :meth:`UnquantizedLinearMethod.apply` returns what ``F.linear(x, layer.weight)`` returns (shape, dtype; values
   to rounding) for any number of rows, whether or not the weights were processed, and is traceable by
   ``torch.compile`` (an opaque custom op for anything device-specific).
+* :meth:`UnquantizedLinearMethod.apply_silu_and_mul` (optional to override) returns what the default returns,
+  ``silu(gate) * up`` of :meth:`apply`'s product, under the same conditions. :class:`tokenmill.layers.GatedMLP`
+  calls it instead of ``apply`` and ``SiluAndMul`` when its activation is the built-in ``SiluAndMul`` (not a
+  replacement) and its ``gate_up_proj`` has no bias, no quantized copy and no LoRA wrapper.
 """
 
 from __future__ import annotations
@@ -41,6 +45,15 @@ class UnquantizedLinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``x [T, K]`` -> ``x W^T`` ``[T, N]`` in the weight's dtype (no bias)."""
         return F.linear(x, layer.weight)
+
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """A SwiGLU MLP's first half: ``x [T, K]`` -> ``silu(x W_gate^T) * (x W_up^T)`` ``[T, I]`` for a layer whose
+        weight ``[2 I, K]`` stacks the gate rows over the up rows (:class:`tokenmill.layers.GatedMLP`'s
+        ``gate_up_proj``; no bias). The default is :meth:`apply` followed by the built-in ``SiluAndMul``; a method
+        may override it to apply the activation in its matmul's epilogue (the CPU plugin does)."""
+        y = self.apply(layer, x)
+        d = y.shape[-1] // 2
+        return F.silu(y[..., :d]) * y[..., d:]
 
 
 DEFAULT_METHOD = UnquantizedLinearMethod()

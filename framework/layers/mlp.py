@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.layers.activation import get_act_and_mul
-from tokenmill.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from tokenmill.layers.activation import SiluAndMul, get_act_and_mul
+from tokenmill.layers.linear import LinearBase, MergedColumnParallelLinear, RowParallelLinear
 
 
 class GatedMLP(nn.Module):
@@ -22,6 +22,10 @@ class GatedMLP(nn.Module):
     Checkpoint names: ``gate_proj`` / ``up_proj`` (stacked into ``gate_up_proj``) or a fused ``gate_up_proj``,
     and ``down_proj``.
 
+    With the built-in ``SiluAndMul`` (not a platform's or plugin's replacement) and a plain ``gate_up_proj`` (no
+    bias, no quantized copy, not wrapped for LoRA), the first half runs as one call of the linear method's
+    ``apply_silu_and_mul``, which a platform may fuse (``tokenmill.layers.linear_method``).
+
     Raises:
         ValueError: unsupported activation.
     """
@@ -34,4 +38,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, H]`` -> ``[T, H]``."""
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj
+        if type(self.act_fn) is SiluAndMul and isinstance(gate_up, LinearBase) and gate_up.bias is None \
+                and gate_up.quant is None:
+            return self.down_proj(gate_up.linear_method.apply_silu_and_mul(gate_up, x))
+        return self.down_proj(self.act_fn(gate_up(x)))

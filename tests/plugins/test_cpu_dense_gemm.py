@@ -161,6 +161,73 @@ def test_a_failed_kernel_build_repacks_the_weights_for_mkl(monkeypatch: pytest.M
     assert "kernels unavailable" in dense_linear.describe()
 
 
+def _silu_mul_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    y = F.linear(x.double(), w.double())
+    d = y.shape[-1] // 2
+    return F.silu(y[..., :d]) * y[..., d:]
+
+
+@pytest.mark.parametrize(("i", "k"), [(24, 64), (100, 33), (7, 5), (1536, 576), (8, 1)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 8, 9, 13, 70])
+def test_gated_product_matches_the_fp64_reference(i: int, k: int, rows: int) -> None:
+    """``dense_gemm_gated``: with ``silu_mul`` the [M, I] SwiGLU output, without it the [M, 2 I] product (gate
+    columns, then up columns) of the paired layout, bit for bit what ``dense_gemm`` gives on the plain layout."""
+    g = torch.Generator().manual_seed(i * 1000 + k * 10 + rows)
+    w = torch.randn(2 * i, k, generator=g)
+    x = torch.randn(rows, k, generator=g)
+    paired = dense_linear.pack_panels_paired(w, _width())
+    fused = torch.ops.tokenmill_cpu.dense_gemm_gated(x, paired, i, True)
+    assert fused.shape == (rows, i) and fused.dtype == torch.float32
+    want = _silu_mul_reference(x, w)
+    assert float((fused.double() - want).abs().max()) < 1e-5 * float(want.abs().max()) + 1e-6
+    plain = torch.ops.tokenmill_cpu.dense_gemm_gated(x, paired, i, False)
+    assert torch.equal(plain, torch.ops.tokenmill_cpu.dense_gemm(x, dense_linear.pack_panels(w, _width()), 2 * i))
+
+
+def test_the_fused_silu_keeps_large_gates_finite_and_nan_as_nan() -> None:
+    """SiLU of gates far outside exp's float range (silu(g) -> g above, -> -0 below) and of NaN."""
+    i = 3 * _width()
+    gates = torch.tensor([0.0, 1.0, -1.0, 20.0, -20.0, 88.5, -88.5, 100.0, -100.0, 1e30, -1e30, 3.0e38, -3.0e38])
+    x = torch.eye(2 * i)[: len(gates) + 1]  # row r of x W^T is column r of W: gate r at r, its up at i + r
+    w = torch.zeros(2 * i, 2 * i)
+    w[: len(gates), : len(gates)] = torch.diag(gates)
+    w[i: i + len(gates), : len(gates)] = torch.eye(len(gates))  # up = 1 for the same rows
+    w[len(gates), len(gates)] = float("nan")
+    w[i + len(gates), len(gates)] = 1.0
+    out = torch.ops.tokenmill_cpu.dense_gemm_gated(x, dense_linear.pack_panels_paired(w, _width()), i, True)
+    got = out[torch.arange(len(gates)), torch.arange(len(gates))]
+    want = F.silu(gates.double())
+    assert torch.isfinite(got).all()
+    assert torch.allclose(got.double(), want, rtol=1e-6, atol=1e-30)
+    assert torch.isnan(out[len(gates), len(gates)])
+
+
+def test_gated_pack_layout_and_bad_inputs() -> None:
+    w = torch.arange(6 * 3, dtype=torch.float32).view(6, 3)  # gate rows 0-2, up rows 3-5
+    packed = dense_linear.pack_panels_paired(w, 4)  # half width 2: panels (g0 g1 u0 u1), (g2 0 u2 0)
+    assert packed.shape == (2, 3, 4)
+    assert torch.equal(packed[0].T, w[[0, 1, 3, 4]])
+    assert torch.equal(packed[1, :, 0], w[2]) and torch.equal(packed[1, :, 2], w[5])
+    assert not packed[1, :, 1].any() and not packed[1, :, 3].any()
+    with pytest.raises(ValueError, match="even row count"):
+        dense_linear.pack_panels_paired(torch.zeros(5, 3), 4)
+    width = _width()
+    good = dense_linear.pack_panels_paired(torch.randn(2 * 40, 16), width)
+    gated = torch.ops.tokenmill_cpu.dense_gemm_gated
+    assert gated(torch.empty(0, 16), good, 40, True).shape == (0, 40)
+    assert not gated(torch.empty(3, 0), dense_linear.pack_panels_paired(torch.empty(80, 0), width), 40, True).any()
+    with pytest.raises(RuntimeError, match="float32"):
+        gated(torch.randn(3, 16).double(), good, 40, True)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        gated(torch.randn(16, 3).T, good, 40, True)
+    with pytest.raises(RuntimeError, match="input channels"):
+        gated(torch.randn(3, 17), good, 40, True)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        gated(torch.randn(3, 16), good, 40 + width, False)
+    with pytest.raises(RuntimeError, match="packed weight must be"):
+        gated(torch.randn(3, 16), dense_linear.pack_panels_paired(torch.randn(80, 16), width * 2), 40, True)
+
+
 def _bf16_rel_err(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
     return _rel_err(got, F.linear(x.double(), w.double()))
 

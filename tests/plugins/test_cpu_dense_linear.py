@@ -301,3 +301,63 @@ def test_engine_output_is_the_same_with_and_without_prepacking(
     gc.collect()
     plain, _ = run()
     assert packed == plain
+
+
+def _gated_mlp(hidden: int = 64, inter: int = 100, seed: int = 0) -> "GatedMLP":
+    from tokenmill.layers import GatedMLP
+
+    g = torch.Generator().manual_seed(seed)
+    mlp = GatedMLP(hidden, inter, "silu")
+    mlp.gate_up_proj.weight.data.copy_(torch.randn(2 * inter, hidden, generator=g) * 0.2)
+    mlp.down_proj.weight.data.copy_(torch.randn(hidden, inter, generator=g) * 0.2)
+    return mlp
+
+
+def _mlp_reference(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    y = F.linear(x.double(), mlp.gate_up_proj.weight.double())
+    d = y.shape[-1] // 2
+    return F.linear(F.silu(y[:, :d]) * y[:, d:], mlp.down_proj.weight.double())
+
+
+@pytest.mark.skipif(dense_linear.PANEL_WIDTH is None, reason="float32 weights are not packed for the panel kernel here")
+def test_a_gated_mlp_applies_silu_in_the_gate_up_products_epilogue(monkeypatch: pytest.MonkeyPatch) -> None:
+    mlp = _gated_mlp()
+    method = CpuUnquantizedLinearMethod()
+    for layer in (mlp.gate_up_proj, mlp.down_proj):
+        method.process_weights_after_loading(layer)
+        layer.linear_method = method
+    assert dense_linear._TABLE[mlp.gate_up_proj.weight.data_ptr()].paired
+    assert not dense_linear._TABLE[mlp.down_proj.weight.data_ptr()].paired
+    calls = []
+    real = torch.ops.tokenmill_cpu.dense_gemm_gated
+    monkeypatch.setattr(torch.ops.tokenmill_cpu, "dense_gemm_gated",
+                        lambda x, p, n, fused: calls.append((len(x), fused)) or real(x, p, n, fused))
+    monkeypatch.setattr(dense_linear, "_panel_large", True)  # above the bound as well (as where measured faster)
+    for rows in (1, 7, 300):
+        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+        with torch.inference_mode():
+            got = mlp(x)
+            plain = mlp.gate_up_proj(x)  # the paired copy serves plain products too
+        assert torch.allclose(got.double(), _mlp_reference(mlp, x), atol=1e-5, rtol=1e-5)
+        assert torch.allclose(plain.double(), F.linear(x.double(), mlp.gate_up_proj.weight.double()), atol=1e-5)
+    assert calls == [(1, True), (1, False), (7, True), (7, False), (300, True), (300, False)]
+
+
+def test_the_fused_path_is_skipped_where_it_does_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unpacked gate_up weight or TOKENMILL_CPU_FUSED_SILU=0: torch's SiLU after the product."""
+    real = torch.ops.tokenmill_cpu.dense_gemm_gated
+    monkeypatch.setattr(torch.ops.tokenmill_cpu, "dense_gemm_gated",
+                        lambda x, p, n, fused: pytest.fail("fused kernel called") if fused else real(x, p, n, fused))
+    x = torch.randn(5, 64)
+    unpacked = _gated_mlp(seed=1)
+    unpacked.gate_up_proj.linear_method = unpacked.down_proj.linear_method = CpuUnquantizedLinearMethod()
+    with torch.inference_mode():
+        assert torch.allclose(unpacked(x).double(), _mlp_reference(unpacked, x), atol=1e-5)
+    off = _gated_mlp(seed=2)
+    method = CpuUnquantizedLinearMethod()
+    for layer in (off.gate_up_proj, off.down_proj):
+        method.process_weights_after_loading(layer)
+        layer.linear_method = method
+    monkeypatch.setattr(dense_linear, "FUSED_SILU", False)
+    with torch.inference_mode():
+        assert torch.allclose(off(x).double(), _mlp_reference(off, x), atol=1e-5)

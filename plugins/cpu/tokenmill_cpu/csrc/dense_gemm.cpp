@@ -34,6 +34,7 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -278,6 +279,167 @@ at::Tensor dense_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n) 
   return y;
 }
 
+// ---- a gated MLP's gate/up product with SwiGLU in its epilogue ----
+//
+// y = silu(x @ W_gate^T) * (x @ W_up^T) for a gate_up_proj weight [2 I, K] (gate rows over up rows). Why not
+// torch's ops after dense_gemm: the activation is a separate pass that reads the [M, 2 I] product back, split
+// between the threads by row while the product was split by column, so half of each thread's reads come from the
+// other core's cache. On 2 vCPUs of a Xeon in its AVX2 build that pass (Inductor's fused loop) took 0.31 ms per
+// layer at 256 rows and 1.7 ms at 2,048, about 9 ms of a 256-request decode step of SmolLM2-135M
+// (benchmarks/profile_decode.py with TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE=1, docs/benchmarks.md). Here each
+// panel's accumulators hold matching gate and up outputs, so the thread that computed them applies the
+// activation from its own registers' tile and writes only the [M, I] result.
+//
+// Layout (tokenmill_cpu/dense_linear.py's pack_panels_paired): panels of kPanel columns, panel p = gate rows
+// p * h .. p * h + h - 1 followed by the up rows with the same indices (h = kPanel / 2), transposed to
+// [K][kPanel], zero rows past I; packed [P, K, kPanel] with P = ceil(I / h). The sums are those of dense_gemm
+// (one ordered sum over k per output), so the plain product in this layout (silu_mul false: [M, 2 I], gate
+// columns then up columns) equals dense_gemm's on the unpaired layout bit for bit.
+constexpr int64_t kHalf = kPanel / 2;
+
+inline float silu_scalar(float g) { return g / (1.0f + std::exp(-g)); }
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define TOKENMILL_SILU_AVX2 1
+// out[v] = silu(g[v]) * u[v] for V independent vectors, each step applied to all V before the next so that the
+// V dependency chains overlap (one row's chain alone is latency-bound: about 40 cycles per vector).
+// silu(g) = g / (1 + exp(-g)) (torch's formula). exp(t), t clamped to [-87, 88] (the float range without
+// denormals or infinities): t = n ln2 + r with |r| <= ln2 / 2 (ln2 split in a short high part and a correction,
+// Cody and Waite's reduction), exp(r) by its Taylor polynomial to degree 6 (truncation below 1.2e-7 relative),
+// 2^n through the exponent bits. Below g = -88, where exp(-g) would be clamped, silu is 0 (|silu(g)| < 6e-37
+// there; torch's own float32 exp overflows to infinity and gives -0 from g = -88.7). The clamp turns a NaN g into
+// a number inside exp, but g is also the division's numerator and fails the comparison, so NaN propagates.
+template <int V>
+__attribute__((always_inline)) inline void silu_mul_vectors(const __m256 (&g)[V], const __m256 (&u)[V],
+                                                            __m256 (&out)[V]) {
+  __m256 t[V], n[V], p[V];
+#pragma GCC unroll 24
+  for (int v = 0; v < V; ++v) {
+    t[v] = _mm256_sub_ps(_mm256_setzero_ps(), g[v]);
+    t[v] = _mm256_min_ps(_mm256_max_ps(t[v], _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    n[v] = _mm256_round_ps(_mm256_mul_ps(t[v], _mm256_set1_ps(1.44269504088896341f)),
+                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    t[v] = _mm256_fnmadd_ps(n[v], _mm256_set1_ps(0.693359375f), t[v]);
+    t[v] = _mm256_fnmadd_ps(n[v], _mm256_set1_ps(-2.12194440e-4f), t[v]);
+  }
+#pragma GCC unroll 24
+  for (int v = 0; v < V; ++v) p[v] = _mm256_fmadd_ps(_mm256_set1_ps(1.0f / 720.0f), t[v], _mm256_set1_ps(1.0f / 120.0f));
+#pragma GCC unroll 24
+  for (int v = 0; v < V; ++v) p[v] = _mm256_fmadd_ps(p[v], t[v], _mm256_set1_ps(1.0f / 24.0f));
+#pragma GCC unroll 24
+  for (int v = 0; v < V; ++v) p[v] = _mm256_fmadd_ps(p[v], t[v], _mm256_set1_ps(1.0f / 6.0f));
+#pragma GCC unroll 24
+  for (int v = 0; v < V; ++v) p[v] = _mm256_fmadd_ps(p[v], t[v], _mm256_set1_ps(0.5f));
+#pragma GCC unroll 24
+  for (int v = 0; v < V; ++v) p[v] = _mm256_fmadd_ps(p[v], t[v], _mm256_set1_ps(1.0f));
+#pragma GCC unroll 24
+  for (int v = 0; v < V; ++v) p[v] = _mm256_fmadd_ps(p[v], t[v], _mm256_set1_ps(1.0f));
+#pragma GCC unroll 24
+  for (int v = 0; v < V; ++v) {
+    const __m256i scale =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n[v]), _mm256_set1_epi32(127)), 23);
+    const __m256 e = _mm256_mul_ps(p[v], _mm256_castsi256_ps(scale));
+    const __m256 below = _mm256_cmp_ps(g[v], _mm256_set1_ps(-88.0f), _CMP_LT_OQ);
+    const __m256 silu = _mm256_andnot_ps(below, _mm256_div_ps(g[v], _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
+    out[v] = _mm256_mul_ps(silu, u[v]);
+  }
+}
+#endif
+
+// out[j] = silu(gate[j]) * up[j] for j < cols, one row at a time (the last panel's partial columns).
+inline void silu_mul_row(const float* gate, const float* up, int64_t cols, float* out) {
+  int64_t j = 0;
+#if defined(TOKENMILL_SILU_AVX2)
+  for (; j + 8 <= cols; j += 8) {
+    __m256 g[1] = {_mm256_loadu_ps(gate + j)}, u[1] = {_mm256_loadu_ps(up + j)}, o[1];
+    silu_mul_vectors<1>(g, u, o);
+    _mm256_storeu_ps(out + j, o[0]);
+  }
+#endif
+  for (; j < cols; ++j) out[j] = silu_scalar(gate[j]) * up[j];
+}
+
+// The epilogue of one paired tile of R rows (sums [R][kPanel]: gate in columns 0 .. kHalf, up in kHalf .. kPanel):
+// silu(gate) * up into y's rows (row stride ldy) at columns 0 .. cols, all of the tile's vectors at once where the
+// panel is full.
+template <int R>
+inline void silu_mul_tile(const float* sums, int64_t cols, float* y, int64_t ldy) {
+#if defined(TOKENMILL_SILU_AVX2)
+  if (cols == kHalf) {
+    constexpr int kVecs = static_cast<int>(kHalf / 8);
+    __m256 g[R * kVecs], u[R * kVecs], o[R * kVecs];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < kVecs; ++c) {
+        g[r * kVecs + c] = _mm256_load_ps(sums + r * kPanel + 8 * c);
+        u[r * kVecs + c] = _mm256_load_ps(sums + r * kPanel + kHalf + 8 * c);
+      }
+    silu_mul_vectors<R * kVecs>(g, u, o);
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < kVecs; ++c) _mm256_storeu_ps(y + r * ldy + 8 * c, o[r * kVecs + c]);
+    return;
+  }
+#endif
+  for (int r = 0; r < R; ++r) silu_mul_row(sums + r * kPanel, sums + r * kPanel + kHalf, cols, y + r * ldy);
+}
+
+// One paired panel for all M rows (output columns col0 .. col0 + kHalf of the gate and of the up half): the
+// micro-kernel's sums go to a tile, then either silu(gate) * up into y [M, n] or both halves into y [M, 2 n].
+template <int kLocality>
+void gated_panel_product(const float* x, int64_t M, int64_t K, const float* panel, int64_t col0, int64_t n,
+                         bool silu_mul, float* y, Prefetcher<kLocality>& pf) {
+  const int64_t cols = std::min<int64_t>(kHalf, n - col0);
+  const int64_t ldy = silu_mul ? n : 2 * n;
+  alignas(64) float tile[kRows * kPanel];
+  for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
+    float* out = y + m0 * ldy + col0;
+    with_rows<kRows>(rows, [&](auto r) {
+      constexpr int R = decltype(r)::value;
+      micro_kernel<R>(x + m0 * K, K, panel, K, tile, kPanel, pf);
+      if (silu_mul) {
+        silu_mul_tile<R>(tile, cols, out, ldy);
+      } else {
+        for (int i = 0; i < R; ++i) {
+          std::memcpy(out + i * ldy, tile + i * kPanel, cols * sizeof(float));
+          std::memcpy(out + i * ldy + n, tile + i * kPanel + kHalf, cols * sizeof(float));
+        }
+      }
+    });
+  }
+}
+
+at::Tensor dense_gemm_gated(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool silu_mul) {
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "dense_gemm_gated: CPU tensors expected");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat,
+              "dense_gemm_gated: float32 x and packed weight expected, got ", x.scalar_type(), " and ",
+              packed.scalar_type());
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "dense_gemm_gated: x must be a contiguous [M, K] tensor");
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == kPanel,
+              "dense_gemm_gated: packed weight must be a contiguous [P, K, ", kPanel, "] tensor, got ",
+              packed.sizes());
+  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
+  TORCH_CHECK(packed.size(1) == K, "dense_gemm_gated: x has ", K, " input channels, the packed weight ",
+              packed.size(1));
+  TORCH_CHECK(n > (P - 1) * kHalf && n <= P * kHalf, "dense_gemm_gated: ", n, " gate (and up) rows do not fit ",
+              P, " paired panels of ", kHalf, " + ", kHalf);
+  const int64_t ldy = silu_mul ? n : 2 * n;
+  at::Tensor y = at::empty({M, ldy}, x.options());
+  if (M == 0) return y;
+  if (K == 0) return y.zero_();
+  const float* xs = x.data_ptr<float>();
+  const float* ws = packed.data_ptr<float>();
+  float* ys = y.data_ptr<float>();
+  auto product = [&](int64_t m0, int64_t rows, int64_t p, const float* panel, auto& pf) {
+    gated_panel_product(xs + m0 * K, rows, K, panel, p * kHalf, n, silu_mul, ys + m0 * ldy, pf);
+  };
+  if (prefetch_to_l2()) {
+    run_panels<2>(M, K, P, K * kPanel, kRows, K, ws, product);
+  } else {
+    run_panels<3>(M, K, P, K * kPanel, kRows, K, ws, product);
+  }
+  return y;
+}
+
 // ---- bfloat16 weights and activations, few rows (AVX-512 BF16) ----
 //
 // Why not oneDNN (what bfloat16 linear layers run otherwise): at the few rows of a decode step with one or a few
@@ -431,6 +593,7 @@ std::string dense_gemm_isa() {
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("dense_gemm(Tensor x, Tensor packed, int n) -> Tensor");
   m.def("dense_gemm_panel() -> int", &dense_gemm_panel);
+  m.def("dense_gemm_gated(Tensor x, Tensor packed, int n, bool silu_mul) -> Tensor");
   m.def("dense_gemm_isa() -> str", &dense_gemm_isa);
   m.def("dense_gemm_bf16(Tensor x, Tensor packed, int n) -> Tensor");
   m.def("dense_gemm_bf16_panel() -> int", [] { return kPanelBf16; });
@@ -440,5 +603,6 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
 
 TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
   m.impl("dense_gemm", &dense_gemm);
+  m.impl("dense_gemm_gated", &dense_gemm_gated);
   m.impl("dense_gemm_bf16", &dense_gemm_bf16);
 }
