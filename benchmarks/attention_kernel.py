@@ -42,6 +42,12 @@ def main() -> None:
     p.add_argument("--cache-dtype", default=None, help="KV cache dtype (default: --dtype)")
     p.add_argument("--no-huge-pages", action="store_true", help="cache in an ordinary tensor, not the engine's mapping")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--blocks", default="random", choices=["random", "engine", "shared"],
+                   help="block table: random order; 'engine': as the block pool hands them out in a throughput "
+                        "run (each prompt's --prompt-blocks consecutive, the later ones one per request in turn); "
+                        "'shared': every request on the same blocks (they stay in cache: the kernel's own work)")
+    p.add_argument("--prompt-blocks", type=int, default=8, help="with --blocks engine: consecutive blocks per prompt")
+    p.add_argument("--kernel-only", action="store_true", help="time only the C++ kernel")
     p.add_argument("--layers", type=int, default=1,
                    help="distinct caches per call (30: a SmolLM2-135M step's worth, streaming from memory as in "
                         "the engine; 1 may stay in the last-level cache)")
@@ -67,7 +73,7 @@ def main() -> None:
             caches.append(lazily_zeroed_tensor(shape, cache_dtype).copy_(values))
     del values
     cache = caches[0]
-    table = (torch.randperm(num_blocks - 1, generator=g)[: b * nb] + 1).view(b, nb).int()
+    table = block_table(args.blocks, b, nb, min(args.prompt_blocks, nb), num_blocks, g)
     seq_lens = torch.full((b,), args.context, dtype=torch.int32)
     q = torch.randn(b, args.num_heads, d, generator=g).to(dtype)
     impl = TorchPagedAttentionImpl(args.num_heads, d, d**-0.5, args.num_kv_heads)
@@ -81,8 +87,10 @@ def main() -> None:
             "tokenmill-cpu C++ kernel": (lambda: [kernels.paged_decode(q, c, table, seq_lens, d**-0.5)
                                                   for c in caches][0]),
         }
+        if args.kernel_only:
+            results = {k: v for k, v in results.items() if "C++" in k}
         if cache_dtype != dtype:  # the engine's compiled decode graphs call the C++ kernel; no second trace here
-            del results["torch.compile (Inductor loops)"]
+            results.pop("torch.compile (Inductor loops)", None)
         # float32: torch's bfloat16 sum is compute-bound here (17 vs 27 GB/s), which understated the floor
         # before the tenth session
         big = torch.empty(1 << 27, dtype=torch.float32).fill_(1)
@@ -90,12 +98,23 @@ def main() -> None:
         kv_bytes = 2 * b * args.context * args.num_kv_heads * d * cache.element_size() * args.layers
         print(f"{b} requests x {args.context} tokens, {args.num_heads}/{args.num_kv_heads} heads of {d}, {args.dtype} "
               f"queries, {cache_dtype} cache ({'ordinary pages' if args.no_huge_pages else 'huge pages asked'}), "
-              f"{torch.get_num_threads()} threads, {args.layers} layer(s) per call")
+              f"{torch.get_num_threads()} threads, {args.layers} layer(s) per call, {args.blocks} blocks")
         print(f"{'path':34s} {'ms/call':>8s} {'rel. error':>11s}")
         for name, fn in results.items():
             err = ((fn().double() - ref).abs().max() / ref.abs().max()).item()
             print(f"{name:34s} {median_ms(fn, args.iters):8.2f} {err:11.2e}")
         print(f"{'memory floor (K+V once)':34s} {kv_bytes / bw * 1000:8.2f}   ({kv_bytes / 1e6:.1f} MB at {bw / 1e9:.1f} GB/s)")
+
+
+def block_table(kind: str, b: int, nb: int, prompt_blocks: int, num_blocks: int, g: torch.Generator) -> torch.Tensor:
+    """``[b, nb]`` int32 block ids in 1 .. num_blocks - 1 (see ``--blocks``)."""
+    if kind == "random":
+        return (torch.randperm(num_blocks - 1, generator=g)[: b * nb] + 1).view(b, nb).int()
+    if kind == "shared":
+        return torch.arange(1, nb + 1, dtype=torch.int32).expand(b, nb).contiguous()
+    prompt = torch.arange(b * prompt_blocks, dtype=torch.int32).view(b, prompt_blocks) + 1
+    later = torch.arange(b * (nb - prompt_blocks), dtype=torch.int32).view(nb - prompt_blocks, b).T + 1 + b * prompt_blocks
+    return torch.cat([prompt, later], dim=1).contiguous()
 
 
 if __name__ == "__main__":

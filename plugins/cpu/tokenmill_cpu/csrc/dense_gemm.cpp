@@ -139,10 +139,35 @@ __attribute__((always_inline)) inline void for_each_k(int64_t K, Prefetcher<kLoc
   for (; k < K; ++k) step(k);
 }
 
-// y[r, 0:kPanel] = sum_k x[r, k] * panel[k, 0:kPanel] for r < R (ldx, ldy: row strides in elements).
-template <int R, int kLocality>
-inline void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_t K, float* y, int64_t ldy,
-                         Prefetcher<kLocality>& pf) {
+// The sums of one micro-kernel call, R rows x kPanel columns: Acc<R>::type, vectors of kLanes floats in registers
+// (kVecs per row) in the AVX-512 and AVX2 builds, a plain array in the other.
+#if defined(TOKENMILL_GEMM_AVX512)
+using AccVec = __m512;
+constexpr int kVecs = 3;
+#elif defined(TOKENMILL_GEMM_AVX2)
+using AccVec = __m256;
+constexpr int kVecs = 2;
+#endif
+
+// The R x kPanel sums into tile[R][kPanel] (64-byte aligned).
+template <int R, typename AccArray>
+inline void store_tile(const AccArray& acc, float* tile) {
+#if defined(TOKENMILL_GEMM_AVX512)
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kVecs; ++j) _mm512_store_ps(tile + r * kPanel + 16 * j, acc[r][j]);
+#elif defined(TOKENMILL_GEMM_AVX2)
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kVecs; ++j) _mm256_store_ps(tile + r * kPanel + 8 * j, acc[r][j]);
+#else
+  for (int r = 0; r < R; ++r) std::memcpy(tile + r * kPanel, acc[r], sizeof(acc[r]));
+#endif
+}
+
+// sums[r, 0:kPanel] = sum_k x[r, k] * panel[k, 0:kPanel] for r < R (ldx: row stride in elements), then
+// store(acc) with the sums (AccVec acc[R][kVecs], or float acc[R][kPanel] in the plain build) still in registers.
+template <int R, int kLocality, typename Store>
+inline void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_t K, Prefetcher<kLocality>& pf,
+                         Store&& store) {
 #if defined(TOKENMILL_GEMM_AVX512)
   __m512 acc[R][3];
   for (int r = 0; r < R; ++r)
@@ -159,8 +184,7 @@ inline void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_
     }
   };
   for_each_k(K, pf, k_step);
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 3; ++j) _mm512_storeu_ps(y + r * ldy + 16 * j, acc[r][j]);
+  store(acc);
 #elif defined(TOKENMILL_GEMM_AVX2)
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r)
@@ -176,8 +200,7 @@ inline void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_
     }
   };
   for_each_k(K, pf, k_step);
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 2; ++j) _mm256_storeu_ps(y + r * ldy + 8 * j, acc[r][j]);
+  store(acc);
 #else
   float acc[R][kPanel] = {};
   for_each_k(K, pf, [&](int64_t k) {
@@ -187,7 +210,7 @@ inline void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_
       for (int64_t j = 0; j < kPanel; ++j) acc[r][j] += a * b[j];
     }
   });
-  for (int r = 0; r < R; ++r) std::memcpy(y + r * ldy, acc[r], sizeof(acc[r]));
+  store(acc);
 #endif
 }
 
@@ -204,7 +227,7 @@ inline void with_rows(int rows, Fn&& fn) {
   }
 }
 
-// One panel for all M rows; columns past N go to a scratch tile.
+// One panel for all M rows; columns past N go through a scratch tile.
 template <int kLocality>
 void panel_product(const float* x, int64_t M, int64_t K, const float* panel, int64_t col0, int64_t N, float* y,
                    Prefetcher<kLocality>& pf) {
@@ -212,11 +235,27 @@ void panel_product(const float* x, int64_t M, int64_t K, const float* panel, int
   alignas(64) float tile[kRows * kPanel];
   for (int64_t m0 = 0; m0 < M; m0 += kRows) {
     const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
-    float* out = cols == kPanel ? y + m0 * N + col0 : tile;
-    const int64_t ldy = cols == kPanel ? N : kPanel;
-    with_rows<kRows>(rows, [&](auto r) { micro_kernel<decltype(r)::value>(x + m0 * K, K, panel, K, out, ldy, pf); });
-    if (cols < kPanel)
-      for (int r = 0; r < rows; ++r) std::memcpy(y + (m0 + r) * N + col0, tile + r * kPanel, cols * sizeof(float));
+    float* out = y + m0 * N + col0;
+    with_rows<kRows>(rows, [&](auto r) {
+      constexpr int R = decltype(r)::value;
+      micro_kernel<R>(x + m0 * K, K, panel, K, pf, [&](const auto& acc) __attribute__((always_inline)) {
+#if defined(TOKENMILL_GEMM_AVX512) || defined(TOKENMILL_GEMM_AVX2)
+        if (cols == kPanel) {
+          for (int i = 0; i < R; ++i)
+            for (int j = 0; j < kVecs; ++j) {
+#if defined(TOKENMILL_GEMM_AVX512)
+              _mm512_storeu_ps(out + i * N + 16 * j, acc[i][j]);
+#else
+              _mm256_storeu_ps(out + i * N + 8 * j, acc[i][j]);
+#endif
+            }
+          return;
+        }
+#endif
+        store_tile<R>(acc, tile);
+        for (int i = 0; i < R; ++i) std::memcpy(out + i * N, tile + i * kPanel, cols * sizeof(float));
+      });
+    });
   }
 }
 
@@ -287,14 +326,18 @@ at::Tensor dense_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n) 
 // other core's cache. On 2 vCPUs of a Xeon in its AVX2 build that pass (Inductor's fused loop) took 0.31 ms per
 // layer at 256 rows and 1.7 ms at 2,048, about 9 ms of a 256-request decode step of SmolLM2-135M
 // (benchmarks/profile_decode.py with TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE=1, docs/benchmarks.md). Here each
-// panel's accumulators hold matching gate and up outputs, so the thread that computed them applies the
-// activation from its own registers' tile and writes only the [M, I] result.
+// panel's accumulators hold matching gate and up outputs, so the activation is applied to the micro-kernel's
+// registers and only the [M, I] result is written. In tokenmill bench throughput (256 x 128 x 128, float32, the
+// AVX2 build on that Xeon, three pairs of runs) this gave 2.6-5.4% more output tokens/s than the separate pass
+// (TOKENMILL_CPU_FUSED_SILU=0).
 //
 // Layout (tokenmill_cpu/dense_linear.py's pack_panels_paired): panels of kPanel columns, panel p = gate rows
 // p * h .. p * h + h - 1 followed by the up rows with the same indices (h = kPanel / 2), transposed to
 // [K][kPanel], zero rows past I; packed [P, K, kPanel] with P = ceil(I / h). The sums are those of dense_gemm
 // (one ordered sum over k per output), so the plain product in this layout (silu_mul false: [M, 2 I], gate
-// columns then up columns) equals dense_gemm's on the unpaired layout bit for bit.
+// columns then up columns) equals dense_gemm's on the unpaired layout bit for bit; it takes 7-10% longer (each
+// output cache line is written in two halves, by two panels), which is why only layers that take the fused path
+// are packed this way.
 constexpr int64_t kHalf = kPanel / 2;
 
 inline float silu_scalar(float g) { return g / (1.0f + std::exp(-g)); }
@@ -302,7 +345,7 @@ inline float silu_scalar(float g) { return g / (1.0f + std::exp(-g)); }
 #if defined(__AVX2__) && defined(__FMA__)
 #define TOKENMILL_SILU_AVX2 1
 // out[v] = silu(g[v]) * u[v] for V independent vectors, each step applied to all V before the next so that the
-// V dependency chains overlap (one row's chain alone is latency-bound: about 40 cycles per vector).
+// V dependency chains overlap (one vector's chain alone is latency-bound: about 40 cycles).
 // silu(g) = g / (1 + exp(-g)) (torch's formula). exp(t), t clamped to [-87, 88] (the float range without
 // denormals or infinities): t = n ln2 + r with |r| <= ln2 / 2 (ln2 split in a short high part and a correction,
 // Cody and Waite's reduction), exp(r) by its Taylor polynomial to degree 6 (truncation below 1.2e-7 relative),
@@ -346,7 +389,7 @@ __attribute__((always_inline)) inline void silu_mul_vectors(const __m256 (&g)[V]
 }
 #endif
 
-// out[j] = silu(gate[j]) * up[j] for j < cols, one row at a time (the last panel's partial columns).
+// out[j] = silu(gate[j]) * up[j] for j < cols, one row (a panel's partial columns, or the plain build).
 inline void silu_mul_row(const float* gate, const float* up, int64_t cols, float* out) {
   int64_t j = 0;
 #if defined(TOKENMILL_SILU_AVX2)
@@ -359,31 +402,26 @@ inline void silu_mul_row(const float* gate, const float* up, int64_t cols, float
   for (; j < cols; ++j) out[j] = silu_scalar(gate[j]) * up[j];
 }
 
-// The epilogue of one paired tile of R rows (sums [R][kPanel]: gate in columns 0 .. kHalf, up in kHalf .. kPanel):
-// silu(gate) * up into y's rows (row stride ldy) at columns 0 .. cols, all of the tile's vectors at once where the
-// panel is full.
-template <int R>
-inline void silu_mul_tile(const float* sums, int64_t cols, float* y, int64_t ldy) {
-#if defined(TOKENMILL_SILU_AVX2)
-  if (cols == kHalf) {
-    constexpr int kVecs = static_cast<int>(kHalf / 8);
-    __m256 g[R * kVecs], u[R * kVecs], o[R * kVecs];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < kVecs; ++c) {
-        g[r * kVecs + c] = _mm256_load_ps(sums + r * kPanel + 8 * c);
-        u[r * kVecs + c] = _mm256_load_ps(sums + r * kPanel + kHalf + 8 * c);
-      }
-    silu_mul_vectors<R * kVecs>(g, u, o);
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < kVecs; ++c) _mm256_storeu_ps(y + r * ldy + 8 * c, o[r * kVecs + c]);
-    return;
-  }
-#endif
-  for (int r = 0; r < R; ++r) silu_mul_row(sums + r * kPanel, sums + r * kPanel + kHalf, cols, y + r * ldy);
-}
+#if defined(TOKENMILL_GEMM_AVX512) || defined(TOKENMILL_GEMM_AVX2)
+constexpr int kHalfVecs = static_cast<int>(kHalf / 8);  // 8-lane vectors per half panel: 3 (AVX-512), 1 (AVX2)
 
-// One paired panel for all M rows (output columns col0 .. col0 + kHalf of the gate and of the up half): the
-// micro-kernel's sums go to a tile, then either silu(gate) * up into y [M, n] or both halves into y [M, 2 n].
+// Row r's sums as 8-lane halves: g[c] = gate columns 8 c .. 8 c + 7 of the panel, u[c] = the matching up columns.
+template <typename AccRow>
+__attribute__((always_inline)) inline void split_halves(const AccRow& acc, __m256* g, __m256* u) {
+#if defined(TOKENMILL_GEMM_AVX512)
+  auto lo = [](__m512 v) { return _mm512_castps512_ps256(v); };
+  auto hi = [](__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); };
+  g[0] = lo(acc[0]), g[1] = hi(acc[0]), g[2] = lo(acc[1]);
+  u[0] = hi(acc[1]), u[1] = lo(acc[2]), u[2] = hi(acc[2]);
+#else
+  g[0] = acc[0], u[0] = acc[1];
+#endif
+}
+#endif
+
+// One paired panel for all M rows (output columns col0 .. col0 + kHalf of the gate and of the up half), from the
+// micro-kernel's registers: silu(gate) * up into y [M, n], or (silu_mul false) gate columns into y's first n
+// columns and up columns into its last n ([M, 2 n]). A partial last panel goes through a scratch tile.
 template <int kLocality>
 void gated_panel_product(const float* x, int64_t M, int64_t K, const float* panel, int64_t col0, int64_t n,
                          bool silu_mul, float* y, Prefetcher<kLocality>& pf) {
@@ -395,15 +433,37 @@ void gated_panel_product(const float* x, int64_t M, int64_t K, const float* pane
     float* out = y + m0 * ldy + col0;
     with_rows<kRows>(rows, [&](auto r) {
       constexpr int R = decltype(r)::value;
-      micro_kernel<R>(x + m0 * K, K, panel, K, tile, kPanel, pf);
-      if (silu_mul) {
-        silu_mul_tile<R>(tile, cols, out, ldy);
-      } else {
-        for (int i = 0; i < R; ++i) {
-          std::memcpy(out + i * ldy, tile + i * kPanel, cols * sizeof(float));
-          std::memcpy(out + i * ldy + n, tile + i * kPanel + kHalf, cols * sizeof(float));
+      micro_kernel<R>(x + m0 * K, K, panel, K, pf, [&](const auto& acc) __attribute__((always_inline)) {
+#if defined(TOKENMILL_GEMM_AVX512) || defined(TOKENMILL_GEMM_AVX2)
+        if (cols == kHalf) {
+          __m256 g[R * kHalfVecs], u[R * kHalfVecs];
+          for (int i = 0; i < R; ++i) split_halves(acc[i], g + i * kHalfVecs, u + i * kHalfVecs);
+          if (silu_mul) {
+            __m256 o[R * kHalfVecs];
+            silu_mul_vectors<R * kHalfVecs>(g, u, o);
+            for (int i = 0; i < R; ++i)
+              for (int c = 0; c < kHalfVecs; ++c) _mm256_storeu_ps(out + i * ldy + 8 * c, o[i * kHalfVecs + c]);
+          } else {
+            for (int i = 0; i < R; ++i)
+              for (int c = 0; c < kHalfVecs; ++c) {
+                _mm256_storeu_ps(out + i * ldy + 8 * c, g[i * kHalfVecs + c]);
+                _mm256_storeu_ps(out + i * ldy + n + 8 * c, u[i * kHalfVecs + c]);
+              }
+          }
+          return;
         }
-      }
+#endif
+        store_tile<R>(acc, tile);
+        for (int i = 0; i < R; ++i) {
+          const float* sums = tile + i * kPanel;
+          if (silu_mul) {
+            silu_mul_row(sums, sums + kHalf, cols, out + i * ldy);
+          } else {
+            std::memcpy(out + i * ldy, sums, cols * sizeof(float));
+            std::memcpy(out + i * ldy + n, sums + kHalf, cols * sizeof(float));
+          }
+        }
+      });
     });
   }
 }
