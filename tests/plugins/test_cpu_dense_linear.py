@@ -341,6 +341,7 @@ def test_a_gated_mlp_applies_silu_in_the_gate_up_products_epilogue(monkeypatch: 
         assert torch.allclose(got.double(), _mlp_reference(mlp, x), atol=1e-5, rtol=1e-5)
         assert torch.allclose(plain.double(), F.linear(x.double(), mlp.gate_up_proj.weight.double()), atol=1e-5)
     assert calls == [(1, True), (1, False), (7, True), (7, False), (300, True), (300, False)]
+    assert "gated MLPs' SiLU in its epilogue" in dense_linear.describe()
 
 
 def test_the_fused_path_is_skipped_where_it_does_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -361,3 +362,4 @@ def test_the_fused_path_is_skipped_where_it_does_not_apply(monkeypatch: pytest.M
     monkeypatch.setattr(dense_linear, "FUSED_SILU", False)
     with torch.inference_mode():
         assert torch.allclose(off(x).double(), _mlp_reference(off, x), atol=1e-5)
+    assert "SiLU" not in dense_linear.describe()

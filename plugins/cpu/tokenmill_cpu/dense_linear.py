@@ -651,6 +651,8 @@ def describe() -> str:
         rows, panel_ms, linear_ms = _PANEL_LARGE_FIGURES[-1]
         f32 += (f" and above (measured faster at {rows} rows: {panel_ms:.1f} vs {linear_ms:.1f} ms)" if _panel_large
                 else f" (above: F.linear, measured faster at {rows} rows: {linear_ms:.1f} vs {panel_ms:.1f} ms)")
+    if library == PANEL and FUSED_SILU:
+        f32 += ", gated MLPs' SiLU in its epilogue"
     if library == PANEL and kernels.failed():
         f32 += f" (kernels unavailable: {MKL if HAS_MKL else 'F.linear'} instead)"
     elif library == PANEL and not kernels.ready():
