@@ -98,7 +98,8 @@ def check_custom_ops(t: ConformanceTarget) -> None:
 def _check_unquantized_linear(t: ConformanceTarget, path: str, dtype: torch.dtype) -> None:
     """The method's ``apply`` matches ``F.linear`` at several row counts, before and after
     ``process_weights_after_loading``, which leaves the layer's weight in place and unchanged; its
-    ``apply_silu_and_mul`` on a processed gate/up layer matches ``silu(gate) * up`` of ``F.linear``."""
+    ``apply_silu_and_mul`` on a processed gate/up layer matches ``silu(gate) * up`` of ``F.linear``. The platform's
+    attention backend is waited for first (``wait_until_ready``: kernels built in the background)."""
     from tokenmill.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
     from tokenmill.layers.linear_method import UnquantizedLinearMethod
     from tokenmill.plugins.qualname import resolve_qualname
@@ -106,6 +107,9 @@ def _check_unquantized_linear(t: ConformanceTarget, path: str, dtype: torch.dtyp
     cls = resolve_qualname(path)
     if not (isinstance(cls, type) and issubclass(cls, UnquantizedLinearMethod)):
         raise ContractFailure(f"unquantized_linear: {path} is not an UnquantizedLinearMethod subclass")
+    # kernels a platform builds in the background are waited for through its attention backend (as the engine's
+    # compiled runner does), so that the products below run on them rather than on a fallback
+    t.backend_choice().backend_cls.wait_until_ready()
     g = torch.Generator().manual_seed(3)
     layer = ReplicatedLinear(96, 80, bias=False).to(dtype).to(t.device)
     weight = (torch.randn(80, 96, generator=g) * 0.1).to(dtype).to(t.device)
@@ -127,6 +131,7 @@ def _check_unquantized_linear(t: ConformanceTarget, path: str, dtype: torch.dtyp
                 worst = max(worst, _close("unquantized_linear", got, torch.nn.functional.linear(x, weight),
                                           _tol(dtype)))
     gated = MergedColumnParallelLinear(96, [40, 40], bias=False).to(dtype).to(t.device)
+    gated.silu_and_mul = True  # as GatedMLP marks its gate_up_proj
     gated.weight.data.copy_((torch.randn(80, 96, generator=g) * 0.1).to(dtype).to(t.device))
     method.process_weights_after_loading(gated)
     with torch.inference_mode():

@@ -20,7 +20,10 @@ Contract of a replacement (checked by ``tokenmill plugins check``, item ``custom
 * :meth:`UnquantizedLinearMethod.apply_silu_and_mul` (optional to override) returns what the default returns,
   ``silu(gate) * up`` of :meth:`apply`'s product, under the same conditions. :class:`tokenmill.layers.GatedMLP`
   calls it instead of ``apply`` and ``SiluAndMul`` when its activation is the built-in ``SiluAndMul`` (not a
-  replacement) and its ``gate_up_proj`` has no bias, no quantized copy and no LoRA wrapper.
+  replacement) and its ``gate_up_proj`` has no bias, no quantized copy and no LoRA wrapper. Such a layer has
+  ``silu_and_mul`` set (from construction, so that ``process_weights_after_loading`` can prepare the weight for
+  the fused call); other layers have it false, and a layer may still get plain ``apply`` calls (a quantized copy
+  attached later, a LoRA wrapper).
 """
 
 from __future__ import annotations

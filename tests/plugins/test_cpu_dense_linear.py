@@ -363,3 +363,17 @@ def test_the_fused_path_is_skipped_where_it_does_not_apply(monkeypatch: pytest.M
     with torch.inference_mode():
         assert torch.allclose(off(x).double(), _mlp_reference(off, x), atol=1e-5)
     assert "SiLU" not in dense_linear.describe()
+
+
+@pytest.mark.skipif(dense_linear.PANEL_WIDTH is None, reason="float32 weights are not packed for the panel kernel here")
+def test_only_gate_up_layers_followed_by_the_built_in_silu_are_packed_in_pairs() -> None:
+    """GeGLU (Gemma) and biased MLPs keep the plain panel layout, on which their plain products are faster."""
+    from tokenmill.layers import GatedMLP
+
+    method = CpuUnquantizedLinearMethod()
+    for act, bias, paired in (("silu", False, True), ("gelu_pytorch_tanh", False, False), ("silu", True, False)):
+        mlp = GatedMLP(32, 24, act, bias=bias)
+        mlp.gate_up_proj.weight.data.normal_()
+        assert mlp.gate_up_proj.silu_and_mul is paired
+        method.process_weights_after_loading(mlp.gate_up_proj)
+        assert dense_linear._TABLE[mlp.gate_up_proj.weight.data_ptr()].paired is paired

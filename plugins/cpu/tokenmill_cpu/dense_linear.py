@@ -624,17 +624,13 @@ class CpuUnquantizedLinearMethod(UnquantizedLinearMethod):
 
 def fuses_silu(layer: nn.Module) -> bool:
     """Whether ``layer``'s float32 panel copy is laid out in pairs for :func:`dense_linear_silu_mul`: a gated MLP's
-    gate_up layer without a quantized copy, with ``TOKENMILL_CPU_FUSED_SILU`` not 0. (Plain products on the paired
-    layout, which the layer's other callers get, take 7-10% longer than on the plain one: every output cache line is
-    written in two halves.)"""
-    return FUSED_SILU and is_gate_up(layer) and getattr(layer, "quant", None) is None
-
-
-def is_gate_up(layer: nn.Module) -> bool:
-    """Whether ``layer`` stacks two equal projections (a gated MLP's gate and up: ``output_sizes`` of two equal
-    parts), whose float32 panel copy :func:`pack` lays out in pairs."""
+    gate_up layer whose product goes through ``apply_silu_and_mul`` (``layer.silu_and_mul``, two equal output
+    parts), without a quantized copy, with ``TOKENMILL_CPU_FUSED_SILU`` not 0. (Plain products on the paired layout,
+    which a LoRA wrapper's calls get, take 7-10% longer than on the plain one: every output cache line is written
+    in two halves.)"""
     sizes = getattr(layer, "output_sizes", None)
-    return isinstance(sizes, (list, tuple)) and len(sizes) == 2 and sizes[0] == sizes[1]
+    return FUSED_SILU and getattr(layer, "silu_and_mul", False) and getattr(layer, "quant", None) is None \
+        and isinstance(sizes, (list, tuple)) and len(sizes) == 2 and sizes[0] == sizes[1]
 
 
 def describe() -> str:
