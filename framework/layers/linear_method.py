@@ -17,6 +17,9 @@ Contract of a replacement (checked by ``tokenmill plugins check``, item ``custom
 * :meth:`UnquantizedLinearMethod.apply` returns what ``F.linear(x, layer.weight)`` returns (shape, dtype; values
   to rounding) for any number of rows, whether or not the weights were processed, and is traceable by
   ``torch.compile`` (an opaque custom op for anything device-specific).
+* :meth:`UnquantizedLinearMethod.cache_key_facts` names whatever besides the class decides what ``apply`` and
+  ``apply_silu_and_mul`` trace (an environment switch, a row bound read at import): it joins the key of the
+  compiled forward passes' on-disk cache, so that a graph traced under one setting is not loaded under another.
 * :meth:`UnquantizedLinearMethod.apply_silu_and_mul` (optional to override) returns what the default returns,
   ``silu(gate) * up`` of :meth:`apply`'s product, under the same conditions. :class:`tokenmill.layers.GatedMLP`
   calls it instead of ``apply`` and ``SiluAndMul`` when its activation is the built-in ``SiluAndMul`` (not a
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +52,11 @@ class UnquantizedLinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``x [T, K]`` -> ``x W^T`` ``[T, N]`` in the weight's dtype (no bias)."""
         return F.linear(x, layer.weight)
+
+    def cache_key_facts(self) -> dict[str, Any]:
+        """JSON-serializable settings (besides this class and its package's source, which the cache key has
+        already) that change the graphs :meth:`apply` and :meth:`apply_silu_and_mul` trace; none by default."""
+        return {}
 
     def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """A SwiGLU MLP's first half: ``x [T, K]`` -> ``silu(x W_gate^T) * (x W_up^T)`` ``[T, I]`` for a layer whose

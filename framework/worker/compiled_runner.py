@@ -168,6 +168,7 @@ class CompiledRunner:
         config = runner.config
         hf = config.model_config.hf_config
         layer_classes: set[str] = set()
+        method_facts: dict[str, Any] = {}
         for m in self.model.modules():
             layer_classes.add(f"{type(m).__module__}.{type(m).__qualname__}")
             quant = getattr(m, "quant", None)
@@ -175,7 +176,9 @@ class CompiledRunner:
                 layer_classes.add(f"{type(quant).__module__}.{type(quant).__qualname__}")
             linear_method = getattr(m, "linear_method", None)  # tokenmill.layers.linear_method
             if linear_method is not None:
-                layer_classes.add(f"{type(linear_method).__module__}.{type(linear_method).__qualname__}")
+                name = f"{type(linear_method).__module__}.{type(linear_method).__qualname__}"
+                layer_classes.add(name)
+                method_facts.setdefault(name, linear_method.cache_key_facts())
             method_path = getattr(m, "method_path", None)  # FusedMoE's expert method ("module:Class")
             if isinstance(method_path, str):
                 layer_classes.add(method_path.replace(":", "."))
@@ -193,6 +196,7 @@ class CompiledRunner:
             # A plugin's custom op (RMSNorm, rotary, MoE, quantized linear) changes the traced graph: every layer
             # class and every loaded plugin go into the key, and their packages' sources into the digest.
             "layer_classes": sorted(layer_classes),
+            "linear_method_facts": method_facts,  # e.g. the CPU plugin's TOKENMILL_CPU_FUSED_SILU
             "plugins": sorted(f"{s.distribution}=={s.version}:{s.value}" for s in plugins),
         }
         modules = [type(self.model).__module__, runner.attn_backend.__module__]

@@ -201,3 +201,23 @@ def test_compile_cache_key_changes_with_a_custom_op_and_with_plugin_sources(tiny
     finally:
         sys.modules.pop("one_file_plugin_xyz", None)
         _source_digests.pop("one_file_plugin_xyz", None)
+
+
+def test_compile_cache_key_changes_with_the_linear_methods_facts(tiny_llama_dir, monkeypatch) -> None:
+    """A switch that changes what a linear method traces (the CPU plugin's TOKENMILL_CPU_FUSED_SILU: the fused
+    gate/up op or the product and SiLU) must change the key: the graph of one setting loaded under the other ran
+    neither path as meant."""
+    from tokenmill_cpu import dense_linear
+
+    monkeypatch.setenv("TOKENMILL_COMPILE", "0")  # the key only: nothing compiles
+
+    def key() -> str:
+        runner = _compiled_core(tiny_llama_dir).executor.worker.model_runner
+        cache = CompiledRunner(runner.model, 4, runner.block_size).cache_for(runner)
+        facts = cache.facts["linear_method_facts"]["tokenmill_cpu.dense_linear.CpuUnquantizedLinearMethod"]
+        assert facts["fused_silu"] is dense_linear.FUSED_SILU
+        return cache.key
+
+    fused = key()
+    monkeypatch.setattr(dense_linear, "FUSED_SILU", not dense_linear.FUSED_SILU)
+    assert key() != fused

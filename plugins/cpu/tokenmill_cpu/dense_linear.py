@@ -132,6 +132,7 @@ import os
 import time
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -314,8 +315,8 @@ def _panel_product(entry: _Packed, x: torch.Tensor) -> torch.Tensor:
 
 def _dense_linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     entry = _TABLE.get(weight.data_ptr())
-    if entry is not None and entry.paired and entry.shape == tuple(weight.shape) and x.dim() == 2 \
-            and x.dtype == weight.dtype and (_panel_ready or _check_panel_kernel()) \
+    if entry is not None and entry.paired and entry.shape == tuple(weight.shape) and entry.dtype == weight.dtype \
+            and x.dim() == 2 and x.dtype == weight.dtype and (_panel_ready or _check_panel_kernel()) \
             and packed_rows(weight.dtype)[0] <= x.shape[0] \
             and (x.shape[0] <= packed_rows(weight.dtype)[1] or _panel_for_rows(entry, weight)):
         return torch.ops.tokenmill_cpu.dense_gemm_gated(x.contiguous(), entry.packed, entry.shape[0] // 2, True)
@@ -613,6 +614,12 @@ class CpuUnquantizedLinearMethod(UnquantizedLinearMethod):
         if statically_known_true(x.shape[0] < packed_rows(layer.weight.dtype)[0]):
             return F.linear(x, layer.weight)
         return dense_linear(x, layer.weight)
+
+    def cache_key_facts(self) -> dict[str, Any]:
+        # what the traced graphs depend on: the fused gate/up op or not, and the row bounds below which a graph of
+        # a known row count calls F.linear directly
+        return {"fused_silu": FUSED_SILU,
+                "packed_rows": {str(d).removeprefix("torch."): packed_rows(d)[0] for d in PACKED_DTYPES}}
 
     def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         # float32 gate_up weights packed in the paired layout take the activation in the panel kernel's epilogue

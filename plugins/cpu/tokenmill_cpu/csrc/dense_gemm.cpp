@@ -350,8 +350,9 @@ inline float silu_scalar(float g) { return g / (1.0f + std::exp(-g)); }
 // denormals or infinities): t = n ln2 + r with |r| <= ln2 / 2 (ln2 split in a short high part and a correction,
 // Cody and Waite's reduction), exp(r) by its Taylor polynomial to degree 6 (truncation below 1.2e-7 relative),
 // 2^n through the exponent bits. Below g = -88, where exp(-g) would be clamped, silu is 0 (|silu(g)| < 6e-37
-// there; torch's own float32 exp overflows to infinity and gives -0 from g = -88.7). The clamp turns a NaN g into
-// a number inside exp, but g is also the division's numerator and fails the comparison, so NaN propagates.
+// there; torch's own float32 exp overflows to infinity and gives -0 from g = -88.7; for g = -inf torch gives NaN,
+// this 0). The clamp turns a NaN g into a number inside exp, but g is also the division's numerator and fails the
+// comparison, so NaN propagates.
 template <int V>
 __attribute__((always_inline)) inline void silu_mul_vectors(const __m256 (&g)[V], const __m256 (&u)[V],
                                                             __m256 (&out)[V]) {
