@@ -39,9 +39,6 @@ class LinearBase(nn.Module):
         linear_method: how the full-precision product is computed (``tokenmill.layers.linear_method``; the
             model loader sets the platform's choice).
         quant: a quantized copy used for inputs of at most ``quant_max_tokens`` rows, or ``None``.
-        silu_and_mul: the layer is a gated MLP's gate/up projection whose product goes through
-            ``linear_method.apply_silu_and_mul`` (set by :class:`tokenmill.layers.GatedMLP`; see
-            ``tokenmill.layers.linear_method``).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
@@ -58,7 +55,6 @@ class LinearBase(nn.Module):
         self.quant: QuantizedWeight | None = None
         self.quant_max_tokens = 0
         self.linear_method: UnquantizedLinearMethod = DEFAULT_METHOD
-        self.silu_and_mul = False
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         default_weight_loader(param, loaded)

@@ -17,16 +17,9 @@ Contract of a replacement (checked by ``tokenmill plugins check``, item ``custom
 * :meth:`UnquantizedLinearMethod.apply` returns what ``F.linear(x, layer.weight)`` returns (shape, dtype; values
   to rounding) for any number of rows, whether or not the weights were processed, and is traceable by
   ``torch.compile`` (an opaque custom op for anything device-specific).
-* :meth:`UnquantizedLinearMethod.cache_key_facts` names whatever besides the class decides what ``apply`` and
-  ``apply_silu_and_mul`` trace (an environment switch, a row bound read at import): it joins the key of the
-  compiled forward passes' on-disk cache, so that a graph traced under one setting is not loaded under another.
-* :meth:`UnquantizedLinearMethod.apply_silu_and_mul` (optional to override) returns what the default returns,
-  ``silu(gate) * up`` of :meth:`apply`'s product, under the same conditions. :class:`tokenmill.layers.GatedMLP`
-  calls it instead of ``apply`` and ``SiluAndMul`` when its activation is the built-in ``SiluAndMul`` (not a
-  replacement) and its ``gate_up_proj`` has no bias, no quantized copy and no LoRA wrapper. Such a layer has
-  ``silu_and_mul`` set (from construction, so that ``process_weights_after_loading`` can prepare the weight for
-  the fused call); other layers have it false, and a layer may still get plain ``apply`` calls (a quantized copy
-  attached later, a LoRA wrapper).
+* :meth:`UnquantizedLinearMethod.cache_key_facts` names whatever besides the class decides what ``apply`` traces
+  (an environment switch, a row bound read at import): it joins the key of the compiled forward passes' on-disk
+  cache, so that a graph traced under one setting is not loaded under another.
 """
 
 from __future__ import annotations
@@ -55,17 +48,8 @@ class UnquantizedLinearMethod:
 
     def cache_key_facts(self) -> dict[str, Any]:
         """JSON-serializable settings (besides this class and its package's source, which the cache key has
-        already) that change the graphs :meth:`apply` and :meth:`apply_silu_and_mul` trace; none by default."""
+        already) that change the graphs :meth:`apply` traces; none by default."""
         return {}
-
-    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """A SwiGLU MLP's first half: ``x [T, K]`` -> ``silu(x W_gate^T) * (x W_up^T)`` ``[T, I]`` for a layer whose
-        weight ``[2 I, K]`` stacks the gate rows over the up rows (:class:`tokenmill.layers.GatedMLP`'s
-        ``gate_up_proj``; no bias). The default is :meth:`apply` followed by the built-in ``SiluAndMul``; a method
-        may override it to apply the activation in its matmul's epilogue (the CPU plugin does)."""
-        y = self.apply(layer, x)
-        d = y.shape[-1] // 2
-        return F.silu(y[..., :d]) * y[..., d:]
 
 
 DEFAULT_METHOD = UnquantizedLinearMethod()

@@ -196,7 +196,7 @@ class CompiledRunner:
             # A plugin's custom op (RMSNorm, rotary, MoE, quantized linear) changes the traced graph: every layer
             # class and every loaded plugin go into the key, and their packages' sources into the digest.
             "layer_classes": sorted(layer_classes),
-            "linear_method_facts": method_facts,  # e.g. the CPU plugin's TOKENMILL_CPU_FUSED_SILU
+            "linear_method_facts": method_facts,  # e.g. the CPU plugin's row bounds (TOKENMILL_CPU_PREPACK)
             "plugins": sorted(f"{s.distribution}=={s.version}:{s.value}" for s in plugins),
         }
         modules = [type(self.model).__module__, runner.attn_backend.__module__]

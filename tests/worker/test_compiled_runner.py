@@ -204,9 +204,8 @@ def test_compile_cache_key_changes_with_a_custom_op_and_with_plugin_sources(tiny
 
 
 def test_compile_cache_key_changes_with_the_linear_methods_facts(tiny_llama_dir, monkeypatch) -> None:
-    """A switch that changes what a linear method traces (the CPU plugin's TOKENMILL_CPU_FUSED_SILU: the fused
-    gate/up op or the product and SiLU) must change the key: the graph of one setting loaded under the other ran
-    neither path as meant."""
+    """A setting that changes what a linear method traces (the CPU plugin's row bound below which the one-request
+    graph calls F.linear, which TOKENMILL_CPU_PREPACK=onednn raises) must change the key."""
     from tokenmill_cpu import dense_linear
 
     monkeypatch.setenv("TOKENMILL_COMPILE", "0")  # the key only: nothing compiles
@@ -215,9 +214,10 @@ def test_compile_cache_key_changes_with_the_linear_methods_facts(tiny_llama_dir,
         runner = _compiled_core(tiny_llama_dir).executor.worker.model_runner
         cache = CompiledRunner(runner.model, 4, runner.block_size).cache_for(runner)
         facts = cache.facts["linear_method_facts"]["tokenmill_cpu.dense_linear.CpuUnquantizedLinearMethod"]
-        assert facts["fused_silu"] is dense_linear.FUSED_SILU
+        assert facts["packed_rows_min"]["float32"] == dense_linear.packed_rows(torch.float32)[0]
         return cache.key
 
-    fused = key()
-    monkeypatch.setattr(dense_linear, "FUSED_SILU", not dense_linear.FUSED_SILU)
-    assert key() != fused
+    plain = key()
+    real = dense_linear.packed_rows
+    monkeypatch.setattr(dense_linear, "packed_rows", lambda dtype: (real(dtype)[0] + 3, real(dtype)[1]))
+    assert key() != plain

@@ -172,13 +172,10 @@ class _Packed:
     shape: tuple[int, int]
     dtype: torch.dtype
     small: torch.Tensor | None = None  # bfloat16: the panel copy for 1 to BF16_PANEL_MAX_ROWS rows, where made
-    paired: bool = False  # panel copy of a gate_up weight in pack_panels_paired's layout (dense_gemm_gated)
 
 
 # read once: graphs trace packed_rows, torch.compile cannot trace these; TOKENMILL_CPU_PREPACK=onednn: no MKL
 _PREPACK = os.environ.get("TOKENMILL_CPU_PREPACK", "1")
-FUSED_SILU_ENV = "TOKENMILL_CPU_FUSED_SILU"  # 0: gated MLPs apply SiLU-and-multiply after the product (comparisons)
-FUSED_SILU = os.environ.get(FUSED_SILU_ENV, "1") != "0"
 HAS_MKL = torch.backends.mkl.is_available() and _PREPACK != "onednn"
 
 
@@ -288,7 +285,7 @@ def _dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if entry.library == PANEL:
         if _panel_ready or _check_panel_kernel():
             if rows <= hi or _panel_for_rows(entry, weight):
-                return _panel_product(entry, x.contiguous())
+                return torch.ops.tokenmill_cpu.dense_gemm(x.contiguous(), entry.packed, entry.shape[0])
             return F.linear(x, weight)
         if not (kernels.failed() and HAS_MKL):  # the build is still running, or nothing better than F.linear
             return F.linear(x, weight)
@@ -304,25 +301,6 @@ def _dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # _mkl_linear uses the packed copy when the count it is given equals the input's rows
         return torch.ops.mkl._mkl_linear(x, entry.packed, weight, None, rows)
     return torch.ops.mkldnn._linear_pointwise(x, entry.packed, None, "none", [], "")
-
-
-def _panel_product(entry: _Packed, x: torch.Tensor) -> torch.Tensor:
-    """``x [M, K]`` (contiguous float32) times ``entry``'s panel copy: ``[M, N]``, whichever layout it has."""
-    if entry.paired:
-        return torch.ops.tokenmill_cpu.dense_gemm_gated(x, entry.packed, entry.shape[0] // 2, False)
-    return torch.ops.tokenmill_cpu.dense_gemm(x, entry.packed, entry.shape[0])
-
-
-def _dense_linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    entry = _TABLE.get(weight.data_ptr())
-    if entry is not None and entry.paired and entry.shape == tuple(weight.shape) and entry.dtype == weight.dtype \
-            and x.dim() == 2 and x.dtype == weight.dtype and (_panel_ready or _check_panel_kernel()) \
-            and packed_rows(weight.dtype)[0] <= x.shape[0] \
-            and (x.shape[0] <= packed_rows(weight.dtype)[1] or _panel_for_rows(entry, weight)):
-        return torch.ops.tokenmill_cpu.dense_gemm_gated(x.contiguous(), entry.packed, entry.shape[0] // 2, True)
-    y = _dense_linear(x, weight)
-    d = y.shape[-1] // 2
-    return F.silu(y[..., :d]) * y[..., d:]
 
 
 def _panel_for_rows(entry: _Packed, weight: torch.Tensor) -> bool:
@@ -353,7 +331,7 @@ def _time_large_rows(entry: _Packed, weight: torch.Tensor) -> tuple[float, float
     panel_ms, linear_ms = [], []
     for _ in range(CALIBRATION_REPEATS + 1):
         for times, fn in ((linear_ms, lambda: F.linear(x, weight)),
-                          (panel_ms, lambda: _panel_product(entry, x))):
+                          (panel_ms, lambda: torch.ops.tokenmill_cpu.dense_gemm(x, entry.packed, entry.shape[0]))):
             start = time.perf_counter()
             fn()
             times.append((time.perf_counter() - start) * 1e3)
@@ -411,23 +389,6 @@ def pack_panels(weight: torch.Tensor, width: int) -> torch.Tensor:
     return padded.view(panels, width, k).transpose(1, 2).contiguous()
 
 
-def pack_panels_paired(weight: torch.Tensor, width: int) -> torch.Tensor:
-    """A gated MLP's ``gate_up`` weight ``[2 I, K]`` (gate rows over up rows) -> ``[ceil(I / h), K, width]`` with
-    ``h = width // 2``: panel ``p`` is gate rows ``p * h`` to ``(p + 1) * h`` followed by the up rows with the same
-    indices, transposed, rows past ``I`` zero (``csrc/dense_gemm.cpp``'s paired layout, ``dense_gemm_gated``).
-
-    Raises:
-        ValueError: an odd row count or an odd ``width``.
-    """
-    n2, k = weight.shape
-    if n2 % 2 or width % 2:
-        raise ValueError(f"the paired panel layout needs an even row count and width, got {n2} rows, width {width}")
-    n, half = n2 // 2, width // 2
-    panels = -(-n // half)
-    gate, up = (F.pad(w, (0, 0, 0, panels * half - n)).view(panels, half, k) for w in weight.split(n))
-    return torch.cat([gate, up], dim=1).transpose(1, 2).contiguous()
-
-
 def pack_panels_bf16(weight: torch.Tensor, width: int = _BF16_PANEL_WIDTH) -> torch.Tensor:
     """``weight [N, K]`` (bfloat16, K even) -> ``[ceil(N / width), K / 2, 2 * width]``: element ``(p, c, 2 j + t)``
     is ``weight[p * width + j, 2 c + t]``, rows past ``N`` zero (``csrc/dense_gemm.cpp``'s bfloat16 layout).
@@ -453,37 +414,19 @@ _lib.impl("dense_linear", _dense_linear, "CPU")
 torch.library.register_fake("tokenmill_cpu::dense_linear", _dense_linear_fake, lib=_lib)
 
 
-def _dense_linear_silu_mul_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], weight.shape[0] // 2)
-
-
-_lib.define("dense_linear_silu_mul(Tensor x, Tensor weight) -> Tensor")
-_lib.impl("dense_linear_silu_mul", _dense_linear_silu_mul, "CPU")
-torch.library.register_fake("tokenmill_cpu::dense_linear_silu_mul", _dense_linear_silu_mul_fake, lib=_lib)
-
-
 def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x [..., K] @ weight [N, K]^T`` -> ``[..., N]`` in ``weight``'s dtype, on the packed copy of ``weight`` when
     :func:`pack` made one and the row count is within :func:`packed_rows`, else with ``F.linear``."""
     return torch.ops.tokenmill_cpu.dense_linear(x, weight)
 
 
-def dense_linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``silu(x W_gate^T) * (x W_up^T)`` -> ``[..., I]`` for a gate_up ``weight [2 I, K]`` (gate rows over up rows):
-    in one pass of ``dense_gemm_gated`` where :func:`pack` made a paired panel copy of ``weight`` and the row count
-    is the panel kernel's, else :func:`dense_linear` followed by torch's SiLU and product."""
-    return torch.ops.tokenmill_cpu.dense_linear_silu_mul(x, weight)
-
-
-def pack(weight: torch.Tensor, small: bool = True, paired: bool = False) -> bool:
+def pack(weight: torch.Tensor, small: bool = True) -> bool:
     """Make (once) the packed copy :func:`dense_linear` uses for ``weight`` (2-D, float32 or bfloat16, CPU):
     for float32 the panels of tokenmill-cpu's ``dense_gemm`` where it has an AVX2 or AVX-512 build, else MKL's
     where torch has MKL, else oneDNN's; oneDNN's for bfloat16, and with ``small`` the bfloat16 panel copy for few
     rows as well where :func:`small_copy_wanted`; whether there is one. Never raises: a library
     refusing the weight (oneDNN and bfloat16 without AVX-512) is logged once and the weight stays on
-    ``F.linear``. With ``paired`` (a gated MLP's gate_up weight: gate rows over up rows, an even count) the panel
-    copy is in :func:`pack_panels_paired`'s layout, which serves plain products as well and also
-    :func:`dense_linear_silu_mul`'s fused one."""
+    ``F.linear``."""
     if weight.dim() != 2 or weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES:
         return False
     key = weight.data_ptr()
@@ -495,8 +438,7 @@ def pack(weight: torch.Tensor, small: bool = True, paired: bool = False) -> bool
             w = weight.detach().contiguous()
             if library == PANEL:
                 kernels.load_async()  # usually started already by the attention backend
-                paired = paired and w.shape[0] % 2 == 0
-                packed = pack_panels_paired(w, PANEL_WIDTH) if paired else pack_panels(w, PANEL_WIDTH)
+                packed = pack_panels(w, PANEL_WIDTH)
             elif library == MKL:
                 packed = torch.ops.mkl._mkl_reorder_linear_weight(w, MKL_PACK_ROWS)
             else:
@@ -515,7 +457,7 @@ def pack(weight: torch.Tensor, small: bool = True, paired: bool = False) -> bool
                 panels = pack_panels_bf16(weight.detach().contiguous())
         except RuntimeError:  # out of memory for the second copy: the main copy serves every row count
             pass
-    _TABLE[key] = _Packed(packed, library, tuple(weight.shape), weight.dtype, panels, library == PANEL and paired)
+    _TABLE[key] = _Packed(packed, library, tuple(weight.shape), weight.dtype, panels)
     weakref.finalize(weight, _TABLE.pop, key, None)
     if weight.dtype == torch.float32:
         _log_amx_hint()
@@ -599,8 +541,7 @@ class CpuUnquantizedLinearMethod(UnquantizedLinearMethod):
             return 0
         # the bfloat16 panel copy only from the first half of the budget, so that later layers' main copies (which
         # serve every row count) are not crowded out by earlier layers' panel copies
-        if not pack(weight, small=self.budget_bytes - packed_bytes(weight) >= self.panel_floor,
-                    paired=fuses_silu(layer)):
+        if not pack(weight, small=self.budget_bytes - packed_bytes(weight) >= self.panel_floor):
             return 0
         entry = _TABLE[weight.data_ptr()]
         nbytes = weight.numel() * weight.element_size() * (2 if entry.small is not None else 1)
@@ -616,28 +557,9 @@ class CpuUnquantizedLinearMethod(UnquantizedLinearMethod):
         return dense_linear(x, layer.weight)
 
     def cache_key_facts(self) -> dict[str, Any]:
-        # what the traced graphs depend on: the fused gate/up op or not, and the row bounds below which a graph of
-        # a known row count calls F.linear directly
-        return {"fused_silu": FUSED_SILU,
-                "packed_rows": {str(d).removeprefix("torch."): packed_rows(d)[0] for d in PACKED_DTYPES}}
-
-    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        # float32 gate_up weights packed in the paired layout take the activation in the panel kernel's epilogue
-        if not fuses_silu(layer) or _library(layer.weight.dtype) != PANEL or statically_known_true(
-                x.shape[0] < packed_rows(layer.weight.dtype)[0]):
-            return super().apply_silu_and_mul(layer, x)
-        return dense_linear_silu_mul(x, layer.weight)
-
-
-def fuses_silu(layer: nn.Module) -> bool:
-    """Whether ``layer``'s float32 panel copy is laid out in pairs for :func:`dense_linear_silu_mul`: a gated MLP's
-    gate_up layer whose product goes through ``apply_silu_and_mul`` (``layer.silu_and_mul``, two equal output
-    parts), without a quantized copy, with ``TOKENMILL_CPU_FUSED_SILU`` not 0. (Plain products on the paired layout,
-    which a LoRA wrapper's calls get, take 7-10% longer than on the plain one: every output cache line is written
-    in two halves.)"""
-    sizes = getattr(layer, "output_sizes", None)
-    return FUSED_SILU and getattr(layer, "silu_and_mul", False) and getattr(layer, "quant", None) is None \
-        and isinstance(sizes, (list, tuple)) and len(sizes) == 2 and sizes[0] == sizes[1]
+        # below these row counts a graph of a known row count (the one-request graph) calls F.linear directly; the
+        # bounds follow TOKENMILL_CPU_PREPACK and whether the kernels have a panel build
+        return {"packed_rows_min": {str(d).removeprefix("torch."): packed_rows(d)[0] for d in PACKED_DTYPES}}
 
 
 def describe() -> str:
@@ -654,8 +576,6 @@ def describe() -> str:
         rows, panel_ms, linear_ms = _PANEL_LARGE_FIGURES[-1]
         f32 += (f" and above (measured faster at {rows} rows: {panel_ms:.1f} vs {linear_ms:.1f} ms)" if _panel_large
                 else f" (above: F.linear, measured faster at {rows} rows: {linear_ms:.1f} vs {panel_ms:.1f} ms)")
-    if library == PANEL and FUSED_SILU:
-        f32 += ", gated MLPs' SiLU in its epilogue"
     if library == PANEL and kernels.failed():
         f32 += f" (kernels unavailable: {MKL if HAS_MKL else 'F.linear'} instead)"
     elif library == PANEL and not kernels.ready():

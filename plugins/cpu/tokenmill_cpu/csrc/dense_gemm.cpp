@@ -34,7 +34,6 @@
 #endif
 
 #include <algorithm>
-#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -139,35 +138,10 @@ __attribute__((always_inline)) inline void for_each_k(int64_t K, Prefetcher<kLoc
   for (; k < K; ++k) step(k);
 }
 
-// The sums of one micro-kernel call, R rows x kPanel columns: Acc<R>::type, vectors of kLanes floats in registers
-// (kVecs per row) in the AVX-512 and AVX2 builds, a plain array in the other.
-#if defined(TOKENMILL_GEMM_AVX512)
-using AccVec = __m512;
-constexpr int kVecs = 3;
-#elif defined(TOKENMILL_GEMM_AVX2)
-using AccVec = __m256;
-constexpr int kVecs = 2;
-#endif
-
-// The R x kPanel sums into tile[R][kPanel] (64-byte aligned).
-template <int R, typename AccArray>
-inline void store_tile(const AccArray& acc, float* tile) {
-#if defined(TOKENMILL_GEMM_AVX512)
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < kVecs; ++j) _mm512_store_ps(tile + r * kPanel + 16 * j, acc[r][j]);
-#elif defined(TOKENMILL_GEMM_AVX2)
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < kVecs; ++j) _mm256_store_ps(tile + r * kPanel + 8 * j, acc[r][j]);
-#else
-  for (int r = 0; r < R; ++r) std::memcpy(tile + r * kPanel, acc[r], sizeof(acc[r]));
-#endif
-}
-
-// sums[r, 0:kPanel] = sum_k x[r, k] * panel[k, 0:kPanel] for r < R (ldx: row stride in elements), then
-// store(acc) with the sums (AccVec acc[R][kVecs], or float acc[R][kPanel] in the plain build) still in registers.
-template <int R, int kLocality, typename Store>
-inline void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_t K, Prefetcher<kLocality>& pf,
-                         Store&& store) {
+// y[r, 0:kPanel] = sum_k x[r, k] * panel[k, 0:kPanel] for r < R (ldx, ldy: row strides in elements).
+template <int R, int kLocality>
+inline void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_t K, float* y, int64_t ldy,
+                         Prefetcher<kLocality>& pf) {
 #if defined(TOKENMILL_GEMM_AVX512)
   __m512 acc[R][3];
   for (int r = 0; r < R; ++r)
@@ -184,7 +158,8 @@ inline void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_
     }
   };
   for_each_k(K, pf, k_step);
-  store(acc);
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 3; ++j) _mm512_storeu_ps(y + r * ldy + 16 * j, acc[r][j]);
 #elif defined(TOKENMILL_GEMM_AVX2)
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r)
@@ -200,7 +175,8 @@ inline void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_
     }
   };
   for_each_k(K, pf, k_step);
-  store(acc);
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 2; ++j) _mm256_storeu_ps(y + r * ldy + 8 * j, acc[r][j]);
 #else
   float acc[R][kPanel] = {};
   for_each_k(K, pf, [&](int64_t k) {
@@ -210,7 +186,7 @@ inline void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_
       for (int64_t j = 0; j < kPanel; ++j) acc[r][j] += a * b[j];
     }
   });
-  store(acc);
+  for (int r = 0; r < R; ++r) std::memcpy(y + r * ldy, acc[r], sizeof(acc[r]));
 #endif
 }
 
@@ -227,7 +203,7 @@ inline void with_rows(int rows, Fn&& fn) {
   }
 }
 
-// One panel for all M rows; columns past N go through a scratch tile.
+// One panel for all M rows; columns past N go to a scratch tile.
 template <int kLocality>
 void panel_product(const float* x, int64_t M, int64_t K, const float* panel, int64_t col0, int64_t N, float* y,
                    Prefetcher<kLocality>& pf) {
@@ -235,27 +211,11 @@ void panel_product(const float* x, int64_t M, int64_t K, const float* panel, int
   alignas(64) float tile[kRows * kPanel];
   for (int64_t m0 = 0; m0 < M; m0 += kRows) {
     const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
-    float* out = y + m0 * N + col0;
-    with_rows<kRows>(rows, [&](auto r) {
-      constexpr int R = decltype(r)::value;
-      micro_kernel<R>(x + m0 * K, K, panel, K, pf, [&](const auto& acc) __attribute__((always_inline)) {
-#if defined(TOKENMILL_GEMM_AVX512) || defined(TOKENMILL_GEMM_AVX2)
-        if (cols == kPanel) {
-          for (int i = 0; i < R; ++i)
-            for (int j = 0; j < kVecs; ++j) {
-#if defined(TOKENMILL_GEMM_AVX512)
-              _mm512_storeu_ps(out + i * N + 16 * j, acc[i][j]);
-#else
-              _mm256_storeu_ps(out + i * N + 8 * j, acc[i][j]);
-#endif
-            }
-          return;
-        }
-#endif
-        store_tile<R>(acc, tile);
-        for (int i = 0; i < R; ++i) std::memcpy(out + i * N, tile + i * kPanel, cols * sizeof(float));
-      });
-    });
+    float* out = cols == kPanel ? y + m0 * N + col0 : tile;
+    const int64_t ldy = cols == kPanel ? N : kPanel;
+    with_rows<kRows>(rows, [&](auto r) { micro_kernel<decltype(r)::value>(x + m0 * K, K, panel, K, out, ldy, pf); });
+    if (cols < kPanel)
+      for (int r = 0; r < rows; ++r) std::memcpy(y + (m0 + r) * N + col0, tile + r * kPanel, cols * sizeof(float));
   }
 }
 
@@ -314,189 +274,6 @@ at::Tensor dense_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n) 
     run_panels<2>(M, K, P, panel_floats, kRows, K, ws, product);
   } else {
     run_panels<3>(M, K, P, panel_floats, kRows, K, ws, product);
-  }
-  return y;
-}
-
-// ---- a gated MLP's gate/up product with SwiGLU in its epilogue ----
-//
-// y = silu(x @ W_gate^T) * (x @ W_up^T) for a gate_up_proj weight [2 I, K] (gate rows over up rows). Why not
-// torch's ops after dense_gemm: the activation is a separate pass that reads the [M, 2 I] product back, split
-// between the threads by row while the product was split by column, so half of each thread's reads come from the
-// other core's cache. On 2 vCPUs of a Xeon in its AVX2 build that pass (Inductor's fused loop) took 0.31 ms per
-// layer at 256 rows and 1.7 ms at 2,048, about 9 ms of a 256-request decode step of SmolLM2-135M
-// (benchmarks/profile_decode.py with TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE=1, docs/benchmarks.md). Here each
-// panel's accumulators hold matching gate and up outputs, so the activation is applied to the micro-kernel's
-// registers and only the [M, I] result is written. In tokenmill bench throughput (256 x 128 x 128, float32, the
-// AVX2 build on that Xeon, three pairs of runs) this gave 2.6-5.4% more output tokens/s than the separate pass
-// (TOKENMILL_CPU_FUSED_SILU=0).
-//
-// Layout (tokenmill_cpu/dense_linear.py's pack_panels_paired): panels of kPanel columns, panel p = gate rows
-// p * h .. p * h + h - 1 followed by the up rows with the same indices (h = kPanel / 2), transposed to
-// [K][kPanel], zero rows past I; packed [P, K, kPanel] with P = ceil(I / h). The sums are those of dense_gemm
-// (one ordered sum over k per output), so the plain product in this layout (silu_mul false: [M, 2 I], gate
-// columns then up columns) equals dense_gemm's on the unpaired layout bit for bit; it takes 7-10% longer (each
-// output cache line is written in two halves, by two panels), which is why only layers that take the fused path
-// are packed this way.
-constexpr int64_t kHalf = kPanel / 2;
-
-inline float silu_scalar(float g) { return g / (1.0f + std::exp(-g)); }
-
-#if defined(__AVX2__) && defined(__FMA__)
-#define TOKENMILL_SILU_AVX2 1
-// out[v] = silu(g[v]) * u[v] for V independent vectors, each step applied to all V before the next so that the
-// V dependency chains overlap (one vector's chain alone is latency-bound: about 40 cycles).
-// silu(g) = g / (1 + exp(-g)) (torch's formula). exp(t), t clamped to [-87, 88] (the float range without
-// denormals or infinities): t = n ln2 + r with |r| <= ln2 / 2 (ln2 split in a short high part and a correction,
-// Cody and Waite's reduction), exp(r) by its Taylor polynomial to degree 6 (truncation below 1.2e-7 relative),
-// 2^n through the exponent bits. Below g = -88, where exp(-g) would be clamped, silu is 0 (|silu(g)| < 6e-37
-// there; torch's own float32 exp overflows to infinity and gives -0 from g = -88.7; for g = -inf torch gives NaN,
-// this 0). The clamp turns a NaN g into a number inside exp, but g is also the division's numerator and fails the
-// comparison, so NaN propagates.
-template <int V>
-__attribute__((always_inline)) inline void silu_mul_vectors(const __m256 (&g)[V], const __m256 (&u)[V],
-                                                            __m256 (&out)[V]) {
-  __m256 t[V], n[V], p[V];
-#pragma GCC unroll 24
-  for (int v = 0; v < V; ++v) {
-    t[v] = _mm256_sub_ps(_mm256_setzero_ps(), g[v]);
-    t[v] = _mm256_min_ps(_mm256_max_ps(t[v], _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-    n[v] = _mm256_round_ps(_mm256_mul_ps(t[v], _mm256_set1_ps(1.44269504088896341f)),
-                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    t[v] = _mm256_fnmadd_ps(n[v], _mm256_set1_ps(0.693359375f), t[v]);
-    t[v] = _mm256_fnmadd_ps(n[v], _mm256_set1_ps(-2.12194440e-4f), t[v]);
-  }
-#pragma GCC unroll 24
-  for (int v = 0; v < V; ++v) p[v] = _mm256_fmadd_ps(_mm256_set1_ps(1.0f / 720.0f), t[v], _mm256_set1_ps(1.0f / 120.0f));
-#pragma GCC unroll 24
-  for (int v = 0; v < V; ++v) p[v] = _mm256_fmadd_ps(p[v], t[v], _mm256_set1_ps(1.0f / 24.0f));
-#pragma GCC unroll 24
-  for (int v = 0; v < V; ++v) p[v] = _mm256_fmadd_ps(p[v], t[v], _mm256_set1_ps(1.0f / 6.0f));
-#pragma GCC unroll 24
-  for (int v = 0; v < V; ++v) p[v] = _mm256_fmadd_ps(p[v], t[v], _mm256_set1_ps(0.5f));
-#pragma GCC unroll 24
-  for (int v = 0; v < V; ++v) p[v] = _mm256_fmadd_ps(p[v], t[v], _mm256_set1_ps(1.0f));
-#pragma GCC unroll 24
-  for (int v = 0; v < V; ++v) p[v] = _mm256_fmadd_ps(p[v], t[v], _mm256_set1_ps(1.0f));
-#pragma GCC unroll 24
-  for (int v = 0; v < V; ++v) {
-    const __m256i scale =
-        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n[v]), _mm256_set1_epi32(127)), 23);
-    const __m256 e = _mm256_mul_ps(p[v], _mm256_castsi256_ps(scale));
-    const __m256 below = _mm256_cmp_ps(g[v], _mm256_set1_ps(-88.0f), _CMP_LT_OQ);
-    const __m256 silu = _mm256_andnot_ps(below, _mm256_div_ps(g[v], _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
-    out[v] = _mm256_mul_ps(silu, u[v]);
-  }
-}
-#endif
-
-// out[j] = silu(gate[j]) * up[j] for j < cols, one row (a panel's partial columns, or the plain build).
-inline void silu_mul_row(const float* gate, const float* up, int64_t cols, float* out) {
-  int64_t j = 0;
-#if defined(TOKENMILL_SILU_AVX2)
-  for (; j + 8 <= cols; j += 8) {
-    __m256 g[1] = {_mm256_loadu_ps(gate + j)}, u[1] = {_mm256_loadu_ps(up + j)}, o[1];
-    silu_mul_vectors<1>(g, u, o);
-    _mm256_storeu_ps(out + j, o[0]);
-  }
-#endif
-  for (; j < cols; ++j) out[j] = silu_scalar(gate[j]) * up[j];
-}
-
-#if defined(TOKENMILL_GEMM_AVX512) || defined(TOKENMILL_GEMM_AVX2)
-constexpr int kHalfVecs = static_cast<int>(kHalf / 8);  // 8-lane vectors per half panel: 3 (AVX-512), 1 (AVX2)
-
-// Row r's sums as 8-lane halves: g[c] = gate columns 8 c .. 8 c + 7 of the panel, u[c] = the matching up columns.
-template <typename AccRow>
-__attribute__((always_inline)) inline void split_halves(const AccRow& acc, __m256* g, __m256* u) {
-#if defined(TOKENMILL_GEMM_AVX512)
-  auto lo = [](__m512 v) { return _mm512_castps512_ps256(v); };
-  auto hi = [](__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); };
-  g[0] = lo(acc[0]), g[1] = hi(acc[0]), g[2] = lo(acc[1]);
-  u[0] = hi(acc[1]), u[1] = lo(acc[2]), u[2] = hi(acc[2]);
-#else
-  g[0] = acc[0], u[0] = acc[1];
-#endif
-}
-#endif
-
-// One paired panel for all M rows (output columns col0 .. col0 + kHalf of the gate and of the up half), from the
-// micro-kernel's registers: silu(gate) * up into y [M, n], or (silu_mul false) gate columns into y's first n
-// columns and up columns into its last n ([M, 2 n]). A partial last panel goes through a scratch tile.
-template <int kLocality>
-void gated_panel_product(const float* x, int64_t M, int64_t K, const float* panel, int64_t col0, int64_t n,
-                         bool silu_mul, float* y, Prefetcher<kLocality>& pf) {
-  const int64_t cols = std::min<int64_t>(kHalf, n - col0);
-  const int64_t ldy = silu_mul ? n : 2 * n;
-  alignas(64) float tile[kRows * kPanel];
-  for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-    const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
-    float* out = y + m0 * ldy + col0;
-    with_rows<kRows>(rows, [&](auto r) {
-      constexpr int R = decltype(r)::value;
-      micro_kernel<R>(x + m0 * K, K, panel, K, pf, [&](const auto& acc) __attribute__((always_inline)) {
-#if defined(TOKENMILL_GEMM_AVX512) || defined(TOKENMILL_GEMM_AVX2)
-        if (cols == kHalf) {
-          __m256 g[R * kHalfVecs], u[R * kHalfVecs];
-          for (int i = 0; i < R; ++i) split_halves(acc[i], g + i * kHalfVecs, u + i * kHalfVecs);
-          if (silu_mul) {
-            __m256 o[R * kHalfVecs];
-            silu_mul_vectors<R * kHalfVecs>(g, u, o);
-            for (int i = 0; i < R; ++i)
-              for (int c = 0; c < kHalfVecs; ++c) _mm256_storeu_ps(out + i * ldy + 8 * c, o[i * kHalfVecs + c]);
-          } else {
-            for (int i = 0; i < R; ++i)
-              for (int c = 0; c < kHalfVecs; ++c) {
-                _mm256_storeu_ps(out + i * ldy + 8 * c, g[i * kHalfVecs + c]);
-                _mm256_storeu_ps(out + i * ldy + n + 8 * c, u[i * kHalfVecs + c]);
-              }
-          }
-          return;
-        }
-#endif
-        store_tile<R>(acc, tile);
-        for (int i = 0; i < R; ++i) {
-          const float* sums = tile + i * kPanel;
-          if (silu_mul) {
-            silu_mul_row(sums, sums + kHalf, cols, out + i * ldy);
-          } else {
-            std::memcpy(out + i * ldy, sums, cols * sizeof(float));
-            std::memcpy(out + i * ldy + n, sums + kHalf, cols * sizeof(float));
-          }
-        }
-      });
-    });
-  }
-}
-
-at::Tensor dense_gemm_gated(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool silu_mul) {
-  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "dense_gemm_gated: CPU tensors expected");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat,
-              "dense_gemm_gated: float32 x and packed weight expected, got ", x.scalar_type(), " and ",
-              packed.scalar_type());
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "dense_gemm_gated: x must be a contiguous [M, K] tensor");
-  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == kPanel,
-              "dense_gemm_gated: packed weight must be a contiguous [P, K, ", kPanel, "] tensor, got ",
-              packed.sizes());
-  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
-  TORCH_CHECK(packed.size(1) == K, "dense_gemm_gated: x has ", K, " input channels, the packed weight ",
-              packed.size(1));
-  TORCH_CHECK(n > (P - 1) * kHalf && n <= P * kHalf, "dense_gemm_gated: ", n, " gate (and up) rows do not fit ",
-              P, " paired panels of ", kHalf, " + ", kHalf);
-  const int64_t ldy = silu_mul ? n : 2 * n;
-  at::Tensor y = at::empty({M, ldy}, x.options());
-  if (M == 0) return y;
-  if (K == 0) return y.zero_();
-  const float* xs = x.data_ptr<float>();
-  const float* ws = packed.data_ptr<float>();
-  float* ys = y.data_ptr<float>();
-  auto product = [&](int64_t m0, int64_t rows, int64_t p, const float* panel, auto& pf) {
-    gated_panel_product(xs + m0 * K, rows, K, panel, p * kHalf, n, silu_mul, ys + m0 * ldy, pf);
-  };
-  if (prefetch_to_l2()) {
-    run_panels<2>(M, K, P, K * kPanel, kRows, K, ws, product);
-  } else {
-    run_panels<3>(M, K, P, K * kPanel, kRows, K, ws, product);
   }
   return y;
 }
@@ -654,7 +431,6 @@ std::string dense_gemm_isa() {
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("dense_gemm(Tensor x, Tensor packed, int n) -> Tensor");
   m.def("dense_gemm_panel() -> int", &dense_gemm_panel);
-  m.def("dense_gemm_gated(Tensor x, Tensor packed, int n, bool silu_mul) -> Tensor");
   m.def("dense_gemm_isa() -> str", &dense_gemm_isa);
   m.def("dense_gemm_bf16(Tensor x, Tensor packed, int n) -> Tensor");
   m.def("dense_gemm_bf16_panel() -> int", [] { return kPanelBf16; });
@@ -664,6 +440,5 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
 
 TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
   m.impl("dense_gemm", &dense_gemm);
-  m.impl("dense_gemm_gated", &dense_gemm_gated);
   m.impl("dense_gemm_bf16", &dense_gemm_bf16);
 }
