@@ -113,7 +113,8 @@ def block_table(kind: str, b: int, nb: int, prompt_blocks: int, num_blocks: int,
     if kind == "shared":
         return torch.arange(1, nb + 1, dtype=torch.int32).expand(b, nb).contiguous()
     prompt = torch.arange(b * prompt_blocks, dtype=torch.int32).view(b, prompt_blocks) + 1
-    later = torch.arange(b * (nb - prompt_blocks), dtype=torch.int32).view(nb - prompt_blocks, b).T + 1 + b * prompt_blocks
+    later = torch.arange(b * (nb - prompt_blocks), dtype=torch.int32).view(nb - prompt_blocks, b).T
+    later = later + 1 + b * prompt_blocks  # block j of the decode phase: one per request in turn
     return torch.cat([prompt, later], dim=1).contiguous()
 
 

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 
-import pytest
-import torch
+# Triton kernels (the CUDA and ROCm platforms' backend, and the conformance kit's emulated devices) are tested under
+# the interpreter, on CPU tensors: TRITON_INTERPRET must be set before the process first imports triton, which
+# compiling a graph does, so it is set here, before any test module is collected.
+if "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Engines built by tests (and the servers they start, which inherit the environment) stay eager: compiling
 # decode steps takes seconds per engine. tests/worker/test_compiled_runner.py turns it back on.

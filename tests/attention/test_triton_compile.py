@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-if importlib.util.find_spec("triton") is None:  # not imported here: see tests/attention/conftest.py
+if importlib.util.find_spec("triton") is None:  # not imported here: see tests/conftest.py
     pytest.skip("triton is not installed", allow_module_level=True)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
