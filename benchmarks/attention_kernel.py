@@ -42,10 +42,11 @@ def main() -> None:
     p.add_argument("--cache-dtype", default=None, help="KV cache dtype (default: --dtype)")
     p.add_argument("--no-huge-pages", action="store_true", help="cache in an ordinary tensor, not the engine's mapping")
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--blocks", default="random", choices=["random", "engine", "shared"],
+    p.add_argument("--blocks", default="random", choices=["random", "engine", "shared", "contiguous"],
                    help="block table: random order; 'engine': as the block pool hands them out in a throughput "
                         "run (each prompt's --prompt-blocks consecutive, the later ones one per request in turn); "
-                        "'shared': every request on the same blocks (they stay in cache: the kernel's own work)")
+                        "'shared': every request on the same blocks (they stay in cache: the kernel's own work); "
+                        "'contiguous': each request's blocks one after another (the longest runs of memory)")
     p.add_argument("--prompt-blocks", type=int, default=8, help="with --blocks engine: consecutive blocks per prompt")
     p.add_argument("--kernel-only", action="store_true", help="time only the C++ kernel")
     p.add_argument("--layers", type=int, default=1,
@@ -110,6 +111,8 @@ def block_table(kind: str, b: int, nb: int, prompt_blocks: int, num_blocks: int,
     """``[b, nb]`` int32 block ids in 1 .. num_blocks - 1 (see ``--blocks``)."""
     if kind == "random":
         return (torch.randperm(num_blocks - 1, generator=g)[: b * nb] + 1).view(b, nb).int()
+    if kind == "contiguous":
+        return (torch.arange(b * nb, dtype=torch.int32) + 1).view(b, nb)
     if kind == "shared":
         return torch.arange(1, nb + 1, dtype=torch.int32).expand(b, nb).contiguous()
     prompt = torch.arange(b * prompt_blocks, dtype=torch.int32).view(b, prompt_blocks) + 1
