@@ -10,12 +10,14 @@
 // become c * tanh(s / c).
 //
 // The loop waits on memory, not arithmetic: every block is a separate 4 KiB run (one KV head's 16 rows) that the
-// hardware prefetchers do not see coming. So each block is asked for well before it is read: while a thread
-// scores a key block it prefetches the same block's values into L2 (they are read after the softmax), and while
-// it sums a value block it prefetches the matching key block of its next work item into L2; the next block of the
-// current pass also goes to L1. On 2 cores of an AMD EPYC (Zen 4), 256 requests x 192 tokens x 30 layers of
-// SmolLM2-135M in float32: 190 ms per step with only the next-block prefetch, 105 ms with these (21.6 of the
-// machine's 29.5 GB/s; python benchmarks/attention_kernel.py --dtype float32 --layers 30, docs/benchmarks.md).
+// hardware prefetchers do not see coming. So each thread lists the blocks it will read, in reading order (per work
+// item its key blocks, then its value blocks), and while it reads one block it asks for the block 32 KiB further
+// down that list into L2 and for the next one into L1, 1 KiB of each before every 1 KiB of rows it reads
+// (ReadAhead). On 2 cores of an AMD EPYC (Zen 4), 256 requests x 192 tokens x 30 layers of SmolLM2-135M in float32
+// with the engine's block layout: 190 ms per step with only a next-block prefetch (eleventh session), 100-105 ms
+// with a whole block asked for at a time (the next key block into L1, this block's values into L2, the next
+// item's keys during the value pass), 77-80 ms with the read-ahead, against a floor of about 70 ms for reading K
+// and V once (docs/benchmarks.md, nineteenth session).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -300,12 +302,55 @@ inline void with_group(int64_t n, Fn&& fn) {
   }
 }
 
-// Asks for the cache lines of p[0 .. n) into L1 (kLocality 3) or L2 (kLocality 2).
-template <int kLocality = 3, typename T>
-inline void prefetch_block(const T* p, int64_t n) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(c + off, 0, kLocality);
+// How far ahead of its reads a thread asks for cache blocks, and how much it asks for at a time (bytes). On Zen 4
+// (float32, 256 x 192 tokens, python benchmarks/attention_kernel.py --blocks engine): 16 or 64 KiB ahead measured
+// the same as 32; 2 KiB steps the same as 1 KiB; a whole 4 KiB block per step about 20% slower; without the L1
+// prefetch of the next block about 4% slower.
+constexpr int64_t kAheadBytes = 32 * 1024;
+constexpr int64_t kStepBytes = 1024;
+
+// Asks for the cache lines of bytes [lo, hi) of p into L1 (kLocality 3) or L2 (kLocality 2).
+template <int kLocality>
+inline void prefetch_lines(const void* p, int64_t lo, int64_t hi) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = lo & ~int64_t{63}; off < hi; off += 64) __builtin_prefetch(c + off, 0, kLocality);
+  // GCC 12 counts __builtin_prefetch as free of side effects, marks a function that only prefetches as const
+  // and deletes its calls when it is not inlined early (ReadAhead::prefetch's were: no prefetch instruction was
+  // left in its loops). An empty volatile asm is a side effect it keeps.
+  asm volatile("" : : "r"(c));
 }
+
+// Prefetches along one thread's reading order of cache blocks (`order`: the start of each block, in the order the
+// thread reads them). While block c is read, block c + distance (kAheadBytes ahead) is asked for into L2 and block
+// c + 1 into L1, a step at a time: prefetch(lo, hi) before the rows whose bytes are [lo, hi) of block c are read,
+// then advance() when block c is done. Asking for a block's lines in steps keeps a steady number of misses in
+// flight while the core computes.
+template <typename TC>
+class ReadAhead {
+ public:
+  ReadAhead(const std::vector<const TC*>& order, int64_t block_bytes)
+      : order_(order), block_bytes_(block_bytes),
+        distance_(std::max<int64_t>(1, kAheadBytes / std::max<int64_t>(block_bytes, 1))) {
+    for (int64_t c = 0; c < std::min<int64_t>(distance_, size()); ++c) prefetch_lines<2>(order_[c], 0, block_bytes_);
+  }
+
+  // Bytes [lo, hi) of the blocks ahead; the step that reads the current block's last rows passes hi = -1 (to the
+  // end of the block: a block whose rows are read only in part still has all of its successors' lines asked for).
+  void prefetch(int64_t lo, int64_t hi) const {
+    if (hi < 0) hi = block_bytes_;
+    if (cur_ + distance_ < size()) prefetch_lines<2>(order_[cur_ + distance_], lo, hi);
+    if (cur_ + 1 < size()) prefetch_lines<3>(order_[cur_ + 1], lo, hi);
+  }
+
+  void advance() { ++cur_; }
+
+ private:
+  int64_t size() const { return static_cast<int64_t>(order_.size()); }
+
+  const std::vector<const TC*>& order_;
+  const int64_t block_bytes_, distance_;
+  int64_t cur_ = 0;
+};
 
 // TQ: query and output dtype; TC: cache dtype (TQ, or bfloat16 / float16 under float32 queries).
 template <typename TQ, typename TC>
@@ -343,6 +388,11 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
     }
   }
 
+  const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(TC));
+  const int64_t row_bytes = head_size * static_cast<int64_t>(sizeof(TC));
+  // Rows read between two rounds of prefetches (kStepBytes of them, at least one row).
+  const int64_t step_rows = std::max<int64_t>(1, kStepBytes / row_bytes);
+
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_size), acc(group * head_size), scores;
 #ifdef TOKENMILL_BF16_DOT
@@ -350,6 +400,47 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
     const bool bf16_dot = kBf16 && head_size % 32 == 0;
     std::vector<at::BFloat16> qb(bf16_dot ? group * head_size : 0);
 #endif
+    // Every block this thread reads, in the order it reads them: per work item the key blocks of the attended
+    // range, then the same range's value blocks.
+    std::vector<const TC*> order;
+    order.reserve(2 * (end - begin) * table_width);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
+      const int64_t len = std::max<int32_t>(lens[s], 0);
+      const int64_t used = (len + block_size - 1) / block_size;
+      for (const TC* base : {k_base, v_base})
+        for (int64_t j = first_pos(len) / block_size; j < used; ++j)
+          order.push_back(base + h * head_cache + bt[s * table_width + j] * block_elems);
+    }
+    ReadAhead<TC> ahead(order, block_bytes);
+
+    // Scores of rows key rows from k (ldk = D) against this item's query heads.
+    auto score_rows = [&](const TC* k, int64_t rows, float* out_scores, int64_t n) {
+#ifdef TOKENMILL_BF16_DOT
+      if constexpr (kBf16) {
+        if (bf16_dot) return qk_rows_bf16(qb.data(), group, k, rows, head_size, fscale, out_scores, n);
+      }
+#endif
+#ifdef TOKENMILL_REDUCE4
+      if (vec_end == head_size) return qk_rows4(qf.data(), group, k, head_size, rows, head_size, out_scores, n);
+#endif
+      for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
+        with_group(std::min(kMaxGroup, group - g0), [&](auto ng) {
+          qk_rows<decltype(ng)::value>(qf.data() + g0 * head_size, k, head_size, rows, head_size, vec_end,
+                                        out_scores + g0 * n, n);
+        });
+      }
+    };
+    // acc += probs-weighted sum of rows value rows from v.
+    auto sum_rows = [&](const TC* v, int64_t rows, const float* probs, int64_t n) {
+      for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
+        with_group(std::min(kMaxGroup, group - g0), [&](auto ng) {
+          pv_rows<decltype(ng)::value>(probs + g0 * n, n, v, head_size, rows, head_size, vec_end,
+                                        acc.data() + g0 * head_size);
+        });
+      }
+    };
+
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
       const int64_t len = std::max<int32_t>(lens[s], 0);
@@ -370,64 +461,37 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
         const int32_t* blocks = bt + s * table_width;
         // Block j holds positions [j * block_size, (j + 1) * block_size); the first one read may start inside.
         const int64_t j0 = begin / block_size;
+        // Calls fn(n, r0) on a block's rows [r0, r0 + n), step_rows at a time, prefetching the same bytes of the
+        // blocks ahead before each step.
+        auto in_steps = [&](int64_t rows, auto&& fn) {
+          for (int64_t r0 = 0; r0 < rows; r0 += step_rows) {
+            const int64_t r1 = std::min(rows, r0 + step_rows);
+            ahead.prefetch(r0 * row_bytes, r1 == rows ? -1 : r1 * row_bytes);
+            fn(r1 - r0, r0);
+          }
+          ahead.advance();
+        };
         // Scores: one pass over the keys, each row used by the G query heads of this KV head.
         for (int64_t j = j0, t0 = j0 * block_size; t0 < len; t0 += block_size, ++j) {
           const int64_t skip = std::max<int64_t>(begin - t0, 0);  // rows of this block before the window
           const TC* k_blk = k_base + h * head_cache + blocks[j] * block_elems + skip * head_size;
-          const int64_t rows = std::min(block_size, len - t0) - skip;
           float* out_scores = scores.data() + (t0 + skip - begin);
-          if (t0 + block_size < len) prefetch_block(k_base + h * head_cache + blocks[j + 1] * block_elems, block_elems);
-          prefetch_block<2>(v_base + h * head_cache + blocks[j] * block_elems, block_elems);
-#ifdef TOKENMILL_BF16_DOT
-          if constexpr (kBf16) {
-            if (bf16_dot) {
-              qk_rows_bf16(qb.data(), group, k_blk, rows, head_size, fscale, out_scores, n);
-              continue;
-            }
-          }
-#endif
-#ifdef TOKENMILL_REDUCE4
-          if (vec_end == head_size) {
-            qk_rows4(qf.data(), group, k_blk, head_size, rows, head_size, out_scores, n);
-            continue;
-          }
-#endif
-          for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
-            with_group(std::min(kMaxGroup, group - g0), [&](auto ng) {
-              qk_rows<decltype(ng)::value>(qf.data() + g0 * head_size, k_blk, head_size, rows, head_size, vec_end,
-                                            out_scores + g0 * n, n);
-            });
-          }
+          in_steps(std::min(block_size, len - t0) - skip, [&](int64_t rows, int64_t r0) {
+            score_rows(k_blk + r0 * head_size, rows, out_scores + r0, n);
+          });
         }
         if (cap > 0.f) {
           for (int64_t i = 0; i < group * n; ++i) scores[i] = cap * std::tanh(scores[i] / cap);
         }
         for (int64_t g = 0; g < group; ++g) softmax_inplace(scores.data() + g * n, n);
-        // The key blocks of this thread's next work item, one per value block below.
-        const int32_t* next_blocks = nullptr;
-        const TC* next_k = nullptr;
-        int64_t next_j0 = 0, next_nb = 0;
-        if (item + 1 < end) {
-          const int64_t s2 = (item + 1) / num_kv_heads, h2 = (item + 1) % num_kv_heads;
-          const int64_t len2 = std::max<int32_t>(lens[s2], 0);
-          next_j0 = first_pos(len2) / block_size;
-          next_nb = (len2 + block_size - 1) / block_size - next_j0;
-          next_blocks = bt + s2 * table_width;
-          next_k = k_base + h2 * head_cache;
-        }
         // Weighted sum of the values, again one pass over the rows.
         for (int64_t j = j0, t0 = j0 * block_size; t0 < len; t0 += block_size, ++j) {
           const int64_t skip = std::max<int64_t>(begin - t0, 0);
           const TC* v_blk = v_base + h * head_cache + blocks[j] * block_elems + skip * head_size;
-          const int64_t rows = std::min(block_size, len - t0) - skip;
-          if (t0 + block_size < len) prefetch_block(v_base + h * head_cache + blocks[j + 1] * block_elems, block_elems);
-          if (j - j0 < next_nb) prefetch_block<2>(next_k + next_blocks[next_j0 + j - j0] * block_elems, block_elems);
-          for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
-            with_group(std::min(kMaxGroup, group - g0), [&](auto ng) {
-              pv_rows<decltype(ng)::value>(scores.data() + g0 * n + (t0 + skip - begin), n, v_blk, head_size, rows,
-                                            head_size, vec_end, acc.data() + g0 * head_size);
-            });
-          }
+          const float* probs = scores.data() + (t0 + skip - begin);
+          in_steps(std::min(block_size, len - t0) - skip, [&](int64_t rows, int64_t r0) {
+            sum_rows(v_blk + r0 * head_size, rows, probs + r0, n);
+          });
         }
       }
       TQ* dst = out_ptr + s * num_heads * head_size + h * group * head_size;
