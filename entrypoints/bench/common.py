@@ -51,9 +51,10 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def peak_rss_bytes() -> int:
-    """Peak resident set size of this process so far, in bytes (Linux reports KiB, macOS bytes)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+def peak_rss_bytes(children: bool = False) -> int:
+    """Peak resident set size of this process so far, in bytes (Linux reports KiB, macOS bytes); with
+    ``children``, that of the largest child process that has ended and been waited for."""
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN if children else resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
@@ -103,6 +104,15 @@ def cpu_isa() -> dict[str, Any]:
         level = platform.machine()
     return {"level": level, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "flags": [f for f in _ISA_FLAGS if f in flags]}
+
+
+def engine_kernel_info(engine: Any) -> dict[str, str]:
+    """The engine core's answer to :meth:`~tokenmill.engine.core.EngineCore.kernel_info` (the first one's, with
+    data parallelism: they run in their own processes); empty when it cannot answer."""
+    try:
+        return dict(engine.engine_core.call_utility_all("kernel_info")[0])
+    except Exception:  # noqa: BLE001 - a benchmark never fails over a description
+        return {}
 
 
 def kernel_info() -> dict[str, str]:

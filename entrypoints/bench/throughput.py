@@ -20,6 +20,7 @@ from tokenmill.entrypoints.bench.common import (
     check_lengths,
     cpu_steal_seconds,
     engine_args_from,
+    engine_kernel_info,
     isa_rows,
     kernel_info,
     peak_rss_bytes,
@@ -116,7 +117,9 @@ def run_tokenmill(args: argparse.Namespace) -> tuple[dict[str, Any], list[list[i
             "max_model_len": model_config.max_model_len,
             "platform": engine.engine_config.device_config.platform,
             "num_kv_blocks": getattr(engine.engine_config.cache_config, "num_gpu_blocks", None),
+            "data_parallel_size": engine.engine_config.parallel_config.data_parallel_size,
             "load_s": load_s,
+            "kernels": engine_kernel_info(engine),
         }
         figures = _figures(len(outputs), input_tokens, output_tokens, elapsed)
         figures["cpu_steal_s"] = None if steal_before is None or steal_after is None else steal_after - steal_before
@@ -159,8 +162,10 @@ def run_hf(args: argparse.Namespace, prompts: Sequence[Sequence[int]]) -> dict[s
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``tokenmill bench throughput``; returns the exit code."""
     figures, prompts, info = run_tokenmill(args)
-    kernels = kernel_info()
+    kernels = info["kernels"] or kernel_info()
     tokenmill_rss = peak_rss_bytes()
+    # data-parallel engine cores ran in child processes (stopped and reaped by now): the largest one's peak
+    engine_core_rss = peak_rss_bytes(children=True) if info["data_parallel_size"] > 1 else None
     rows: list[tuple[str, Any]] = [
         ("Model", info["served_model_name"]),
         ("dtype", info["dtype"]),
@@ -172,6 +177,9 @@ def run(args: argparse.Namespace) -> int:
         ("Peak RSS (MiB)", tokenmill_rss / 2**20),
         ("CPU steal during the run (s)", figures["cpu_steal_s"]),
     ]
+    if engine_core_rss is not None:
+        rows[-1:-1] = [("Data-parallel engine cores", info["data_parallel_size"]),
+                       ("Peak RSS of one engine core (MiB)", engine_core_rss / 2**20)]
     spec = figures.get("spec_decode")
     if spec is not None:
         rows += [("Draft tokens proposed / accepted", f"{spec['num_draft_tokens']} / {spec['num_accepted_tokens']}"),
@@ -179,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
                  ("Mean acceptance length (tokens/step)", spec["mean_acceptance_length"])]
     record = base_record("throughput", args)
     record.update({"model": info["served_model_name"], "dtype": info["dtype"], "engine": info,
-                   "tokenmill": figures, "peak_rss_bytes": tokenmill_rss})
+                   "tokenmill": figures, "peak_rss_bytes": tokenmill_rss, "engine_core_peak_rss_bytes": engine_core_rss})
     if args.baseline == "hf":
         baseline = run_hf(args, prompts)
         ratio = figures["output_tokens_per_s"] / baseline["output_tokens_per_s"]

@@ -11,7 +11,7 @@ from typing import Any
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core_client import AsyncMPClient
 from tokenmill.engine.input_processor import InputProcessor
-from tokenmill.engine.messages import EngineCoreOutputs, SchedulerStats
+from tokenmill.engine.messages import EngineCoreOutputs, SchedulerStats, merge_scheduler_stats
 from tokenmill.engine.output_processor import OutputProcessor, RequestOutputCollector
 from tokenmill.engine_args import EngineArgs
 from tokenmill.errors import EngineDeadError, ServerShuttingDownError
@@ -225,18 +225,7 @@ class AsyncLLM:
         """The scheduler stats of the last engine step seen (``None`` before the first); with several
         engine cores, their sum (KV-cache usage: the mean)."""
         stats = list(self._last_stats.values())
-        if not stats:
-            return None
-        if len(stats) == 1:
-            return stats[0]
-        return SchedulerStats(
-            num_running_reqs=sum(s.num_running_reqs for s in stats),
-            num_waiting_reqs=sum(s.num_waiting_reqs for s in stats),
-            kv_cache_usage=sum(s.kv_cache_usage for s in stats) / len(stats),
-            prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
-            prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),
-            num_preemptions=sum(s.num_preemptions for s in stats),
-        )
+        return merge_scheduler_stats(stats) if stats else None
 
     def add_stats_listener(self, listener: StatsListener) -> None:
         """Call ``listener(outputs, now)`` for every engine-core step (before its outputs reach the requests)

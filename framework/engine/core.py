@@ -224,6 +224,14 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
 
+    def kernel_info(self) -> dict[str, str]:
+        """The platform's :meth:`~tokenmill.platforms.Platform.kernel_info` as this engine core's process sees it
+        (``tokenmill bench`` asks the engine core: with data parallelism it runs in its own process, where the
+        platform's kernels were loaded)."""
+        from tokenmill.platforms import get_current_platform
+
+        return dict(get_current_platform().kernel_info())
+
     def check_health(self) -> None:
         """Raises the executor's error when a worker is gone."""
         self.executor.check_health()

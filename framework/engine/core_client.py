@@ -1,7 +1,8 @@
 """How front ends talk to the EngineCore: directly in-process, or over ZMQ to its own process(es).
 
 ``InprocClient`` (used by the sync ``LLMEngine``) needs no ZMQ; ``AsyncMPClient`` (used by ``AsyncLLM``)
-imports ``zmq`` only when constructed, so the offline path works without pyzmq installed.
+imports ``zmq`` only when constructed, so the offline path works without pyzmq installed. ``SyncMPClient`` drives
+an ``AsyncMPClient`` for the sync ``LLMEngine`` when it runs several data-parallel engine cores.
 
 ZMQ layout (ipc:// sockets in a private temp directory, both bound by the front end):
 
@@ -38,6 +39,7 @@ from tokenmill.engine.messages import (
     EngineCoreRequest,
     EngineCoreRequestType,
     SchedulerStats,
+    merge_scheduler_stats,
 )
 from tokenmill.errors import EngineDeadError
 
@@ -71,8 +73,9 @@ class EngineCoreStartError(RuntimeError):
 class EngineCoreClient:
     """Interface of the front end's link to the engine core.
 
-    Sync methods serve ``LLMEngine`` (in-process); the ``*_async`` ones serve ``AsyncLLM``. A client
-    raises ``NotImplementedError`` for the half it does not support.
+    Sync methods serve ``LLMEngine`` (in-process, or data-parallel engine-core processes through
+    :class:`SyncMPClient`); the ``*_async`` ones serve ``AsyncLLM``. A client raises ``NotImplementedError`` for
+    the half it does not support.
     """
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -138,6 +141,10 @@ class InprocClient(EngineCoreClient):
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
+
+    def call_utility_all(self, method: str, *args: Any) -> list[Any]:
+        """``[EngineCore.<method>(*args)]``: the one engine core's result, as :class:`SyncMPClient` gives all."""
+        return [getattr(self.engine_core, method)(*args)]
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
@@ -394,6 +401,10 @@ class AsyncMPClient(EngineCoreClient):
         self.balancer.on_sent(engine)
         self._send(engine, EngineCoreRequestType.ADD, self._encoder.encode(request))
 
+    def has_unfinished_requests(self) -> bool:
+        """Whether a request sent to an engine core has not yet been seen finished (or aborted)."""
+        return bool(self._request_engine)
+
     def engine_of(self, request_id: str) -> int | None:
         """The engine core an unfinished request was sent to."""
         return self._request_engine.get(request_id)
@@ -538,6 +549,86 @@ class AsyncMPClient(EngineCoreClient):
         if reader is not None and not reader.done() and not reader.get_loop().is_closed():
             reader.cancel()
         self._finalizer()
+
+
+class SyncMPClient(EngineCoreClient):
+    """Data-parallel engine cores for the synchronous ``LLMEngine`` (the offline ``LLM`` with
+    ``data_parallel_size`` N > 1): N engine-core processes, each with its own scheduler, KV cache and share of the
+    CPU cores, behind one front end.
+
+    It drives an :class:`AsyncMPClient` (which starts the processes, spreads the requests over them with its load
+    balancer and reads their outputs) on a private event loop that each call runs until its answer is there.
+    Between calls the engine cores keep stepping; their outputs wait in the output socket, which has no
+    high-water mark. Construction waits for every engine core's handshake.
+
+    Raises (construction):
+        RuntimeError / EngineCoreStartError: an engine core failed to start (every one is stopped first).
+    """
+
+    def __init__(self, config: EngineConfig, engine_core_cls: str | None = None) -> None:
+        self._loop = asyncio.new_event_loop()
+        try:
+            self._client = AsyncMPClient(config, engine_core_cls)
+            self._client.wait_for_ready()
+        except BaseException:
+            self._loop.close()
+            raise
+        self.num_engines = self._client.num_engines
+
+    def _run(self, coro: Any) -> Any:
+        return self._loop.run_until_complete(coro)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Send a request to the engine core the balancer picks.
+
+        Raises:
+            EngineDeadError: an engine core is dead.
+        """
+        self._client.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self._client.abort_requests(request_ids)
+
+    def get_output(self) -> EngineCoreOutputs:
+        """The next step's outputs of any engine core (``engine_index`` says which), waiting for one.
+
+        Raises:
+            EngineDeadError: an engine core died.
+        """
+        return self._run(self._client.get_output_async())
+
+    def has_unfinished_requests(self) -> bool:
+        return self._client.has_unfinished_requests()
+
+    def engine_of(self, request_id: str) -> int | None:
+        """The engine core an unfinished request was sent to."""
+        return self._client.engine_of(request_id)
+
+    def call_utility_all(self, method: str, *args: Any) -> list[Any]:
+        """``EngineCore.<method>(*args)`` in every engine core; their msgpack-decoded results in engine order.
+
+        Raises:
+            EngineDeadError: an engine core is dead or dies meanwhile.
+            RuntimeError: the call raised in an engine core (its message).
+        """
+        return self._run(self._client.call_utility_all_async(method, *args))
+
+    def get_stats(self) -> SchedulerStats:
+        """The engine cores' gauges now, summed (KV-cache usage: the mean)."""
+        raws = self.call_utility_all("get_stats")
+        return merge_scheduler_stats([msgspec.convert(raw, SchedulerStats) for raw in raws])
+
+    def reset_prefix_cache(self) -> bool:
+        """Reset every engine core's prefix cache; ``True`` when all of them did."""
+        return all(bool(r) for r in self.call_utility_all("reset_prefix_cache"))
+
+    def shutdown(self) -> None:
+        """Stop the engine cores and close the event loop."""
+        if self._loop.is_closed():
+            return
+        self._client.shutdown()
+        self._run(asyncio.sleep(0))  # let the cancelled output reader finish
+        self._loop.close()
 
 
 def _for_dp_rank(config: EngineConfig, rank: int) -> EngineConfig:

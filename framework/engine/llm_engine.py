@@ -1,4 +1,5 @@
-"""LLMEngine: the synchronous front end (EngineCore in this process, no ZMQ), used by ``LLM``."""
+"""LLMEngine: the synchronous front end used by ``LLM``: the EngineCore in this process (no ZMQ), or with
+``data_parallel_size`` N > 1 N engine cores in their own processes (``SyncMPClient``)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.core_client import InprocClient
+from tokenmill.engine.core_client import InprocClient, SyncMPClient
 from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.engine.messages import SchedulerStats
 from tokenmill.engine.output_processor import OutputProcessor
@@ -35,19 +36,19 @@ class LLMEngine:
     ) -> None:
         self.engine_config = engine_config
         self.model_config = engine_config.model_config
-        dp = engine_config.parallel_config.data_parallel_size
-        if dp > 1:
-            raise ValueError(
-                f"data_parallel_size: the offline engine runs one engine core, got {dp}; serve with "
-                "`tokenmill serve --data-parallel-size N` (one API server in front of N engine cores), or run one "
-                "LLM per process"
-            )
         if tokenizer is None:
             from tokenmill.tokenizer import get_tokenizer
 
             tokenizer = get_tokenizer(self.model_config)
         self.tokenizer = tokenizer
-        self.engine_core = InprocClient(engine_config, engine_core_cls)
+        self.engine_core: InprocClient | SyncMPClient
+        if engine_config.parallel_config.data_parallel_size > 1:
+            if engine_core_cls is not None and not isinstance(engine_core_cls, str):
+                raise TypeError("with data_parallel_size > 1, engine_core_cls must be a 'module:Class' path (the "
+                                "engine cores run in their own processes)")
+            self.engine_core = SyncMPClient(engine_config, engine_core_cls)
+        else:
+            self.engine_core = InprocClient(engine_config, engine_core_cls)
         self.input_processor = InputProcessor(
             self.model_config, tokenizer, engine_config.cache_config, engine_config.structured_outputs_config
         )
@@ -103,23 +104,24 @@ class LLMEngine:
             raise
 
     def add_lora(self, lora_request: LoRARequest) -> None:
-        """Load an adapter now (requests naming it would load it on first use anyway).
+        """Load an adapter now, on every engine core (requests naming it would load it on first use anyway).
 
         Raises:
             LoRALoadError: it cannot be used (the reason in the message); nothing of it stays loaded.
         """
-        reason = self.engine_core.engine_core.add_lora(
-            lora_request.lora_name, lora_request.lora_int_id, lora_request.lora_path)
-        if reason is not None:
-            raise LoRALoadError(reason)
+        args = (lora_request.lora_name, lora_request.lora_int_id, lora_request.lora_path)
+        reasons = [r for r in self.engine_core.call_utility_all("add_lora", *args) if r is not None]
+        if reasons:
+            self.engine_core.call_utility_all("remove_lora", lora_request.lora_int_id)
+            raise LoRALoadError(str(reasons[0]))
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Unload an adapter; returns whether it was loaded."""
-        return self.engine_core.engine_core.remove_lora(lora_int_id)
+        """Unload an adapter from every engine core; returns whether one had it loaded."""
+        return any(self.engine_core.call_utility_all("remove_lora", lora_int_id))
 
     def list_loras(self) -> list[int]:
-        """Ids of the loaded adapters."""
-        return self.engine_core.engine_core.list_loras()
+        """Ids of the loaded adapters (the first engine core's: every one loads the same)."""
+        return list(self.engine_core.call_utility_all("list_loras")[0])
 
     def abort_request(self, request_id: str | Sequence[str]) -> None:
         """Drop requests (unknown ids are ignored); they produce no further outputs."""

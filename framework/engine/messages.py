@@ -136,6 +136,27 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     spec_decoding_stats: SpecDecodingStats | None = None
 
 
+def merge_scheduler_stats(stats: list[SchedulerStats]) -> SchedulerStats:
+    """The stats of several data-parallel engine cores as one: counts summed, KV-cache usage averaged (speculative
+    decoding counters are left out: the front ends add them up per step). One item is returned as it is.
+
+    Raises:
+        ValueError: ``stats`` is empty.
+    """
+    if not stats:
+        raise ValueError("merge_scheduler_stats needs at least one SchedulerStats")
+    if len(stats) == 1:
+        return stats[0]
+    return SchedulerStats(
+        num_running_reqs=sum(s.num_running_reqs for s in stats),
+        num_waiting_reqs=sum(s.num_waiting_reqs for s in stats),
+        kv_cache_usage=sum(s.kv_cache_usage for s in stats) / len(stats),
+        prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
+        prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),
+        num_preemptions=sum(s.num_preemptions for s in stats),
+    )
+
+
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     """All outputs of one engine-core step (or one utility reply).
 

@@ -1,5 +1,6 @@
 """Data parallelism: the load balancer's choices, and N real engine cores (local processes) behind one
-AsyncLLM giving the single engine's greedy tokens, spread by load, prefix-aware on request."""
+AsyncLLM, or behind the offline LLMEngine, giving the single engine's greedy tokens, spread by load, prefix-aware
+on request."""
 
 from __future__ import annotations
 
@@ -153,9 +154,65 @@ def test_dp2_prefix_aware_routing_sends_a_prefix_to_one_engine(tiny_llama_dir):
     asyncio.run(main())
 
 
-def test_offline_engine_refuses_data_parallel(tiny_llama_dir):
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_offline_llm_with_dp2_engine_cores_gives_the_single_engines_tokens(tiny_llama_dir, reference):
+    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.entrypoints.llm import LLM
+
+    args = EngineArgs(model=tiny_llama_dir, data_parallel_size=2, **ENGINE_KWARGS)
+    engine = LLMEngine(args.create_engine_config(), tokenizer=byte_level_tokenizer())
+    client = engine.engine_core
+    try:
+        assert client.num_engines == 2
+        assert engine.engine_config.cache_config.num_gpu_blocks > 0  # from the handshakes
+        seen: dict[str, int] = {}
+        original = client.add_request
+
+        def add(request):
+            original(request)
+            seen[request.request_id] = client.engine_of(request.request_id)
+
+        client.add_request = add
+        llm = LLM.from_llm_engine(engine)
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outs] == reference
+        assert sorted(seen.values()) == [0, 0, 0, 1, 1]  # added at once: spread by in-flight counts
+        assert not client.has_unfinished_requests()
+
+        # an abort mid-generation: the request ends, the other engine's request finishes, every block is free
+        engine.add_request("long", PROMPTS[3], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        engine.add_request("short", PROMPTS[0], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        assert {seen["long"], seen["short"]} == {0, 1}
+        finished: dict[str, str | None] = {}
+        steps = 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out.outputs[0].finish_reason
+            if steps == 2:
+                engine.abort_request("long")
+            steps += 1
+            assert steps < 500
+        assert finished == {"short": "length"}  # an aborted request produces no further outputs
+        stats = engine.get_stats()
+        assert stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0 and stats.kv_cache_usage == 0.0
+        assert engine.reset_prefix_cache() is True
+        assert engine.list_loras() == []
+        # tokenmill bench asks an engine core which kernels it runs (they load in its process, not this one)
+        from tokenmill.entrypoints.bench.common import engine_kernel_info, kernel_info
+
+        reported = engine_kernel_info(engine)
+        assert reported and reported.keys() == kernel_info().keys()
+    finally:
+        engine.shutdown()
+    assert not any(e.proc.is_alive() for e in client._client.engines)
+    engine.shutdown()  # a second shutdown is a no-op
+
+
+def test_offline_engine_with_dp_needs_an_importable_engine_core_class(tiny_llama_dir):
     from tokenmill.engine.llm_engine import LLMEngine
 
-    with pytest.raises(ValueError, match="data_parallel_size: the offline engine runs one engine core"):
+    with pytest.raises(TypeError, match="module:Class"):
         LLMEngine(EngineArgs(model=tiny_llama_dir, data_parallel_size=2).create_engine_config(),
-                  tokenizer=byte_level_tokenizer())
+                  tokenizer=byte_level_tokenizer(), engine_core_cls=EngineCore)
