@@ -127,6 +127,9 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0.0 <= args.constrained_fraction <= 1.0:
         raise ValueError(f"--constrained-fraction must be in [0, 1], got {args.constrained_fraction}")
+    if getattr(args, "data_parallel_size", 1) > 1:
+        raise SystemExit("tokenmill bench structured: error: --data-parallel-size must be 1 (it times the engine core "
+                         "in its own process)")
     schema = DEFAULT_SCHEMA
     if args.schema:
         with open(args.schema, encoding="utf-8") as f:

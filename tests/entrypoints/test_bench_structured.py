@@ -35,3 +35,8 @@ def test_structured_bench_writes_consistent_json(model_dir: str, tmp_path: Path)
     for label in ("bitmask_fill", "matcher_advance", "logits_masking", "execute_model", "engine_step"):
         assert mixed["timers"][label]["calls"] > 0, label
     assert "bitmask_fill" not in plain["timers"]
+
+
+def test_structured_bench_refuses_data_parallel_engine_cores(model_dir: str) -> None:
+    with pytest.raises(SystemExit, match="--data-parallel-size must be 1"):
+        main(["bench", "structured", "--model", model_dir, "--data-parallel-size", "2"])
