@@ -51,10 +51,9 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def peak_rss_bytes(children: bool = False) -> int:
-    """Peak resident set size of this process so far, in bytes (Linux reports KiB, macOS bytes); with
-    ``children``, that of the largest child process that has ended and been waited for."""
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN if children else resource.RUSAGE_SELF).ru_maxrss
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far, in bytes (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
@@ -113,6 +112,17 @@ def engine_kernel_info(engine: Any) -> dict[str, str]:
         return dict(engine.engine_core.call_utility_all("kernel_info")[0])
     except Exception:  # noqa: BLE001 - a benchmark never fails over a description
         return {}
+
+
+def refuse_data_parallel(args: argparse.Namespace, command: str) -> None:
+    """Exit with a message when ``--data-parallel-size`` > 1 was given to a benchmark that times one engine core.
+
+    Raises:
+        SystemExit: it was.
+    """
+    if getattr(args, "data_parallel_size", 1) > 1:
+        raise SystemExit(f"tokenmill bench {command}: error: --data-parallel-size must be 1 (it times one engine core "
+                         "in this process; bench throughput takes data-parallel engine cores)")
 
 
 def kernel_info() -> dict[str, str]:

@@ -32,6 +32,7 @@ from tokenmill.entrypoints.bench.common import (
     peak_rss_bytes,
     print_table,
     random_prompts,
+    refuse_data_parallel,
     write_json,
 )
 from tokenmill.entrypoints.bench.hf_baseline import latency_from_times
@@ -219,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of ``tokenmill bench latency``; returns the exit code."""
     if args.num_iters < 1 or args.num_iters_warmup < 0:
         raise SystemExit("tokenmill bench latency: error: --num-iters must be >= 1 and --num-iters-warmup >= 0")
+    refuse_data_parallel(args, "latency")
     figures, prompts, info, no_spec = _run_tokenmill(args)
     kernels = kernel_info()
     rss = peak_rss_bytes()

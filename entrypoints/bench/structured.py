@@ -29,6 +29,7 @@ from tokenmill.entrypoints.bench.common import (
     kernel_info,
     print_table,
     random_prompts,
+    refuse_data_parallel,
     write_json,
 )
 
@@ -127,9 +128,7 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0.0 <= args.constrained_fraction <= 1.0:
         raise ValueError(f"--constrained-fraction must be in [0, 1], got {args.constrained_fraction}")
-    if getattr(args, "data_parallel_size", 1) > 1:
-        raise SystemExit("tokenmill bench structured: error: --data-parallel-size must be 1 (it times the engine core "
-                         "in its own process)")
+    refuse_data_parallel(args, "structured")
     schema = DEFAULT_SCHEMA
     if args.schema:
         with open(args.schema, encoding="utf-8") as f:

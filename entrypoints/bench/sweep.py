@@ -25,6 +25,7 @@ from tokenmill.entrypoints.bench.common import (
     peak_rss_bytes,
     print_table,
     random_prompts,
+    refuse_data_parallel,
     write_json,
 )
 
@@ -127,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
     from tokenmill.engine.llm_engine import LLMEngine
 
     sizes = parse_batch_sizes(args.batch_sizes)
+    refuse_data_parallel(args, "sweep")
     if args.max_num_seqs < max(sizes):
         print(f"--max-num-seqs raised from {args.max_num_seqs} to {max(sizes)} (the largest batch size)")
         args.max_num_seqs = max(sizes)

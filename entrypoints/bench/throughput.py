@@ -120,6 +120,9 @@ def run_tokenmill(args: argparse.Namespace) -> tuple[dict[str, Any], list[list[i
             "data_parallel_size": engine.engine_config.parallel_config.data_parallel_size,
             "load_s": load_s,
             "kernels": engine_kernel_info(engine),
+            # data-parallel engine cores run in their own processes: the largest one's peak
+            "engine_core_peak_rss_bytes": (max(engine.engine_core.call_utility_all("peak_rss_bytes"))
+                                           if engine.engine_config.parallel_config.data_parallel_size > 1 else None),
         }
         figures = _figures(len(outputs), input_tokens, output_tokens, elapsed)
         figures["cpu_steal_s"] = None if steal_before is None or steal_after is None else steal_after - steal_before
@@ -164,8 +167,7 @@ def run(args: argparse.Namespace) -> int:
     figures, prompts, info = run_tokenmill(args)
     kernels = info["kernels"] or kernel_info()
     tokenmill_rss = peak_rss_bytes()
-    # data-parallel engine cores ran in child processes (stopped and reaped by now): the largest one's peak
-    engine_core_rss = peak_rss_bytes(children=True) if info["data_parallel_size"] > 1 else None
+    engine_core_rss = info["engine_core_peak_rss_bytes"]
     rows: list[tuple[str, Any]] = [
         ("Model", info["served_model_name"]),
         ("dtype", info["dtype"]),

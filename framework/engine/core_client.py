@@ -27,6 +27,7 @@ import multiprocessing
 import os
 import shutil
 import tempfile
+import threading
 import time
 import weakref
 from typing import Any
@@ -405,6 +406,10 @@ class AsyncMPClient(EngineCoreClient):
         """Whether a request sent to an engine core has not yet been seen finished (or aborted)."""
         return bool(self._request_engine)
 
+    def has_outputs_waiting(self) -> bool:
+        """Whether outputs read from the engine cores wait for :meth:`get_output_async`."""
+        return self._outputs is not None and not self._outputs.empty()
+
     def engine_of(self, request_id: str) -> int | None:
         """The engine core an unfinished request was sent to."""
         return self._request_engine.get(request_id)
@@ -557,9 +562,10 @@ class SyncMPClient(EngineCoreClient):
     CPU cores, behind one front end.
 
     It drives an :class:`AsyncMPClient` (which starts the processes, spreads the requests over them with its load
-    balancer and reads their outputs) on a private event loop that each call runs until its answer is there.
-    Between calls the engine cores keep stepping; their outputs wait in the output socket, which has no
-    high-water mark. Construction waits for every engine core's handshake.
+    balancer and reads their outputs) on an event loop of its own, in a daemon thread: every call is handed to that
+    thread and waited for, so the client works from any thread, including one that runs an event loop itself
+    (a notebook), and a wait interrupted by ``KeyboardInterrupt`` is cancelled there instead of staying behind to
+    take a later output. Construction waits for every engine core's handshake.
 
     Raises (construction):
         RuntimeError / EngineCoreStartError: an engine core failed to start (every one is stopped first).
@@ -567,16 +573,41 @@ class SyncMPClient(EngineCoreClient):
 
     def __init__(self, config: EngineConfig, engine_core_cls: str | None = None) -> None:
         self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tokenmill-dp-client", daemon=True)
+        self._thread.start()
         try:
-            self._client = AsyncMPClient(config, engine_core_cls)
-            self._client.wait_for_ready()
+            client = AsyncMPClient(config, engine_core_cls)
         except BaseException:
-            self._loop.close()
+            _stop_loop(self._loop, self._thread, None)
             raise
-        self.num_engines = self._client.num_engines
+        try:
+            client.wait_for_ready()
+        except BaseException:
+            _stop_loop(self._loop, self._thread, client)
+            raise
+        self._client = client
+        self.num_engines = client.num_engines
+        self._finalizer = weakref.finalize(self, _stop_loop, self._loop, self._thread, client)
 
-    def _run(self, coro: Any) -> Any:
-        return self._loop.run_until_complete(coro)
+    def _wait(self, coro: Any) -> Any:
+        """Run ``coro`` on the client's loop and wait for its result; an interrupted wait cancels it."""
+        if not self._finalizer.alive:
+            coro.close()
+            raise EngineDeadError("engine core client was shut down")
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()
+            raise
+
+    def _call(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` in the loop's thread (the AsyncMPClient and its sockets are used from that thread only)."""
+
+        async def call() -> Any:
+            return fn(*args)
+
+        return self._wait(call())
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Send a request to the engine core the balancer picks.
@@ -584,10 +615,11 @@ class SyncMPClient(EngineCoreClient):
         Raises:
             EngineDeadError: an engine core is dead.
         """
-        self._client.add_request(request)
+        self._call(self._client.add_request, request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        self._client.abort_requests(request_ids)
+        if request_ids:
+            self._call(self._client.abort_requests, request_ids)
 
     def get_output(self) -> EngineCoreOutputs:
         """The next step's outputs of any engine core (``engine_index`` says which), waiting for one.
@@ -595,14 +627,17 @@ class SyncMPClient(EngineCoreClient):
         Raises:
             EngineDeadError: an engine core died.
         """
-        return self._run(self._client.get_output_async())
+        return self._wait(self._client.get_output_async())
 
     def has_unfinished_requests(self) -> bool:
-        return self._client.has_unfinished_requests()
+        """Whether a request is still running in an engine core, or outputs already read from one wait for
+        :meth:`get_output` (a request's last output can be read, during any call that runs the loop, before the
+        front end has taken it)."""
+        return self._call(lambda: self._client.has_unfinished_requests() or self._client.has_outputs_waiting())
 
     def engine_of(self, request_id: str) -> int | None:
         """The engine core an unfinished request was sent to."""
-        return self._client.engine_of(request_id)
+        return self._call(self._client.engine_of, request_id)
 
     def call_utility_all(self, method: str, *args: Any) -> list[Any]:
         """``EngineCore.<method>(*args)`` in every engine core; their msgpack-decoded results in engine order.
@@ -611,7 +646,7 @@ class SyncMPClient(EngineCoreClient):
             EngineDeadError: an engine core is dead or dies meanwhile.
             RuntimeError: the call raised in an engine core (its message).
         """
-        return self._run(self._client.call_utility_all_async(method, *args))
+        return self._wait(self._client.call_utility_all_async(method, *args))
 
     def get_stats(self) -> SchedulerStats:
         """The engine cores' gauges now, summed (KV-cache usage: the mean)."""
@@ -623,12 +658,30 @@ class SyncMPClient(EngineCoreClient):
         return all(bool(r) for r in self.call_utility_all("reset_prefix_cache"))
 
     def shutdown(self) -> None:
-        """Stop the engine cores and close the event loop."""
-        if self._loop.is_closed():
-            return
-        self._client.shutdown()
-        self._run(asyncio.sleep(0))  # let the cancelled output reader finish
-        self._loop.close()
+        """Stop the engine cores and the loop's thread (also done when the client is garbage-collected or the
+        interpreter exits); later calls raise :class:`EngineDeadError`, a second shutdown does nothing."""
+        self._finalizer()
+
+
+def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread, client: AsyncMPClient | None) -> None:
+    """Shut ``client`` down and cancel every task on ``loop`` (in the loop's thread), then stop and close it."""
+
+    async def close() -> None:
+        if client is not None:
+            client.shutdown()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    try:
+        if thread.is_alive():
+            asyncio.run_coroutine_threadsafe(close(), loop).result(timeout=60)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        if not thread.is_alive():
+            loop.close()
 
 
 def _for_dp_rank(config: EngineConfig, rank: int) -> EngineConfig:

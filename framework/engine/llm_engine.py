@@ -80,7 +80,9 @@ class LLMEngine:
         """Validate and queue a request (``lora_request``: its LoRA adapter, ``None`` for the base model).
 
         Raises:
-            InvalidRequestError: bad prompt or parameters, a duplicate id, or the engine core rejected it.
+            InvalidRequestError: bad prompt or parameters, a duplicate id, or the engine core rejected it (with
+                data-parallel engine cores, in their own processes, such a rejection arrives later instead: the
+                request finishes with ``finish_reason == "error"``).
         """
         processed = self.input_processor.process(
             request_id,
@@ -120,8 +122,9 @@ class LLMEngine:
         return any(self.engine_core.call_utility_all("remove_lora", lora_int_id))
 
     def list_loras(self) -> list[int]:
-        """Ids of the loaded adapters (the first engine core's: every one loads the same)."""
-        return list(self.engine_core.call_utility_all("list_loras")[0])
+        """Ids of the loaded adapters, sorted (with data-parallel engine cores: loaded in any of them; a request
+        loads its adapter only on the engine core it went to)."""
+        return sorted({int(i) for ids in self.engine_core.call_utility_all("list_loras") for i in ids})
 
     def abort_request(self, request_id: str | Sequence[str]) -> None:
         """Drop requests (unknown ids are ignored); they produce no further outputs."""

@@ -5,6 +5,8 @@ on request."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import time
 
 import pytest
 
@@ -14,6 +16,7 @@ from tokenmill.engine.core import EngineCore
 from tokenmill.engine.dp_lb import DPLoadBalancer
 from tokenmill.engine.messages import EngineCoreRequest, SchedulerStats
 from tokenmill.engine_args import EngineArgs
+from tokenmill.errors import EngineDeadError
 from tokenmill.sampling_params import SamplingParams
 
 ENGINE_KWARGS = dict(dtype="float32", block_size=4, max_num_batched_tokens=64, kv_cache_memory="256KiB")
@@ -166,6 +169,20 @@ def test_offline_llm_with_dp2_engine_cores_gives_the_single_engines_tokens(tiny_
     try:
         assert client.num_engines == 2
         assert engine.engine_config.cache_config.num_gpu_blocks > 0  # from the handshakes
+        # a wait interrupted by Ctrl-C is cancelled: it does not stay behind and take a later step's output
+        real_result = concurrent.futures.Future.result
+
+        def interrupted(self, timeout=None):
+            concurrent.futures.Future.result = real_result
+            raise KeyboardInterrupt
+
+        concurrent.futures.Future.result = interrupted
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                client.get_output()  # nothing in flight: left behind, it would take the next generate's first step
+        finally:
+            concurrent.futures.Future.result = real_result
+
         seen: dict[str, int] = {}
         original = client.add_request
 
@@ -180,10 +197,13 @@ def test_offline_llm_with_dp2_engine_cores_gives_the_single_engines_tokens(tiny_
         assert sorted(seen.values()) == [0, 0, 0, 1, 1]  # added at once: spread by in-flight counts
         assert not client.has_unfinished_requests()
 
-        # an abort mid-generation: the request ends, the other engine's request finishes, every block is free
+        # an abort mid-generation: the request ends, the other engine's request finishes, every block is free;
+        # stats asked for while outputs arrive do not make the front end lose track of them
         engine.add_request("long", PROMPTS[3], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
         engine.add_request("short", PROMPTS[0], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
         assert {seen["long"], seen["short"]} == {0, 1}
+        time.sleep(0.5)  # "short" finishes in its engine core meanwhile
+        engine.get_stats()  # runs the client's loop: the finished output is read before step() takes it
         finished: dict[str, str | None] = {}
         steps = 0
         while engine.has_unfinished_requests():
@@ -204,10 +224,21 @@ def test_offline_llm_with_dp2_engine_cores_gives_the_single_engines_tokens(tiny_
 
         reported = engine_kernel_info(engine)
         assert reported and reported.keys() == kernel_info().keys()
+        assert len(client.call_utility_all("kernel_info")) == 2
+        assert min(client.call_utility_all("peak_rss_bytes")) > 0
+
+        # the same engine driven from a thread that runs an event loop (a notebook), with every token
+        async def from_a_loop() -> list[list[int]]:
+            outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+            return [list(o.outputs[0].token_ids) for o in outs]
+
+        assert asyncio.run(from_a_loop()) == reference
     finally:
         engine.shutdown()
     assert not any(e.proc.is_alive() for e in client._client.engines)
     engine.shutdown()  # a second shutdown is a no-op
+    with pytest.raises(EngineDeadError):
+        client.get_output()
 
 
 def test_offline_engine_with_dp_needs_an_importable_engine_core_class(tiny_llama_dir):

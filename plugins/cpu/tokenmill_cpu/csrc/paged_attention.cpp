@@ -390,8 +390,10 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
 
   const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(TC));
   const int64_t row_bytes = head_size * static_cast<int64_t>(sizeof(TC));
-  // Rows read between two rounds of prefetches (kStepBytes of them, at least one row).
-  const int64_t step_rows = std::max<int64_t>(1, kStepBytes / row_bytes);
+  // Rows read between two rounds of prefetches: kStepBytes of them, rounded up to a multiple of 4 (the key loop
+  // scores four rows per horizontal reduction, so steps of 4k rows keep its groups, and its sums, those of one
+  // pass over the block; 1 KiB is 4 rows of float32 at D = 64, 8 of bfloat16).
+  const int64_t step_rows = (std::max<int64_t>(1, kStepBytes / row_bytes) + 3) / 4 * 4;
 
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_size), acc(group * head_size), scores;
@@ -402,14 +404,22 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
 #endif
     // Every block this thread reads, in the order it reads them: per work item the key blocks of the attended
     // range, then the same range's value blocks.
+    auto block_range = [&](int64_t item) {  // blocks [first, stop) hold the positions the item's request attends to
+      const int64_t len = std::max<int32_t>(lens[item / num_kv_heads], 0);
+      return std::make_pair(first_pos(len) / block_size, (len + block_size - 1) / block_size);
+    };
+    int64_t total = 0;
+    for (int64_t item = begin; item < end; ++item) {
+      const auto [first, stop] = block_range(item);
+      total += 2 * (stop - first);
+    }
     std::vector<const TC*> order;
-    order.reserve(2 * (end - begin) * table_width);
+    order.reserve(total);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
-      const int64_t len = std::max<int32_t>(lens[s], 0);
-      const int64_t used = (len + block_size - 1) / block_size;
+      const auto [first, stop] = block_range(item);
       for (const TC* base : {k_base, v_base})
-        for (int64_t j = first_pos(len) / block_size; j < used; ++j)
+        for (int64_t j = first; j < stop; ++j)
           order.push_back(base + h * head_cache + bt[s * table_width + j] * block_elems);
     }
     ReadAhead<TC> ahead(order, block_bytes);
