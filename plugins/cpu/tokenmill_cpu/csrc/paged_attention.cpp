@@ -12,12 +12,12 @@
 // The loop waits on memory, not arithmetic: every block is a separate 4 KiB run (one KV head's 16 rows) that the
 // hardware prefetchers do not see coming. So each thread lists the blocks it will read, in reading order (per work
 // item its key blocks, then its value blocks), and while it reads one block it asks for the block 32 KiB further
-// down that list into L2 and for the next one into L1, 1 KiB of each before every 1 KiB of rows it reads
-// (ReadAhead). On 2 cores of an AMD EPYC (Zen 4), 256 requests x 192 tokens x 30 layers of SmolLM2-135M in float32
-// with the engine's block layout: 190 ms per step with only a next-block prefetch (eleventh session), 100-105 ms
-// with a whole block asked for at a time (the next key block into L1, this block's values into L2, the next
-// item's keys during the value pass), 77-80 ms with the read-ahead, against a floor of about 70 ms for reading K
-// and V once (docs/benchmarks.md, nineteenth session).
+// down that list into L2 and for the next one into L1, a share of each before every step of rows it reads (1 KiB
+// of rows, rounded up to four; ReadAhead). On 2 cores of an AMD EPYC (Zen 4), 256 requests x 192 tokens x 30
+// layers of SmolLM2-135M in float32 with the engine's block layout: 190 ms per step with only a next-block
+// prefetch (eleventh session), 103-109 ms with a whole block asked for at a time (the next key block into L1, this
+// block's values into L2, the next item's keys during the value pass), 76-80 ms with the read-ahead, against a
+// floor of 72-80 ms for reading K and V once (docs/benchmarks.md, nineteenth session).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
