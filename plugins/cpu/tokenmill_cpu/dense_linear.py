@@ -154,7 +154,8 @@ MKL_MAX_ROWS = 64  # more rows: F.linear is as fast or faster than the copy pack
 _PANEL_MAX_ROWS = {"AVX512": 256, "AVX2": 256}
 PANEL_ROWS_ENV = "TOKENMILL_CPU_PANEL_MAX_ROWS"  # an explicit bound: no measurement
 CALIBRATION_ROWS = 1024  # rows of the measurement's random input
-CALIBRATION_REPEATS = 3  # timed products of each path in the measurement (alternating; the fastest of each counts)
+CALIBRATION_WARMUP_S = 0.1  # untimed products of both paths (alternating) before the timed ones, in seconds
+CALIBRATION_REPEATS = 5  # timed products of each path in the measurement (alternating; the fastest of each counts)
 MKL = "MKL packed sgemm"
 ONEDNN = "oneDNN packed"
 PANEL = "tokenmill-cpu panel sgemm"
@@ -312,7 +313,7 @@ def _panel_for_rows(entry: _Packed, weight: torch.Tensor) -> bool:
     ``F.linear`` (MKL) was 4-10% faster from 512 rows up; on 2 cores of an AVX-512 AMD EPYC (Zen 4), where MKL's
     sgemm reached about 165 GFLOP/s against the panel kernel's 195, the panel kernel took 16-23% less time at 512
     and 2,048 rows (``python benchmarks/packed_linear.py --rows 512,2048``, docs/benchmarks.md). The measurement
-    takes eight products (under 0.1 s for SmolLM2-135M's widest layer) and is logged."""
+    takes about 0.2 s (:func:`_time_large_rows`) and is logged."""
     global _panel_large
     if _panel_large is None:
         best_panel, best_linear = _time_large_rows(entry, weight)
@@ -326,16 +327,33 @@ def _panel_for_rows(entry: _Packed, weight: torch.Tensor) -> bool:
 
 def _time_large_rows(entry: _Packed, weight: torch.Tensor) -> tuple[float, float]:
     """(panel kernel ms, ``F.linear`` ms): the fastest of :data:`CALIBRATION_REPEATS` products of each, alternating,
-    after one untimed product of each, on a random ``[CALIBRATION_ROWS, K]`` input."""
+    on a random ``[CALIBRATION_ROWS, K]`` input, after alternating untimed products for
+    :data:`CALIBRATION_WARMUP_S` seconds.
+
+    Why the warm-up: in an engine's first prefill step the first products of a process are slow for a while. On 2
+    cores of a Zen 4 EPYC (AVX2 paths, ``[960, 576]`` weight, 1,024 rows) the first four of each path took 6.2-7.0
+    ms and the later ones 5.0-5.1 (panel kernel) and 5.5-5.6 ms (``F.linear``), and the slow period hurts the
+    panel kernel more. With one untimed and three timed products the measurement picked ``F.linear`` in every
+    ``python benchmarks/profile_decode.py --batch 64 --prefill`` run there (6.5 vs 6.4 ms), whose five prefill steps
+    then took 10.41 s against 9.17 s on the panel kernel, and in 7 of the 57 benchmark runs in benchmarks/results
+    that record the measurement.
+    """
     x = torch.randn(CALIBRATION_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0))
-    panel_ms, linear_ms = [], []
-    for _ in range(CALIBRATION_REPEATS + 1):
-        for times, fn in ((linear_ms, lambda: F.linear(x, weight)),
-                          (panel_ms, lambda: torch.ops.tokenmill_cpu.dense_gemm(x, entry.packed, entry.shape[0]))):
+    paths = (lambda: F.linear(x, weight),
+             lambda: torch.ops.tokenmill_cpu.dense_gemm(x, entry.packed, entry.shape[0]))
+    warm_until = time.perf_counter() + CALIBRATION_WARMUP_S
+    while True:
+        for fn in paths:
+            fn()
+        if time.perf_counter() >= warm_until:
+            break
+    linear_ms, panel_ms = [], []
+    for _ in range(CALIBRATION_REPEATS):
+        for times, fn in zip((linear_ms, panel_ms), paths):
             start = time.perf_counter()
             fn()
             times.append((time.perf_counter() - start) * 1e3)
-    return min(panel_ms[1:]), min(linear_ms[1:])
+    return min(panel_ms), min(linear_ms)
 
 
 def _check_panel_kernel() -> bool:
