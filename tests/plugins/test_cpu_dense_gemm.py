@@ -123,6 +123,26 @@ def test_the_large_row_measurement_times_both_paths_on_the_weight() -> None:
     assert 0 < panel_ms < 1e4 and 0 < linear_ms < 1e4
 
 
+@pytest.mark.skipif(dense_linear.PANEL_WIDTH is None, reason="float32 weights are not packed for the panel kernel here")
+def test_the_large_row_measurement_does_not_count_a_slow_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Both paths are slow (20 ms) for the first 150 ms of the measurement and fast (1 ms) afterwards, as a
+    # process's first products were in an engine's first prefill step; only the fast ones may count.
+    import time
+
+    w = torch.randn(96, 64)
+    assert dense_linear.pack(w)
+    start = time.perf_counter()
+
+    def product(*_args: object) -> torch.Tensor:
+        time.sleep(0.02 if time.perf_counter() - start < 0.15 else 0.001)
+        return torch.zeros(1)
+
+    monkeypatch.setattr(dense_linear.F, "linear", product)
+    monkeypatch.setattr(torch.ops.tokenmill_cpu, "dense_gemm", product)
+    panel_ms, linear_ms = dense_linear._time_large_rows(dense_linear._TABLE[w.data_ptr()], w)
+    assert panel_ms < 10 and linear_ms < 10
+
+
 def test_an_explicit_panel_row_bound_skips_the_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(dense_linear.PANEL_ROWS_ENV, "4096")
     assert dense_linear._panel_max_rows() == (4096, True)
