@@ -313,7 +313,8 @@ def _panel_for_rows(entry: _Packed, weight: torch.Tensor) -> bool:
     ``F.linear`` (MKL) was 4-10% faster from 512 rows up; on 2 cores of an AVX-512 AMD EPYC (Zen 4), where MKL's
     sgemm reached about 165 GFLOP/s against the panel kernel's 195, the panel kernel took 16-23% less time at 512
     and 2,048 rows (``python benchmarks/packed_linear.py --rows 512,2048``, docs/benchmarks.md). The measurement
-    takes about 0.2 s (:func:`_time_large_rows`) and is logged."""
+    takes about 0.2 s on SmolLM2-135M's first weight (:func:`_time_large_rows`: at least six products of each path,
+    so about twelve times one product on a larger weight) and is logged."""
     global _panel_large
     if _panel_large is None:
         best_panel, best_linear = _time_large_rows(entry, weight)
