@@ -10,12 +10,13 @@ import datetime as _dt
 import json
 import os
 import platform
-import resource
 import shlex
 import statistics
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from tokenmill.metrics.stats import peak_rss_bytes  # noqa: F401 - the benchmarks import it from here
 
 AddArgs = Callable[[argparse.ArgumentParser], None]
 
@@ -49,12 +50,6 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident set size of this process so far, in bytes (Linux reports KiB, macOS bytes)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
 def cpu_steal_seconds() -> float | None:

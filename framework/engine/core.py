@@ -235,11 +235,9 @@ class EngineCore:
     def peak_rss_bytes(self) -> int:
         """Peak resident set size of this engine core's process so far, in bytes (Linux reports KiB, macOS bytes;
         ``tokenmill bench throughput`` reports it for data-parallel engine cores)."""
-        import resource
-        import sys
+        from tokenmill.metrics.stats import peak_rss_bytes
 
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return int(peak if sys.platform == "darwin" else peak * 1024)
+        return peak_rss_bytes()
 
     def check_health(self) -> None:
         """Raises the executor's error when a worker is gone."""

@@ -27,11 +27,20 @@ vLLM), with its own prompt-token count.
 
 from __future__ import annotations
 
+import resource
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from tokenmill.engine.messages import EngineCoreEventType, EngineCoreOutputs, SchedulerStats
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far, in bytes (``getrusage``: Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 

@@ -332,8 +332,8 @@ def _time_large_rows(entry: _Packed, weight: torch.Tensor) -> tuple[float, float
     :data:`CALIBRATION_WARMUP_S` seconds.
 
     Why the warm-up: in an engine's first prefill step the first products of a process are slow for a while. On 2
-    cores of a Zen 4 EPYC (AVX2 paths, ``[960, 576]`` weight, 1,024 rows) the first four of each path took 6.2-7.0
-    ms and the later ones 5.0-5.1 (panel kernel) and 5.5-5.6 ms (``F.linear``), and the slow period hurts the
+    cores of a Zen 4 EPYC (AVX2 paths, ``[960, 576]`` weight, 1,024 rows) the first four or five of each path took
+    6.2-7.0 ms and the later ones 5.0-5.1 (panel kernel) and 5.5-5.6 ms (``F.linear``), and the slow period hurts the
     panel kernel more. With one untimed and three timed products the measurement picked ``F.linear`` in every
     ``python benchmarks/profile_decode.py --batch 64 --prefill`` run there (6.5 vs 6.4 ms), whose five prefill steps
     then took 10.41 s against 9.17 s on the panel kernel, and in 7 of the 57 benchmark runs in benchmarks/results
