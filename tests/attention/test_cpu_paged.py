@@ -227,6 +227,26 @@ def test_prefill_kernel_takes_a_chunk_after_a_cached_prefix(window):
     assert rel_err(out, kernels.prefill_attention(q, k, v, 0.125, window)[50:]) < 1e-6
 
 
+@pytest.mark.parametrize("window", [None, 50], ids=["full", "w50"])
+def test_prefill_kernel_rows_do_not_depend_on_the_chunk_they_are_computed_in(window):
+    # Key blocks on a fixed grid: a query row gets the same bits alone, in any chunk, or in the whole prompt.
+    q, k, v = fused_qkv(300, 9, 3, 64, torch.float32, seed=4)
+    full = kernels.prefill_attention(q, k, v, 0.125, window)
+    for start in (1, 37, 64, 65, 200, 299):
+        assert torch.equal(kernels.prefill_attention(q[start:], k, v, 0.125, window), full[start:]), start
+
+
+@pytest.mark.parametrize("window", [None, 70], ids=["full", "w70"])
+def test_prefill_kernel_rescales_when_later_keys_score_higher(window):
+    # Scores that grow along the context: every key block raises the running maximum of every query.
+    q, k, v = fused_qkv(260, 4, 2, 32, torch.float32, seed=5)
+    k = k * torch.linspace(0.1, 6.0, 260).view(-1, 1, 1)
+    q = q.abs() + 0.5
+    k = k.abs()
+    out = kernels.prefill_attention(q, k, v, 0.2, window)
+    assert rel_err(out, prefill_reference(q, k, v, 0.2, window)) < 1e-5
+
+
 def test_prefill_kernel_rejects_bad_inputs_and_traces_under_torch_compile():
     q, k, v = fused_qkv(6, 4, 2, 32, torch.float32)
     with pytest.raises(RuntimeError, match="one dtype"):

@@ -512,9 +512,21 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
 
 // Causal attention of a prompt chunk: the Lq query rows are the last Lq positions of an S-row context (S = Lq
 // for a fresh prompt), so query row t sits at position p = S - Lq + t and attends to positions
-// max(0, p - W + 1) .. p (all of 0 .. p without a window). One work item is one (query row, KV head) pair,
-// computed like a decode step whose context is the first p + 1 rows of k and v (read in place, any row stride).
-// Items are split between threads by the key rows they read (prefill_chunks).
+// max(0, p - W + 1) .. p (all of 0 .. p without a window).
+//
+// Where a KV head's key and value rows lie apart (a fresh prompt's views of the fused projection), one work item is
+// a tile of query rows for one KV head: the tile's rows x G query heads (about kTileVectors query vectors) pass
+// over the context's keys and values in blocks of kKeyBlock rows, with a running softmax (a running
+// maximum and sum per query vector, the partial sums rescaled when the maximum grows; Milakov and Gimelshein,
+// "Online normalizer calculation for softmax", 2018, as FlashAttention uses it). Each key and value block is read
+// from memory once per tile and then used from L1 by every query vector of the tile. Before (one query row at a
+// time, the whole softmax at once) every query row read all of its context again from L2 or L3.
+//
+// Key blocks lie on a fixed grid (multiples of kKeyBlock from row 0), and within a block the scoring loop's groups
+// of four keys are aligned to multiples of four, so a query row's result depends only on its own context: the same
+// bits whichever tile, chunk or batch it is computed in. Keys outside a row's causal range or window within a
+// block are given probability 0 (their value rows add exactly zero). Contiguous rows go one query row at a time
+// (prefill_row; see prefill_chunks for why).
 template <typename T>
 struct PrefillChunk {
   const T* q;  // [Lq, Hq, D], strides qs0 / qs1
@@ -524,19 +536,150 @@ struct PrefillChunk {
   int64_t len, offset, qs0, qs1, ks0, ks1, vs0, vs1, ldo;
 };
 
+constexpr int64_t kTileVectors = 24;  // query vectors (rows x G) per tile
+constexpr int64_t kKeyBlock = 64;     // key rows per pass of a tile; must be a multiple of 4
+
 // First context row query row t of chunk c attends to (positions before it are outside the window).
 template <typename T>
 inline int64_t first_row(const PrefillChunk<T>& c, int64_t t, int64_t sliding_window) {
   return sliding_window > 0 ? std::max<int64_t>(c.offset + t - sliding_window + 1, 0) : 0;
 }
 
-// Work item (query row t, KV head h) = item / Hkv, item % Hkv of chunk c, with per-thread buffers qf / acc
-// ([G, D]) and scores ([G, S]).
+// Per-thread buffers of prefill_tile: qf and acc [tile vectors, D], scores [tile vectors, kKeyBlock], and the
+// running maximum and sum of each query vector.
+struct TileBuffers {
+  std::vector<float> qf, acc, scores, mx, sum;
+  TileBuffers(int64_t vectors, int64_t head_size)
+      : qf(vectors * head_size), acc(vectors * head_size), scores(vectors * kKeyBlock), mx(vectors), sum(vectors) {}
+};
+
+// Scores of `rows` key rows against n query vectors (qf: [n, D], pre-scaled) into scores[i * kKeyBlock + r].
 template <typename T>
-inline void prefill_item(const PrefillChunk<T>& c, int64_t item, int64_t group, int64_t head_size,
-                         int64_t num_kv_heads, int64_t vec_end, float fscale, int64_t sliding_window, float* qf,
-                         float* acc, float* scores) {
-  const int64_t t = item / num_kv_heads, h = item % num_kv_heads;
+inline void tile_scores(const float* qf, int64_t n, const T* k, int64_t ldk, int64_t rows, int64_t head_size,
+                        int64_t vec_end, float* scores) {
+#ifdef TOKENMILL_REDUCE4
+  if (vec_end == head_size) return qk_rows4(qf, n, k, ldk, rows, head_size, scores, kKeyBlock);
+#endif
+  for (int64_t i0 = 0; i0 < n; i0 += kMaxGroup) {
+    with_group(std::min(kMaxGroup, n - i0), [&](auto ng) {
+      qk_rows<decltype(ng)::value>(qf + i0 * head_size, k, ldk, rows, head_size, vec_end, scores + i0 * kKeyBlock,
+                                   kKeyBlock);
+    });
+  }
+}
+
+// Turns the scores s[0..n) of one query vector into probabilities for keys [lo, hi) of the block (0 elsewhere)
+// against the running maximum *mx and sum *sum, both updated; returns the factor by which the vector's partial
+// output must be scaled (1 when the maximum did not grow). A vector with no key in the block keeps its state.
+inline float online_softmax(float* s, int64_t n, int64_t lo, int64_t hi, float* mx, float* sum) {
+  if (lo >= hi) {
+    std::fill(s, s + n, 0.f);
+    return 1.f;
+  }
+  const int64_t vec_hi = lo + (hi - lo) / W * W;
+  Vec vmax(-std::numeric_limits<float>::infinity());
+  for (int64_t j = lo; j < vec_hi; j += W) vmax = at::vec::maximum(vmax, Vec::loadu(s + j));
+  float m = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vmax);
+  for (int64_t j = vec_hi; j < hi; ++j) m = std::max(m, s[j]);
+  const float m_new = std::max(*mx, m);
+  const float alpha = std::exp(*mx - m_new);  // *mx = -inf before the first block: 0 (sum and output are 0)
+  const Vec vm(m_new);
+  Vec vsum(0.f);
+  for (int64_t j = lo; j < vec_hi; j += W) {
+    const Vec e = (Vec::loadu(s + j) - vm).exp_u20();
+    e.store(s + j);
+    vsum = vsum + e;
+  }
+  float block_sum = hsum(vsum);
+  for (int64_t j = vec_hi; j < hi; ++j) {
+    s[j] = std::exp(s[j] - m_new);
+    block_sum += s[j];
+  }
+  std::fill(s, s + lo, 0.f);
+  std::fill(s + hi, s + n, 0.f);
+  *sum = *sum * alpha + block_sum;
+  *mx = m_new;
+  return alpha;
+}
+
+// out[i, :] += sum_r probs[i * kKeyBlock + r] * v[r, :] for n query vectors (out: [n, D]), kPvGroup vectors per
+// pass over the block's value rows.
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int kPvGroup = 6;  // 6 vectors x 4 chunks of 16 = 24 accumulators: D = 64 in one pass
+#else
+constexpr int kPvGroup = 3;
+#endif
+template <typename T>
+inline void tile_values(const float* probs, int64_t n, const T* v, int64_t ldv, int64_t rows, int64_t head_size,
+                        int64_t vec_end, float* out) {
+  for (int64_t i0 = 0; i0 < n; i0 += kPvGroup) {
+    with_group(std::min<int64_t>(kPvGroup, n - i0), [&](auto ng) {
+      pv_rows<decltype(ng)::value>(probs + i0 * kKeyBlock, kKeyBlock, v, ldv, rows, head_size, vec_end,
+                                   out + i0 * head_size);
+    });
+  }
+}
+
+// Query rows [t0, t1) of chunk c against KV head h (see the comment above PrefillChunk).
+template <typename T>
+inline void prefill_tile(const PrefillChunk<T>& c, int64_t t0, int64_t t1, int64_t h, int64_t group,
+                         int64_t head_size, int64_t vec_end, float fscale, int64_t sliding_window, TileBuffers& b) {
+  const int64_t n = (t1 - t0) * group;  // query vectors: i = (t - t0) * group + g
+  float* qf = b.qf.data();
+  float* acc = b.acc.data();
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t g = 0; g < group; ++g) {
+      const T* src = c.q + t * c.qs0 + (h * group + g) * c.qs1;
+      float* dst = qf + ((t - t0) * group + g) * head_size;
+      for (int64_t i = 0; i < head_size; ++i) dst[i] = static_cast<float>(src[i]) * fscale;
+    }
+  std::fill(acc, acc + n * head_size, 0.f);
+  std::fill(b.mx.begin(), b.mx.begin() + n, -std::numeric_limits<float>::infinity());
+  std::fill(b.sum.begin(), b.sum.begin() + n, 0.f);
+  const int64_t context = c.offset + c.len;                    // S: the rows k and v have
+  const int64_t hi = c.offset + t1;                            // one past the last row's position
+  const int64_t lo = first_row(c, t0, sliding_window);         // the first row's window start (the smallest)
+  const int64_t hi4 = std::min(context, (hi + 3) / 4 * 4);     // read on the grid of four (see above)
+  for (int64_t kb = lo / kKeyBlock * kKeyBlock; kb < hi; kb += kKeyBlock) {
+    const int64_t rows = std::min(kb + kKeyBlock, hi4) - kb;
+    const T* kblk = c.k + kb * c.ks0 + h * c.ks1;
+    const T* vblk = c.v + kb * c.vs0 + h * c.vs1;
+    // The next block's rows into L2 while this one is computed: rows of one head lie a whole projection row apart
+    // (several KiB), a stride the hardware prefetchers do not follow across pages.
+    const int64_t next_rows = std::min(kb + 2 * kKeyBlock, hi4) - (kb + kKeyBlock);
+    for (int64_t r = 0; r < next_rows; ++r) {
+      prefetch_lines<2>(kblk + (kKeyBlock + r) * c.ks0, 0, head_size * static_cast<int64_t>(sizeof(T)));
+      prefetch_lines<2>(vblk + (kKeyBlock + r) * c.vs0, 0, head_size * static_cast<int64_t>(sizeof(T)));
+    }
+    tile_scores(qf, n, kblk, c.ks0, rows, head_size, vec_end, b.scores.data());
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t jlo = std::max<int64_t>(first_row(c, t, sliding_window) - kb, 0);
+      const int64_t jhi = std::min(c.offset + t + 1 - kb, rows);
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t i = (t - t0) * group + g;
+        const float alpha = online_softmax(b.scores.data() + i * kKeyBlock, rows, jlo, jhi, &b.mx[i], &b.sum[i]);
+        if (alpha != 1.f) {
+          float* a = acc + i * head_size;
+          for (int64_t d = 0; d < head_size; ++d) a[d] *= alpha;
+        }
+      }
+    }
+    tile_values(b.scores.data(), n, vblk, c.vs0, rows, head_size, vec_end, acc);
+  }
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t i = (t - t0) * group + g;
+      const float inv = 1.f / b.sum[i];
+      T* dst = c.out + t * c.ldo + (h * group + g) * head_size;
+      for (int64_t d = 0; d < head_size; ++d) dst[d] = static_cast<T>(acc[i * head_size + d] * inv);
+    }
+}
+
+// Query row t of chunk c against KV head h, the whole softmax at once, with per-thread buffers qf / acc ([G, D])
+// and scores ([G, S]): the way for contiguous key and value rows (see prefill_chunks).
+template <typename T>
+inline void prefill_row(const PrefillChunk<T>& c, int64_t t, int64_t h, int64_t group, int64_t head_size,
+                        int64_t vec_end, float fscale, int64_t sliding_window, float* qf, float* acc, float* scores) {
   const int64_t first = first_row(c, t, sliding_window);
   const int64_t n = c.offset + t - first + 1;
   for (int64_t g = 0; g < group; ++g) {
@@ -568,34 +711,42 @@ inline void prefill_item(const PrefillChunk<T>& c, int64_t item, int64_t group, 
   for (int64_t i = 0; i < group * head_size; ++i) dst[i] = static_cast<T>(acc[i]);
 }
 
-// The chunks' work items in one parallel region: chunk c owns items [item_start[c], item_start[c + 1]), and each
-// thread takes a contiguous run of items of about equal cost (key rows read, plus a fixed per-item part), so a
-// long prompt next to short ones is split between threads like the rest; scores are sized for the longest context.
+// The chunks' work in one parallel region: chunk c owns items [item_start[c], item_start[c + 1]), item = tile *
+// Hkv + KV head, and each thread takes a contiguous run of items of about equal cost (key rows read times query
+// vectors, plus a fixed per-item part), so a long prompt next to short ones is split between threads like the rest.
+// Tiles (prefill_tile) when a head's key or value rows lie apart (views of the fused QKV projection: a fresh
+// prompt's), single rows (prefill_row) when they are contiguous (a context gathered from the cache, head-major):
+// the hardware prefetchers stream contiguous rows, and re-reading them per query row measured faster than tiles
+// (one layer of SmolLM2-135M, 1,952 queries after 2,048 cached tokens: 101 against 106-120 ms; fresh 2,048-token
+// prompt, strided rows: 46-55 ms per row against 33-38 ms in tiles; docs/benchmarks.md, twenty-first session).
 template <typename T>
 void prefill_chunks(const std::vector<PrefillChunk<T>>& chunks, int64_t num_heads, int64_t num_kv_heads,
                     int64_t head_size, double scale, int64_t sliding_window) {
-  constexpr int64_t kItemCost = 16;  // per-item work besides the key rows (query copy, softmax set-up, output), in rows
   const int64_t group = num_heads / num_kv_heads, vec_end = head_size - head_size % W;
+  const bool contiguous = chunks.empty() || (chunks[0].ks0 == head_size && chunks[0].vs0 == head_size);
+  const int64_t tile_rows = contiguous ? 1 : std::max<int64_t>(1, kTileVectors / group);
+  const int64_t item_cost = 16 * tile_rows * group;  // query copy, output and set-up, in key rows x vectors
   const float fscale = static_cast<float>(scale);
   std::vector<int64_t> item_start(chunks.size() + 1, 0);
-  int64_t max_ctx = 0;
-  for (size_t c = 0; c < chunks.size(); ++c) {
-    item_start[c + 1] = item_start[c] + chunks[c].len * num_kv_heads;
-    max_ctx = std::max(max_ctx, chunks[c].offset + chunks[c].len);
-  }
+  for (size_t c = 0; c < chunks.size(); ++c)
+    item_start[c + 1] = item_start[c] + (chunks[c].len + tile_rows - 1) / tile_rows * num_kv_heads;
   const int64_t num_items = item_start.back();
   if (num_items == 0) return;
   std::vector<int64_t> cost(num_items + 1, 0);  // cost[i]: total cost of items before i
   for (size_t c = 0; c < chunks.size(); ++c) {
-    for (int64_t i = 0; i < chunks[c].len * num_kv_heads; ++i) {
-      const int64_t t = i / num_kv_heads;
-      const int64_t rows = chunks[c].offset + t - first_row(chunks[c], t, sliding_window) + 1;
-      cost[item_start[c] + i + 1] = cost[item_start[c] + i] + rows + kItemCost;
+    for (int64_t i = 0; i < item_start[c + 1] - item_start[c]; ++i) {
+      const int64_t t0 = i / num_kv_heads * tile_rows, t1 = std::min(t0 + tile_rows, chunks[c].len);
+      const int64_t keys = chunks[c].offset + t1 - first_row(chunks[c], t0, sliding_window);
+      cost[item_start[c] + i + 1] = cost[item_start[c] + i] + keys * (t1 - t0) * group + item_cost;
     }
   }
   const int64_t parts = std::min<int64_t>(at::get_num_threads(), num_items);
+  int64_t max_ctx = 0;
+  for (const auto& c : chunks) max_ctx = std::max(max_ctx, c.offset + c.len);
   at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
-    std::vector<float> qf(group * head_size), acc(group * head_size), scores(group * max_ctx);
+    TileBuffers buffers(contiguous ? 0 : tile_rows * group, head_size);
+    std::vector<float> qf, acc, scores;
+    if (contiguous) qf.resize(group * head_size), acc.resize(group * head_size), scores.resize(group * max_ctx);
     // Part p covers the items whose cost prefix lies in [total * p / parts, total * (p + 1) / parts).
     auto bound = [&](int64_t p) -> int64_t {
       return std::lower_bound(cost.begin(), cost.end() - 1, cost.back() * p / parts) - cost.begin();
@@ -606,8 +757,15 @@ void prefill_chunks(const std::vector<PrefillChunk<T>>& chunks, int64_t num_head
     size_t c = std::upper_bound(item_start.begin(), item_start.end(), begin) - item_start.begin() - 1;
     for (int64_t item = begin; item < end; ++item) {
       while (item >= item_start[c + 1]) ++c;
-      prefill_item(chunks[c], item - item_start[c], group, head_size, num_kv_heads, vec_end, fscale, sliding_window,
-                   qf.data(), acc.data(), scores.data());
+      const int64_t local = item - item_start[c];
+      const int64_t t0 = local / num_kv_heads * tile_rows, t1 = std::min(t0 + tile_rows, chunks[c].len);
+      if (contiguous) {
+        prefill_row(chunks[c], t0, local % num_kv_heads, group, head_size, vec_end, fscale, sliding_window, qf.data(),
+                    acc.data(), scores.data());
+      } else {
+        prefill_tile(chunks[c], t0, t1, local % num_kv_heads, group, head_size, vec_end, fscale, sliding_window,
+                     buffers);
+      }
     }
   });
 }
