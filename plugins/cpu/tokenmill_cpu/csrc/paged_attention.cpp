@@ -73,13 +73,19 @@ inline float hsum(const Vec& v) {
 
 constexpr int64_t kMaxGroup = 8;  // query heads per KV head handled together (register accumulators)
 
-// Exact softmax of x[0..n) in place.
-inline void softmax_inplace(float* x, int64_t n) {
+// Largest of x[0..n).
+inline float max_of(const float* x, int64_t n) {
   const int64_t n_vec = n - n % W;
   Vec vmax(-std::numeric_limits<float>::infinity());
   for (int64_t t = 0; t < n_vec; t += W) vmax = at::vec::maximum(vmax, Vec::loadu(x + t));
   float mx = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vmax);
   for (int64_t t = n_vec; t < n; ++t) mx = std::max(mx, x[t]);
+  return mx;
+}
+
+// x[t] = exp(x[t] - mx) for t < n, in place; returns their sum.
+inline float exp_sub_sum(float* x, int64_t n, float mx) {
+  const int64_t n_vec = n - n % W;
   Vec vsum(0.f);
   const Vec vmx(mx);
   for (int64_t t = 0; t < n_vec; t += W) {
@@ -92,6 +98,13 @@ inline void softmax_inplace(float* x, int64_t n) {
     x[t] = std::exp(x[t] - mx);
     sum += x[t];
   }
+  return sum;
+}
+
+// Exact softmax of x[0..n) in place.
+inline void softmax_inplace(float* x, int64_t n) {
+  const float sum = exp_sub_sum(x, n, max_of(x, n));
+  const int64_t n_vec = n - n % W;
   const Vec inv(1.f / sum);
   for (int64_t t = 0; t < n_vec; t += W) (Vec::loadu(x + t) * inv).store(x + t);
   for (int64_t t = n_vec; t < n; ++t) x[t] /= sum;
@@ -545,12 +558,12 @@ inline int64_t first_row(const PrefillChunk<T>& c, int64_t t, int64_t sliding_wi
   return sliding_window > 0 ? std::max<int64_t>(c.offset + t - sliding_window + 1, 0) : 0;
 }
 
-// Per-thread buffers of prefill_tile: qf and acc [tile vectors, D], scores [tile vectors, kKeyBlock], and the
-// running maximum and sum of each query vector.
-struct TileBuffers {
+// Per-thread buffers of prefill_tile and prefill_row: qf and acc [vectors, D], scores [vectors, score_cols] (a
+// key block of a tile, or a row's whole context), and the running maximum and sum of each query vector (tiles).
+struct PrefillBuffers {
   std::vector<float> qf, acc, scores, mx, sum;
-  TileBuffers(int64_t vectors, int64_t head_size)
-      : qf(vectors * head_size), acc(vectors * head_size), scores(vectors * kKeyBlock), mx(vectors), sum(vectors) {}
+  PrefillBuffers(int64_t vectors, int64_t head_size, int64_t score_cols)
+      : qf(vectors * head_size), acc(vectors * head_size), scores(vectors * score_cols), mx(vectors), sum(vectors) {}
 };
 
 // Scores of `rows` key rows against n query vectors (qf: [n, D], pre-scaled) into scores[i * kKeyBlock + r].
@@ -576,25 +589,9 @@ inline float online_softmax(float* s, int64_t n, int64_t lo, int64_t hi, float* 
     std::fill(s, s + n, 0.f);
     return 1.f;
   }
-  const int64_t vec_hi = lo + (hi - lo) / W * W;
-  Vec vmax(-std::numeric_limits<float>::infinity());
-  for (int64_t j = lo; j < vec_hi; j += W) vmax = at::vec::maximum(vmax, Vec::loadu(s + j));
-  float m = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vmax);
-  for (int64_t j = vec_hi; j < hi; ++j) m = std::max(m, s[j]);
-  const float m_new = std::max(*mx, m);
+  const float m_new = std::max(*mx, max_of(s + lo, hi - lo));
   const float alpha = std::exp(*mx - m_new);  // *mx = -inf before the first block: 0 (sum and output are 0)
-  const Vec vm(m_new);
-  Vec vsum(0.f);
-  for (int64_t j = lo; j < vec_hi; j += W) {
-    const Vec e = (Vec::loadu(s + j) - vm).exp_u20();
-    e.store(s + j);
-    vsum = vsum + e;
-  }
-  float block_sum = hsum(vsum);
-  for (int64_t j = vec_hi; j < hi; ++j) {
-    s[j] = std::exp(s[j] - m_new);
-    block_sum += s[j];
-  }
+  const float block_sum = exp_sub_sum(s + lo, hi - lo, m_new);
   std::fill(s, s + lo, 0.f);
   std::fill(s + hi, s + n, 0.f);
   *sum = *sum * alpha + block_sum;
@@ -623,7 +620,7 @@ inline void tile_values(const float* probs, int64_t n, const T* v, int64_t ldv, 
 // Query rows [t0, t1) of chunk c against KV head h (see the comment above PrefillChunk).
 template <typename T>
 inline void prefill_tile(const PrefillChunk<T>& c, int64_t t0, int64_t t1, int64_t h, int64_t group,
-                         int64_t head_size, int64_t vec_end, float fscale, int64_t sliding_window, TileBuffers& b) {
+                         int64_t head_size, int64_t vec_end, float fscale, int64_t sliding_window, PrefillBuffers& b) {
   const int64_t n = (t1 - t0) * group;  // query vectors: i = (t - t0) * group + g
   float* qf = b.qf.data();
   float* acc = b.acc.data();
@@ -717,8 +714,9 @@ inline void prefill_row(const PrefillChunk<T>& c, int64_t t, int64_t h, int64_t 
 // Tiles (prefill_tile) when a head's key or value rows lie apart (views of the fused QKV projection: a fresh
 // prompt's), single rows (prefill_row) when they are contiguous (a context gathered from the cache, head-major):
 // the hardware prefetchers stream contiguous rows, and re-reading them per query row measured faster than tiles
-// (one layer of SmolLM2-135M, 1,952 queries after 2,048 cached tokens: 101 against 106-120 ms; fresh 2,048-token
-// prompt, strided rows: 46-55 ms per row against 33-38 ms in tiles; docs/benchmarks.md, twenty-first session).
+// (one layer of SmolLM2-135M, 1,952 queries after 2,048 cached tokens: 97-102 against 106-120 ms in a scratch
+// timing of tiles on every layout; fresh 2,048-token prompt, strided rows: 45-49 ms per row against 33-38 ms in
+// tiles, python benchmarks/prefill_attention.py; docs/benchmarks.md, twenty-first session).
 template <typename T>
 void prefill_chunks(const std::vector<PrefillChunk<T>>& chunks, int64_t num_heads, int64_t num_kv_heads,
                     int64_t head_size, double scale, int64_t sliding_window) {
@@ -744,9 +742,7 @@ void prefill_chunks(const std::vector<PrefillChunk<T>>& chunks, int64_t num_head
   int64_t max_ctx = 0;
   for (const auto& c : chunks) max_ctx = std::max(max_ctx, c.offset + c.len);
   at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
-    TileBuffers buffers(contiguous ? 0 : tile_rows * group, head_size);
-    std::vector<float> qf, acc, scores;
-    if (contiguous) qf.resize(group * head_size), acc.resize(group * head_size), scores.resize(group * max_ctx);
+    PrefillBuffers b(tile_rows * group, head_size, contiguous ? max_ctx : kKeyBlock);
     // Part p covers the items whose cost prefix lies in [total * p / parts, total * (p + 1) / parts).
     auto bound = [&](int64_t p) -> int64_t {
       return std::lower_bound(cost.begin(), cost.end() - 1, cost.back() * p / parts) - cost.begin();
@@ -760,11 +756,10 @@ void prefill_chunks(const std::vector<PrefillChunk<T>>& chunks, int64_t num_head
       const int64_t local = item - item_start[c];
       const int64_t t0 = local / num_kv_heads * tile_rows, t1 = std::min(t0 + tile_rows, chunks[c].len);
       if (contiguous) {
-        prefill_row(chunks[c], t0, local % num_kv_heads, group, head_size, vec_end, fscale, sliding_window, qf.data(),
-                    acc.data(), scores.data());
+        prefill_row(chunks[c], t0, local % num_kv_heads, group, head_size, vec_end, fscale, sliding_window,
+                    b.qf.data(), b.acc.data(), b.scores.data());
       } else {
-        prefill_tile(chunks[c], t0, t1, local % num_kv_heads, group, head_size, vec_end, fscale, sliding_window,
-                     buffers);
+        prefill_tile(chunks[c], t0, t1, local % num_kv_heads, group, head_size, vec_end, fscale, sliding_window, b);
       }
     }
   });
