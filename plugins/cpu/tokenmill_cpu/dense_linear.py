@@ -26,7 +26,7 @@ decode step that repacking costs as much as the multiplication. Weights are pack
   the float32 panel loops with the BF16 pair dot product), which keeps more of the weights in flight than
   oneDNN at those rows; above them oneDNN's copy (AMX tiles where the CPU has them) is faster. On 2 vCPUs of a
   Xeon with AMX (2026-12-03, ``python benchmarks/packed_linear.py --dtype bfloat16 --rows 1,2,4,8,16,32``, ms per
-  step, panel kernel / oneDNN; ``benchmarks/results/packed_linear_cpu_bf16_panel_l2_intel_amx_fifteenth.json``):
+  step, panel kernel / oneDNN; ``benchmarks/results/2026-12-03_xeon_packed_linear_bf16_panel_l2_amx.json``):
   1 row 5.8 / 9.4, 2 rows 5.7 / 9.0, 4 rows 6.6 / 9.1, 8 rows 11.1 / 9.5, 16 rows 20.9 / 9.3, 32 rows
   41.1 / 11.9 (with weights that, unlike a model's in a serving step, stay in this CPU's 480 MiB L3 between
   products; inside decode steps of one request the matmuls took 11.6 ms against 14.8). The copy doubles a
@@ -64,7 +64,7 @@ rows   AVX-512: F.linear / MKL packed / panel  AVX2 proxy: F.linear / MKL packed
 256    285.6 / 307.3 / 252.3                   397.6 / 434.3 / 422.5
 =====  ======================================  ======================================
 
-On 2 cores of an AMD EPYC (Zen 4, AVX-512, no AMX; 2026-12-02, ``packed_linear_cpu_fp32_eleventh.json``) the
+On 2 cores of an AMD EPYC (Zen 4, AVX-512, no AMX; 2026-12-02, ``2026-12-02_zen4_packed_linear_fp32_7196dd6.json``) the
 same script gave (F.linear / oneDNN / MKL packed / panel, ms):
 
 =====  ==================================
@@ -78,7 +78,7 @@ rows   AVX-512 (Zen 4)
 =====  ==================================
 
 On 2 cores of an AMD EPYC (Zen 3, AVX2 only: the CPU issue 16 was filed on; 2026-12-02,
-``packed_linear_cpu_fp32_zen3_before_twelfth.json`` / ``..._after_twelfth.json``), before and after the kernel took
+``2026-12-02_zen3_packed_linear_fp32_before.json`` / ``..._after_twelfth.json``), before and after the kernel took
 its rows in L2-sized blocks and checked its prefetcher once per 8 input channels (same four paths, ms):
 
 =====  ========================================  ========================================
@@ -102,7 +102,7 @@ this AMD CPU.
 Hence :func:`packed_rows`: float32 on the panel copy at 1 to :data:`PANEL_MAX_ROWS` rows (256, on AVX-512 and
 AVX2). Above that the CPUs have disagreed: on the Xeon of the tenth session ``F.linear`` was as fast or faster
 (``--rows 512,2048`` gave 558 / 2,295 ms for the panel kernel against ``F.linear``'s 538 / 2,067,
-``packed_linear_cpu_fp32_panel_large_tenth.json``, before the row blocks), on the EPYCs the panel kernel takes
+``2026-12-02_xeon_packed_linear_fp32_panel_large.json``, before the row blocks), on the EPYCs the panel kernel takes
 16-23% less time. So the first
 larger product of a process measures both on its layer's weight (:func:`_panel_for_rows`) and the faster serves
 every larger count from then on; ``TOKENMILL_CPU_PANEL_MAX_ROWS`` fixes the bound instead. Where the panel kernel

@@ -331,7 +331,7 @@ def prefill_attention(
     explicit mask, which takes its slower path. ``python benchmarks/prefill_attention.py --lengths 128x15`` (one
     layer of SmolLM2-135M: 9 query / 3 KV heads of 64, float32, 2 cores of an AMD EPYC Zen 4, same run): 2.6-3.6
     ms against 8.2-12.8 ms for SDPA once per prompt; ``--lengths 4096x1``: 133-177 ms against 900-1,180 ms (AVX-512
-    and AVX2 builds; ``benchmarks/results/prefill_tiles_zen4_twentyfirst``).
+    and AVX2 builds; ``benchmarks/results/2026-12-06_zen4_prefill_tiles``).
 
     Args:
         q: ``[L, Hq, D]`` float32, bfloat16 or float16, rows contiguous (any row and head stride), already rotated.

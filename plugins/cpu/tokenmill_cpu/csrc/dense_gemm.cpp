@@ -106,7 +106,7 @@ constexpr int64_t kBlockBytes = 256 * 1024;
 // needs a cache line or more per k (few rows: one row group per panel), AVX-512 spreads the lines over the block's
 // k iterations: with 24 prefetches at once after 8 iterations, 8 rows took 21.9-24.6 ms per SmolLM2-135M step on
 // Zen 4, with 3 lines after each iteration 18.5-20.6 ms (1, 32 and 256 rows: no difference beyond the noise;
-// benchmarks/results/packed_linear_cpu_fp32_zen4_prefetch_thirteenth.txt).
+// benchmarks/results/2026-12-02_zen4_packed_linear_fp32_prefetch.txt).
 template <int kLocality, typename Step>
 __attribute__((always_inline)) inline void for_each_k(int64_t K, Prefetcher<kLocality>& pf, Step&& step) {
   int64_t k = 0;
