@@ -3,7 +3,7 @@
 Usage (the figures in docs/benchmarks.md, "Quantized decode: agreement"):
 
     python benchmarks/quant_agreement.py --quantization int4 --dtype bfloat16 --max-tokens 64 \
-        --json benchmarks/results/2026-11-30_zen4_quant_agreement_int4.json
+        --json benchmarks/results/<date>_<machine>_quant_agreement_int4.json
 
 Runs the same chat questions (the test set below, answered with the model's chat template, temperature 0)
 through three engines, one after the other: the reference (float32, no quantization: the checkpoint's weights
