@@ -1,6 +1,6 @@
 """Greedy agreement of a weight-quantized engine with the full-precision (dequantized) one on a fixed test set.
 
-Usage (the figures in docs/benchmarks.md, "Quantized decode: agreement"):
+Usage (the figures in docs/benchmarks.md, "Quantized matmul kernels"):
 
     python benchmarks/quant_agreement.py --quantization int4 --dtype bfloat16 --max-tokens 64 \
         --json benchmarks/results/<date>_<machine>_quant_agreement_int4.json

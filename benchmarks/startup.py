@@ -10,7 +10,7 @@ log lines with their arrival time (seconds since start), so where the time went 
 
     python benchmarks/startup.py --warm-runs 2 --output benchmarks/results/<date>_<machine>_startup.json
 
-Issue 16's targets: first answer within 30 s cold and 15 s warm.
+The targets: first answer within 30 s cold and 15 s warm (docs/benchmarks.md, "Start-up").
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ launching several hundred small eager operators (norms, rotary, the cache write,
 ``torch.compile`` (TorchInductor) fuses the pointwise and reduction work of the whole forward pass into a few
 generated C++ loops and calls the matmul kernels directly, which removes most of that overhead. Large decode
 steps gain too: the fused loops make one pass over activations where eager makes one per operator (256
-requests, SmolLM2-135M, bfloat16: 518 ms per step eager, 361 ms compiled, attention included).
+requests, SmolLM2-135M, bfloat16: 518 ms per step eager, 361 ms compiled, attention included;
+docs/benchmarks-history.md, "2026-11-30 Zen 4: offline throughput against transformers").
 
 How it runs:
 
@@ -242,10 +243,10 @@ class CompiledRunner:
 
         Loading a graph is mostly Python (the first load imports Dynamo and Inductor: about 3.5 s on a Zen 4
         core) and keeps a core busy. An eager step on two intra-op threads then waits at each of its several
-        hundred parallel operators for the worker thread that the loader has pushed off its core. On 2 Zen 4
-        cores a first request's 8 tokens were answered 3.2-3.6 s after the server was ready, as the loading
-        ended; with this and the imports done ahead (``tokenmill.engine.core_prestart``), 1.1-2.0 s after
-        (``python benchmarks/startup.py``, docs/benchmarks.md).
+        hundred parallel operators for the worker thread that the loader has pushed off its core, and a first
+        request is answered only as the loading ends. This and the imports done ahead
+        (``tokenmill.engine.core_prestart``) halved a warm start's first answer on Zen 4 (``python
+        benchmarks/startup.py``; docs/benchmarks-history.md, "2026-12-02 Zen 4 (46f8ad6)").
         """
         if not self._is_loading.is_set():
             yield

@@ -109,9 +109,9 @@ def first_max_index(logits: torch.Tensor) -> torch.Tensor:
 
     Two passes: the maxima of chunks of up to 1,024 columns (a plain reduction), then the first chunk holding the
     row's maximum and the first maximal index within it. torch's CPU ``max(dim)`` / ``argmax`` track an index for
-    every element and are several times slower: B=256, V=49,152, float32, 2 cores of an AMD EPYC: 10.4 ms against
-    1.9 ms; B=32: 1.23 against 0.15 ms. Rows whose length no power of two from 64 to 1,024 divides take
-    ``max(dim)``.
+    every element and are several times slower (B=256, V=49,152, float32: 10.4 ms against 1.9 ms;
+    docs/benchmarks-history.md, "2026-12-02 Zen 4 (c3bc8e1)"). Rows whose length no power of two from 64 to 1,024
+    divides take ``max(dim)``.
     """
     rows, width = logits.shape
     chunk = next((c for c in (1024, 512, 256, 128, 64) if width % c == 0 and width > c), 0)

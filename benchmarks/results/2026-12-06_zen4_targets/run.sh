@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16's start-up and single-stream targets on one machine, one after the other (twenty-first session).
+# The start-up and single-stream targets on one machine, one after the other (2026-12-06, Zen 4).
 # Run from the repository root with the project's venv active. LLAMA_AVX2 / LLAMA_NATIVE: the lib/ folders of
 # llama-cpp-python 0.3.36 built with -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF
 # and with -DGGML_NATIVE=ON.
