@@ -529,8 +529,8 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
 // over the context's keys and values in blocks of kKeyBlock rows, with a running softmax (a running
 // maximum and sum per query vector, the partial sums rescaled when the maximum grows; Milakov and Gimelshein,
 // "Online normalizer calculation for softmax", 2018, as FlashAttention uses it). Each key and value block is read
-// from memory once per tile and then used from L1 by every query vector of the tile. Before (one query row at a
-// time, the whole softmax at once) every query row read all of its context again from L2 or L3.
+// from memory once per tile and then used from L1 by every query vector of the tile, where one query row at a time
+// (the whole softmax at once) reads all of its context again from L2 or L3 for every row.
 //
 // Key blocks lie on a fixed grid (multiples of kKeyBlock from row 0), and within a block the scoring loop's groups
 // of four keys are aligned to multiples of four, so a query row's result depends only on its own context: the same
