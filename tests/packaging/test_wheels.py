@@ -46,10 +46,9 @@ def wheel_venv(wheels: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
     return venv
 
 
-def run_in(venv: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run ``args`` with ``venv``'s bin/ first on PATH (plus ``env``), from a folder with no source tree in it."""
-    return subprocess.run(list(args), cwd=venv, env={**venv_env(venv), **(env or {})}, capture_output=True,
-                          text=True, timeout=300)
+def run_in(venv: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``args`` with ``venv``'s bin/ first on PATH, from a folder with no source tree in it."""
+    return subprocess.run(list(args), cwd=venv, env=venv_env(venv), capture_output=True, text=True, timeout=300)
 
 
 def wheel_names(wheel: Path) -> set[str]:
