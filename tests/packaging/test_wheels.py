@@ -48,7 +48,7 @@ def wheel_venv(wheels: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 
 def run_in(venv: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """Run ``args`` with ``venv``'s bin/ first on PATH, from a folder with no source tree in it."""
-    return subprocess.run(list(args), cwd=venv, env=venv_env(venv), capture_output=True, text=True, timeout=300)
+    return subprocess.run(list(args), cwd=venv, env=venv_env(venv), capture_output=True, text=True, timeout=540)
 
 
 def wheel_names(wheel: Path) -> set[str]:
