@@ -110,7 +110,7 @@ def make_venv(path: Path, wheels: list[Path]) -> Path:
                     "-q", *map(str, wheels)], check=True, env=_clean_env(), capture_output=True, text=True,
                    timeout=300)
     purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                             check=True, capture_output=True, text=True, timeout=60).stdout.strip()
+                             check=True, capture_output=True, text=True, timeout=300).stdout.strip()
     outer = [sysconfig.get_path("purelib"), *site.getsitepackages()]
     lines = list(dict.fromkeys(p for p in outer if Path(p).is_dir()))
     (Path(purelib) / "_tokenmill_test_deps.pth").write_text("\n".join(lines) + "\n")
