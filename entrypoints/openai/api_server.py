@@ -34,6 +34,7 @@ from tokenmill.entrypoints.openai.errors import (
 from tokenmill.entrypoints.openai.middleware import (
     DEFAULT_MAX_BODY_BYTES,
     BodySizeLimitMiddleware,
+    REQUEST_ID_HEADER,
     RequestIdMiddleware,
 )
 from tokenmill.entrypoints.openai.openapi import ERROR_RESPONSES, install_openapi, json_body
@@ -132,7 +133,7 @@ def _add_cors(app: FastAPI, args: argparse.Namespace) -> None:
         allow_credentials=bool(getattr(args, "allow_credentials", False)),
         allow_methods=_split_list(getattr(args, "allowed_methods", None), ["*"]),
         allow_headers=_split_list(getattr(args, "allowed_headers", None), ["*"]),
-        expose_headers=["X-Request-Id"],
+        expose_headers=[REQUEST_ID_HEADER],
     )
 
 
