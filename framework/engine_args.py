@@ -20,6 +20,7 @@ from tokenmill.config import (
     DATA_PARALLEL_ROUTING,
     DISTRIBUTED_EXECUTOR_BACKENDS,
     KV_CACHE_DTYPES,
+    MODEL_DTYPES,
     QUANTIZATION_METHODS,
     CacheConfig,
     DeviceConfig,
@@ -34,7 +35,6 @@ from tokenmill.config import (
 logger = logging.getLogger(__name__)
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
 
 
 def parse_size(value: str | int | None) -> int | None:
@@ -105,7 +105,7 @@ class EngineArgs:
         g = parser.add_argument_group("engine")
         g.add_argument("--tokenizer", default=d.tokenizer, help="Tokenizer directory (default: the model's).")
         g.add_argument("--served-model-name", default=d.served_model_name, help="Model name the API reports.")
-        g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+        g.add_argument("--dtype", default=d.dtype, choices=list(MODEL_DTYPES))
         g.add_argument("--max-model-len", type=int, default=d.max_model_len, help="Context length in tokens.")
         g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="Most requests per step.")
         g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
