@@ -9,7 +9,7 @@ import torch
 
 from tokenmill.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadata
 from tokenmill.conformance import reference as ref
-from tokenmill.conformance.kit import ConformanceTarget, ContractFailure
+from tokenmill.conformance.target import ConformanceTarget, ContractFailure
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BLOCK_SIZES = (4, 16)

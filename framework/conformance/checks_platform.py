@@ -10,7 +10,7 @@ import textwrap
 
 import torch
 
-from tokenmill.conformance.kit import ConformanceTarget, ContractFailure, ItemSkipped
+from tokenmill.conformance.target import ConformanceTarget, ContractFailure, ItemSkipped
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DIST_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl", "hccl", "cncl", "mccl")
