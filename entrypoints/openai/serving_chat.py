@@ -46,11 +46,12 @@ from tokenmill.entrypoints.openai.streaming import (
 )
 from tokenmill.entrypoints.openai.structured_outputs import check_structured_outputs
 from tokenmill.entrypoints.openai.tool_choice import ToolCalling, resolve_tool_calling, template_messages
-from tokenmill.entrypoints.openai.tool_parsers import ToolCallDelta, ToolParser, random_tool_call_id
+from tokenmill.entrypoints.openai.tool_parsers import ToolCallDelta, random_tool_call_id
 from tokenmill.errors import EngineGenerateError, InvalidRequestError
 from tokenmill.metrics.stats import RequestStatsTracker
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from tokenmill.tool_parsers import ToolParser
 
 logger = logging.getLogger(__name__)
 

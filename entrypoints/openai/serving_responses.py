@@ -76,11 +76,11 @@ from tokenmill.entrypoints.openai.structured_outputs import (
     json_schema_to_structured_outputs,
 )
 from tokenmill.entrypoints.openai.tool_choice import ToolCalling, resolve_tool_calling, template_messages
-from tokenmill.entrypoints.openai.tool_parsers import ToolParser
 from tokenmill.errors import EngineDeadError, EngineGenerateError, InvalidRequestError, ServerShuttingDownError
 from tokenmill.metrics.stats import RequestStatsTracker
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, StructuredOutputsParams
+from tokenmill.tool_parsers import ToolParser
 
 logger = logging.getLogger(__name__)
 

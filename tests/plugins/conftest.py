@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 from tokenmill.attention.registry import AttentionBackendRegistry
-from tokenmill.entrypoints.openai.tool_parsers import ToolParserManager
 from tokenmill.layers.custom_op import CustomOpRegistry
 from tokenmill.model_loader import ModelRegistry
 from tokenmill.platforms import reset_current_platform
@@ -29,6 +28,7 @@ _counter = itertools.count()
 PLATFORM_MODULE = '''
 from tokenmill.platforms import Platform, PlatformSpec
 from tokenmill.plugins import hookimpl
+from tokenmill.tool_parsers import ToolParserManager
 
 DETECT_CALLS = []
 
