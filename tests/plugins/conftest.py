@@ -22,13 +22,13 @@ from tokenmill.layers.custom_op import CustomOpRegistry
 from tokenmill.model_loader import ModelRegistry
 from tokenmill.platforms import reset_current_platform
 from tokenmill.plugins import reset_for_tests
+from tokenmill.tool_parsers import ToolParserManager
 
 _counter = itertools.count()
 
 PLATFORM_MODULE = '''
 from tokenmill.platforms import Platform, PlatformSpec
 from tokenmill.plugins import hookimpl
-from tokenmill.tool_parsers import ToolParserManager
 
 DETECT_CALLS = []
 
