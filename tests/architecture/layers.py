@@ -18,6 +18,8 @@ LAYER_OF: dict[str, str] = {
     "sampling_params": "foundation",
     "lora.request": "foundation",
     "cache_dir": "foundation",
+    "dtypes": "foundation",
+    "version": "foundation",
     # platforms/plugins: the plugin core, and the per-process state the device layers read.
     "platforms": "platform",
     "plugins": "platform",
