@@ -193,12 +193,12 @@ class EngineArgs:
             FileNotFoundError: the model path does not exist.
             ValueError: ``max_model_len`` exceeds what the model supports or is not positive.
         """
-        from tokenmill.model_loader.hf_config import load_hf_config, resolve_model_location
+        from tokenmill.model_loader.hf_config import derived_max_model_len, load_hf_config, resolve_model_location
 
         loc = resolve_model_location(self.model)
         hf_config = load_hf_config(loc.directory, loc.gguf_file, trust_remote_code=self.trust_remote_code,
                                    gguf_tokenizer=self.tokenizer is None)
-        derived = _derived_max_model_len(hf_config)
+        derived = derived_max_model_len(hf_config)
         max_len = self.max_model_len if self.max_model_len is not None else derived
         if max_len <= 0:
             raise ValueError(f"max_model_len: must be positive, got {max_len}")
@@ -356,11 +356,3 @@ class EngineArgs:
 
     def replace(self, **changes: Any) -> EngineArgs:
         return dataclasses.replace(self, **changes)
-
-
-def _derived_max_model_len(hf_config: Any) -> int:
-    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
-        value = getattr(hf_config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return 2048

@@ -25,7 +25,7 @@ from tokenmill.entrypoints.openai.serving_models import OpenAIServingModels
 from tokenmill.entrypoints.openai.streaming import close_quietly, run_unless_disconnected, sse_json
 from tokenmill.entrypoints.openai.structured_outputs import check_structured_outputs
 from tokenmill.entrypoints.openai.tool_choice import ToolCalling
-from tokenmill.entrypoints.openai.tool_parsers import ToolParser
+from tokenmill.tool_parsers import ToolParser
 from tokenmill.errors import EngineDeadError, EngineGenerateError, InvalidRequestError, ServerShuttingDownError
 from tokenmill.metrics.stats import RequestStatsTracker
 from tokenmill.outputs import CompletionOutput, RequestOutput

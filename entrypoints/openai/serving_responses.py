@@ -65,7 +65,7 @@ from tokenmill.entrypoints.openai.serving_engine import Gen, OpenAIServing, outp
 from tokenmill.entrypoints.openai.streaming import CLIENT_CLOSED_REQUEST, close_quietly, sse_response
 from tokenmill.entrypoints.openai.structured_outputs import json_schema_to_structured_outputs
 from tokenmill.entrypoints.openai.tool_choice import ToolCalling, resolve_tool_calling, template_messages
-from tokenmill.entrypoints.openai.tool_parsers import ToolParser
+from tokenmill.tool_parsers import ToolParser
 from tokenmill.errors import EngineGenerateError, InvalidRequestError
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import StructuredOutputsParams

@@ -9,7 +9,7 @@ import torch
 
 from tokenmill.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadata
 from tokenmill.conformance import reference as ref
-from tokenmill.conformance.kit import ConformanceTarget, ContractFailure
+from tokenmill.conformance.target import ConformanceTarget, ContractFailure
 from tokenmill.dtypes import TORCH_DTYPES
 
 BLOCK_SIZES = (4, 16)

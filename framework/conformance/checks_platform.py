@@ -10,7 +10,7 @@ import textwrap
 
 import torch
 
-from tokenmill.conformance.kit import ConformanceTarget, ContractFailure, ItemSkipped
+from tokenmill.conformance.target import ConformanceTarget, ContractFailure, ItemSkipped
 from tokenmill.dtypes import TORCH_DTYPES
 
 DIST_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl", "hccl", "cncl", "mccl")
