@@ -29,7 +29,7 @@ class RequestIdMiddleware:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
-    # The pure-ASGI prologue (non-HTTP scopes pass through), as in errors.py's middleware: each __call__ is the ASGI interface.
+    # The ASGI interface, as in errors.py's middleware: non-HTTP scopes pass through untouched.
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
