@@ -82,25 +82,3 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int, **l
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-@pytest.fixture(scope="session")
-def ray_cluster():
-    """One real Ray cluster for the session: a head (``node_a``) and a second node (``node_b``) on
-    127.0.0.1, this process connected to it (see tests/ray_cluster.py)."""
-    from tests.ray_cluster import RAY_ENV, LocalRayCluster
-
-    saved = {k: os.environ.get(k) for k in RAY_ENV}
-    os.environ.update(RAY_ENV)
-    cluster = LocalRayCluster()
-    try:
-        cluster.start()
-        cluster.add_node("node_b")
-        yield cluster
-    finally:
-        cluster.stop()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
