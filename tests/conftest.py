@@ -26,23 +26,25 @@ os.environ["TOKENMILL_CPU_PREFAULT"] = "0"
 os.environ.setdefault("TOKENMILL_CACHE_DIR", tempfile.mkdtemp(prefix="tokenmill-test-cache-"))
 
 
+# The shape of every tiny test model (tests/models/families.py builds the other families on it too).
+TINY_CONFIG = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
 def build_tiny_llama(path: str, *, seed: int = 0, tie: bool = False, **overrides) -> str:
     """Save a random-weight LlamaForCausalLM (a few layers, GQA) in Hugging Face layout under ``path``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    kwargs = dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=tie,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    kwargs.update(overrides)
+    kwargs = {**TINY_CONFIG, "tie_word_embeddings": tie, **overrides}
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**kwargs)).eval()
     model.save_pretrained(path)
@@ -80,25 +82,3 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int, **l
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-@pytest.fixture(scope="session")
-def ray_cluster():
-    """One real Ray cluster for the session: a head (``node_a``) and a second node (``node_b``) on
-    127.0.0.1, this process connected to it (see tests/ray_cluster.py)."""
-    from tests.ray_cluster import RAY_ENV, LocalRayCluster
-
-    saved = {k: os.environ.get(k) for k in RAY_ENV}
-    os.environ.update(RAY_ENV)
-    cluster = LocalRayCluster()
-    try:
-        cluster.start()
-        cluster.add_node("node_b")
-        yield cluster
-    finally:
-        cluster.stop()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value

@@ -21,12 +21,11 @@ def check_lower_isa_build(test_file: str, capability: str, isa_key: str, isa: st
     if isa == "avx2" and not {"avx2", "fma", "f16c"} <= kernels.cpu_flags():
         pytest.skip("this CPU has no AVX2/FMA/F16C")
     env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
-    check = (f"from tokenmill_cpu import kernels; assert kernels.load(); "
-             f"assert kernels.isa()[{isa_key!r}] == {isa!r}, kernels.isa()")
-    built = subprocess.run([sys.executable, "-c", check], env=env, cwd=ROOT, capture_output=True, text=True,
-                           timeout=900)
-    assert built.returncode == 0, built.stderr[-3000:]
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(test_file), "-k", select],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0 and " passed" in result.stdout, result.stdout[-3000:] + result.stderr[-2000:]
+    # One interpreter builds, checks the path and runs the tests (a second one would import torch again).
+    code = (f"import sys; from tokenmill_cpu import kernels; assert kernels.load(); "
+            f"assert kernels.isa()[{isa_key!r}] == {isa!r}, kernels.isa(); import pytest; "
+            f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', {os.path.abspath(test_file)!r}, "
+            f"'-k', {select!r}]))")
+    result = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                            timeout=900)
+    assert result.returncode == 0 and " passed" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]

@@ -3,7 +3,7 @@
 (``node_a`` for the head, then ``node_b``, ...), so tests can pin ranks to nodes and make one leave.
 
 Startup is slow (about 10-15 s per node on a quiet 2-core machine, more under load), so tests share one
-cluster per session (the ``ray_cluster`` fixture in tests/conftest.py). Only processes this helper started
+cluster (the package-scoped ``ray_cluster`` fixture in tests/executor/conftest.py). Only processes this helper started
 are stopped: SIGTERM to each ``ray start --block`` (which stops its node), then SIGKILL to its process
 group for anything left.
 """

@@ -14,7 +14,7 @@ import os
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tests.core.test_scheduler import make_scheduler
 from tokenmill.core.block_pool import BlockPool
 from tokenmill.core.kv_cache_manager import KVCacheManager, cdiv
 from tokenmill.core.request import Request, RequestStatus
@@ -104,22 +104,6 @@ def scheduler_configs(draw):
         threshold=draw(st.sampled_from([0, 0, 3, 16])),
         max_model_len=max_model_len,
         policy=draw(st.sampled_from(["fcfs", "fcfs", "priority"])),
-    )
-
-
-def make_scheduler(block_size, num_blocks, budget, max_num_seqs, caching, threshold, max_model_len, policy):
-    mc = ModelConfig(model="fake", tokenizer="fake", hf_config=None, max_model_len=max_model_len)
-    return Scheduler(
-        EngineConfig(
-            model_config=mc,
-            cache_config=CacheConfig(block_size=block_size, num_gpu_blocks=num_blocks, enable_prefix_caching=caching),
-            scheduler_config=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=budget,
-                long_prefill_token_threshold=threshold,
-                policy=policy,
-            ),
-        )
     )
 
 

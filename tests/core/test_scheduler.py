@@ -16,13 +16,15 @@ from tokenmill.sampling_params import SamplingParams
 _ids = itertools.count()
 
 
-def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=256, caching=True, threshold=0):
+def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=256, caching=True, threshold=0,
+                   policy="fcfs") -> Scheduler:
     mc = ModelConfig(model="fake", tokenizer="fake", hf_config=None, max_model_len=max_model_len)
     cfg = EngineConfig(
         model_config=mc,
         cache_config=CacheConfig(block_size=block_size, num_gpu_blocks=num_blocks, enable_prefix_caching=caching),
         scheduler_config=SchedulerConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, long_prefill_token_threshold=threshold
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, long_prefill_token_threshold=threshold,
+            policy=policy,
         ),
     )
     return Scheduler(cfg)

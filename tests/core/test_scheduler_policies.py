@@ -12,7 +12,7 @@ import itertools
 import pytest
 
 from tests.core.test_scheduler import check_invariants, fake_run
-from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tests.core.test_scheduler import make_scheduler as scheduler_for
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sched_output import SchedulerOutput
 from tokenmill.core.scheduler import Scheduler
@@ -23,30 +23,9 @@ _ids = itertools.count()
 _clock = itertools.count(1)
 
 
-def make_scheduler(
-    *,
-    policy: str = "fcfs",
-    num_blocks: int = 64,
-    block_size: int = 4,
-    max_num_seqs: int = 8,
-    budget: int = 64,
-    threshold: int = 0,
-    caching: bool = True,
-    max_model_len: int = 256,
-) -> Scheduler:
-    mc = ModelConfig(model="fake", tokenizer="fake", hf_config=None, max_model_len=max_model_len)
-    return Scheduler(
-        EngineConfig(
-            model_config=mc,
-            cache_config=CacheConfig(block_size=block_size, num_gpu_blocks=num_blocks, enable_prefix_caching=caching),
-            scheduler_config=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=budget,
-                long_prefill_token_threshold=threshold,
-                policy=policy,
-            ),
-        )
-    )
+def make_scheduler(*, budget: int = 64, **kwargs) -> Scheduler:
+    """test_scheduler's scheduler, with a 64-token budget unless told."""
+    return scheduler_for(budget=budget, **kwargs)
 
 
 def make_request(prompt: list[int] | range, max_tokens: int = 4, priority: int = 0, rid: str | None = None) -> Request:

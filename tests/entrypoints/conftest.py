@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import httpx
@@ -94,7 +94,9 @@ def _stop(process: subprocess.Popen[bytes]) -> tuple[int, list[int]]:
     return process.returncode, [c for c in children if _alive(c)]
 
 
-@pytest.fixture(scope="session")
+# Package scope: the server (and its engine core) stops once tests/entrypoints is done instead of idling beside
+# the rest of the suite.
+@pytest.fixture(scope="package")
 def real_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealServer]:
     """``tokenmill serve`` with the embedded default model on a free port of 127.0.0.1."""
     yield from serve_default_model(tmp_path_factory)
@@ -119,6 +121,22 @@ def serve_default_model(tmp_path_factory: pytest.TempPathFactory, extra_args: tu
                           ["--max-model-len", "2048", "--kv-cache-memory", "512MiB", *extra_args])
 
 
+def wait_healthy(url: str, process: subprocess.Popen[bytes], log_tail: Callable[[], str],
+                 timeout_s: float = SERVER_START_TIMEOUT_S) -> None:
+    """Poll ``url/health`` every 0.1 s until it answers 200; fails the test (with ``log_tail()``) when
+    ``process`` exits first or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process.poll() is not None:
+            pytest.fail(f"tokenmill serve exited with {process.returncode}:\n{log_tail()}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            pytest.fail(f"tokenmill serve not healthy after {timeout_s:.0f} s:\n{log_tail()}")
+        time.sleep(0.1)
+
+
 def run_server(log_dir: str, args: list[str], timeout_s: float = SERVER_START_TIMEOUT_S) -> Iterator[RealServer]:
     """Run ``tokenmill serve ARGS --port <free port>`` (log in ``log_dir/server.log``) until it is healthy, yield
     it, then SIGTERM it and check the clean shutdown: exit status 0 and no engine-core process left behind."""
@@ -131,16 +149,7 @@ def run_server(log_dir: str, args: list[str], timeout_s: float = SERVER_START_TI
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     server = RealServer(f"http://127.0.0.1:{port}", process, log_path)
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"tokenmill serve exited with {process.returncode}:\n{server.log_tail()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                pytest.fail(f"tokenmill serve not healthy after {timeout_s:.0f} s:\n{server.log_tail()}")
-            time.sleep(0.5)
+        wait_healthy(server.url, process, server.log_tail, timeout_s)
         yield server
     finally:
         code, left = _stop(process)

@@ -1,5 +1,5 @@
 """RayExecutor on a real Ray cluster (tests/ray_cluster.py: a head ``node_a`` and a node ``node_b`` on
-127.0.0.1, shared by the session): tensor and pipeline parallelism across actors with gloo, placement across
+127.0.0.1, shared by tests/executor): tensor and pipeline parallelism across actors with gloo, placement across
 nodes, a killed actor and a node that leaves, and no actor or placement group left behind.
 
 Every engine here starts Ray actors (each a fresh Python process that imports torch), so these tests are

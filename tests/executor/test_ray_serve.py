@@ -1,4 +1,4 @@
-"""``tokenmill serve`` on the real Ray cluster of the session (tests/ray_cluster.py), with the official
+"""``tokenmill serve`` on the real Ray cluster of tests/executor (tests/ray_cluster.py), with the official
 ``openai`` client: data parallel with Ray-placed engine cores on two nodes (greedy text equal to the
 single-process engine, ``/metrics`` per engine), a worker actor killed mid-generation (a clear error within
 seconds, ``/health`` 503, exit 1), and no actor or placement group left behind after either exit.
@@ -6,7 +6,6 @@ seconds, ``/health`` 503, exit 1), and no actor or placement group left behind a
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -19,7 +18,7 @@ import httpx
 import pytest
 
 from tests.engine.tiny_model import tiny_llama_with_tokenizer
-from tests.entrypoints.conftest import free_port
+from tests.entrypoints.conftest import free_port, wait_healthy
 from tests.entrypoints.helpers import metric
 from tokenmill.executor.ray_utils import BUNDLE_RESOURCES_ENV, RAY_NAMESPACE
 from tokenmill.sampling_params import SamplingParams
@@ -60,15 +59,7 @@ class Server:
         return self.log_path.read_text(errors="replace")[-chars:]
 
     def wait_healthy(self, timeout_s: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                pytest.fail(f"tokenmill serve exited with {self.process.returncode}:\n{self.log_tail()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            time.sleep(0.5)
-        pytest.fail(f"tokenmill serve not healthy after {timeout_s:.0f} s:\n{self.log_tail()}")
+        wait_healthy(self.url, self.process, self.log_tail, timeout_s)
 
     def stop(self) -> int:
         if self.process.poll() is None:

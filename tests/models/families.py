@@ -15,19 +15,9 @@ from typing import Any
 
 import torch
 
-COMMON = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-    tie_word_embeddings=False,
-)
+from tests.conftest import TINY_CONFIG
+
+COMMON = {**TINY_CONFIG, "max_position_embeddings": 256, "pad_token_id": 0, "tie_word_embeddings": False}
 
 WINDOW = 8  # shorter than most test prompts
 

@@ -8,27 +8,42 @@ import pytest
 
 from tests.conftest import hf_greedy
 from tokenmill.engine.core import EngineCore
-from tokenmill.engine.messages import EngineCoreRequest
+from tokenmill.engine.messages import EngineCoreOutput, EngineCoreRequest
 from tokenmill.engine_args import EngineArgs
 from tokenmill.sampling_params import SamplingParams
 
 PROMPTS = [[1, 5, 9, 33, 44, 100], [7] * 13, [3, 4], list(range(20, 61)), [11, 300, 301, 302, 17, 18, 19, 400, 2]]
 
 
-def run_engine(core: EngineCore, prompts: list[list[int]], max_tokens: int, ignore_eos: bool = True) -> list[list[int]]:
-    for i, p in enumerate(prompts):
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
-        core.add_request(EngineCoreRequest(f"req-{i}", p, params, eos_token_id=None if ignore_eos else 2))
-    outs: dict[str, list[int]] = {f"req-{i}": [] for i in range(len(prompts))}
+def step_until_idle(core: EngineCore, requests: list[EngineCoreRequest]) -> dict[str, list[EngineCoreOutput]]:
+    """Add ``requests`` together and step ``core`` until it is idle; returns each request's outputs and checks
+    that no KV block leaked."""
+    for r in requests:
+        core.add_request(r)
+    outs: dict[str, list[EngineCoreOutput]] = {r.request_id: [] for r in requests}
     steps = 0
     while core.has_unfinished_requests():
         for o in core.step().outputs:
-            outs[o.request_id] += o.new_token_ids
+            outs[o.request_id].append(o)
         steps += 1
         assert steps < 10_000
     pool = core.scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_blocks, "KV blocks leaked after all requests finished"
-    return [outs[f"req-{i}"] for i in range(len(prompts))]
+    return outs
+
+
+def tokens(outs: list[EngineCoreOutput]) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
+
+
+def run_engine(core: EngineCore, prompts: list[list[int]], max_tokens: int, ignore_eos: bool = True) -> list[list[int]]:
+    requests = [
+        EngineCoreRequest(f"req-{i}", p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos),
+                          eos_token_id=None if ignore_eos else 2)
+        for i, p in enumerate(prompts)
+    ]
+    outs = step_until_idle(core, requests)
+    return [tokens(outs[r.request_id]) for r in requests]
 
 
 @pytest.mark.parametrize(

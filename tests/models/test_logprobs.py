@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.models.test_llama_correctness import step_until_idle, tokens
 from tokenmill.engine.core import EngineCore
-from tokenmill.engine.messages import EngineCoreOutput, EngineCoreRequest
+from tokenmill.engine.messages import EngineCoreRequest
 from tokenmill.engine_args import EngineArgs
 from tokenmill.sampling_params import SamplingParams
 
@@ -30,21 +31,8 @@ def hf_model(tiny_llama_dir):
 
 
 def run(core: EngineCore, reqs: dict[str, tuple[list[int], SamplingParams]], eos: int | None = None):
-    for rid, (prompt, params) in reqs.items():
-        core.add_request(EngineCoreRequest(rid, prompt, params, eos_token_id=eos))
-    outs: dict[str, list[EngineCoreOutput]] = {rid: [] for rid in reqs}
-    for _ in range(10_000):
-        if not core.has_unfinished_requests():
-            break
-        for o in core.step().outputs:
-            outs[o.request_id].append(o)
-    pool = core.scheduler.kv_cache_manager.block_pool
-    assert pool.get_num_free_blocks() == pool.num_blocks
-    return outs
-
-
-def tokens(outs: list[EngineCoreOutput]) -> list[int]:
-    return [t for o in outs for t in o.new_token_ids]
+    return step_until_idle(core, [EngineCoreRequest(rid, prompt, params, eos_token_id=eos)
+                                  for rid, (prompt, params) in reqs.items()])
 
 
 def check_entry(entry, token: int, ref_row: torch.Tensor, k: int) -> None:

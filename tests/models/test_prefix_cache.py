@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 
 from tests.engine.tiny_model import PREFIX_200, ScheduleRecorder, tiny_llama_with_tokenizer
+from tests.models.test_llama_correctness import step_until_idle as run
+from tests.models.test_llama_correctness import tokens
 from tokenmill.engine.core import EngineCore
-from tokenmill.engine.messages import EngineCoreOutput, EngineCoreRequest
+from tokenmill.engine.messages import EngineCoreRequest
 from tokenmill.engine_args import EngineArgs
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.sampling_params import SamplingParams
@@ -38,25 +40,6 @@ def make_core(model_dir: str, block_size: int, budget: int, caching: bool = True
         enable_prefix_caching=caching,
     )
     return EngineCore(args.create_engine_config())
-
-
-def run(core: EngineCore, requests: list[EngineCoreRequest]) -> dict[str, list[EngineCoreOutput]]:
-    """Add ``requests`` together and step until idle; checks that no KV block leaked."""
-    for r in requests:
-        core.add_request(r)
-    outs: dict[str, list[EngineCoreOutput]] = {r.request_id: [] for r in requests}
-    for _ in range(10_000):
-        if not core.has_unfinished_requests():
-            break
-        for o in core.step().outputs:
-            outs[o.request_id].append(o)
-    pool = core.scheduler.kv_cache_manager.block_pool
-    assert pool.get_num_free_blocks() == pool.num_blocks, "KV blocks leaked"
-    return outs
-
-
-def tokens(outs: list[EngineCoreOutput]) -> list[int]:
-    return [t for o in outs for t in o.new_token_ids]
 
 
 def request(rid: str, prompt: list[int], params: SamplingParams = GREEDY, **kw: object) -> EngineCoreRequest:

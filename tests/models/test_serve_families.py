@@ -5,16 +5,11 @@ mixture-of-experts one), driven by the official ``openai`` client: the completio
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
-import sys
-import time
 
-import httpx
 import openai
 import pytest
 
-from tests.entrypoints.conftest import _stop, free_port
+from tests.entrypoints.conftest import run_server
 from tests.models.families import family_dir
 from tests.models.test_families import hf_reference
 from tokenmill.sampling_params import SamplingParams
@@ -37,38 +32,13 @@ def test_serve_family_through_the_openai_api(name, family_root, tmp_path):
     greedy, _ = hf_reference(model_dir, [list(o.prompt_token_ids) for o in offline], MAX_TOKENS)
     assert [list(o.outputs[0].token_ids) for o in offline] == greedy
 
-    port = free_port()
-    log_path = str(tmp_path / "server.log")
-    cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", model_dir, "--port", str(port),
-           "--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "64MiB",
-           "--served-model-name", f"tiny-{name}"]
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    env.pop("TOKENMILL_API_KEY", None)
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-    def log_tail() -> str:
-        with open(log_path, encoding="utf-8", errors="replace") as f:
-            return f.read()[-4000:]
-
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert process.poll() is None, f"tokenmill serve exited with {process.returncode}:\n{log_tail()}"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, f"server not healthy:\n{log_tail()}"
-            time.sleep(0.5)
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    args = [model_dir, "--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "64MiB",
+            "--served-model-name", f"tiny-{name}"]
+    with contextlib.contextmanager(run_server)(str(tmp_path), args) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
         assert [m.id for m in client.models.list().data] == [f"tiny-{name}"]
         for prompt, expected in zip(PROMPTS, offline):
             out = client.completions.create(model=f"tiny-{name}", prompt=prompt, max_tokens=MAX_TOKENS,
                                             temperature=0, extra_body={"ignore_eos": True})
             assert expected.outputs[0].text and out.choices[0].text == expected.outputs[0].text
             assert out.usage.completion_tokens == MAX_TOKENS
-    finally:
-        code, left = _stop(process)
-    assert code == 0, log_tail()
-    assert not left

@@ -7,13 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.conftest import hf_greedy
@@ -90,7 +85,7 @@ def test_platform_plugin_runs_the_engine_with_its_custom_op(tiny_llama_dir: str,
 def test_serve_the_model_plugin_through_the_openai_api(layerscale_checkpoint: tuple[str, str], tmp_path: Path) -> None:
     import openai
 
-    from tests.entrypoints.conftest import _stop, free_port
+    from tests.entrypoints.conftest import run_server
     from tokenmill.entrypoints.llm import LLM
     from tokenmill.sampling_params import SamplingParams
 
@@ -102,31 +97,14 @@ def test_serve_the_model_plugin_through_the_openai_api(layerscale_checkpoint: tu
     ids = [list(o.prompt_token_ids) for o in offline]
     assert [list(o.outputs[0].token_ids) for o in offline] == hf_greedy(reference, ids, 10)
 
-    port = free_port()
-    log_path = tmp_path / "server.log"
-    cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", twist, "--port", str(port), "--dtype",
-           "float32", "--max-model-len", "256", "--kv-cache-memory", "32MiB", "--served-model-name", "layerscale"]
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                   env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert process.poll() is None, log_path.read_text()[-4000:]
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, log_path.read_text()[-4000:]
-            time.sleep(0.5)
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    args = [twist, "--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "32MiB",
+            "--served-model-name", "layerscale"]
+    with contextlib.contextmanager(run_server)(str(tmp_path), args) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
         for prompt, expected in zip(prompts, offline):
             out = client.completions.create(model="layerscale", prompt=prompt, max_tokens=10, temperature=0,
                                             extra_body={"ignore_eos": True})
             assert out.choices[0].text == expected.outputs[0].text
-    finally:
-        code, left = _stop(process)
-    log_text = log_path.read_text()
-    assert code == 0, log_text[-4000:]
+    log_text = Path(server.log_path).read_text(errors="replace")
     assert "model class: LayerScaleLlamaForCausalLM -> layerscale_llama.LayerScaleLlamaForCausalLM" in log_text
     assert "attention backend: CPU_PAGED" in log_text and "platform: cpu (tokenmill-cpu)" in log_text
