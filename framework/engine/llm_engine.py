@@ -13,7 +13,8 @@ from tokenmill.engine.messages import SchedulerStats
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine_args import EngineArgs
 from tokenmill.lora.request import LoRALoadError, LoRARequest
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import PoolingRequestOutput, RequestOutput
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.metrics import SpecDecodingStats
 
@@ -69,7 +70,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: str | Sequence[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         *,
         arrival_time: float | None = None,
         priority: int = 0,
@@ -77,23 +78,30 @@ class LLMEngine:
         prompt_param: str = "prompt",
         lora_request: LoRARequest | None = None,
     ) -> None:
-        """Validate and queue a request (``lora_request``: its LoRA adapter, ``None`` for the base model).
+        """Validate and queue a request (``lora_request``: its LoRA adapter, ``None`` for the base model);
+        with PoolingParams a pooling request, whose one output is a PoolingRequestOutput.
 
         Raises:
             InvalidRequestError: bad prompt or parameters, a duplicate id, or the engine core rejected it (with
                 data-parallel engine cores, in their own processes, such a rejection arrives later instead: the
                 request finishes with ``finish_reason == "error"``).
         """
-        processed = self.input_processor.process(
-            request_id,
-            prompt,
-            params,
-            arrival_time=arrival_time,
-            priority=priority,
-            add_special_tokens=add_special_tokens,
-            prompt_param=prompt_param,
-            lora_request=lora_request,
-        )
+        if isinstance(params, PoolingParams):
+            processed = self.input_processor.process_pooling(
+                request_id, prompt, params, arrival_time=arrival_time, priority=priority,
+                add_special_tokens=add_special_tokens, prompt_param=prompt_param, lora_request=lora_request,
+            )
+        else:
+            processed = self.input_processor.process(
+                request_id,
+                prompt,
+                params,
+                arrival_time=arrival_time,
+                priority=priority,
+                add_special_tokens=add_special_tokens,
+                prompt_param=prompt_param,
+                lora_request=lora_request,
+            )
         self.output_processor.add_request(processed)
         added: list[str] = []
         try:
@@ -131,7 +139,7 @@ class LLMEngine:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         self.engine_core.abort_requests(self.output_processor.abort_requests(ids))
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         """Run one engine step; returns the outputs of requests that changed (per their ``output_kind``).
 
         A request the engine core failed comes back finished with ``finish_reason == "error"`` and the

@@ -9,6 +9,7 @@ import torch
 
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.lora.request import LoRARequest
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.sampler import SamplingMetadata
 
@@ -26,6 +27,7 @@ class CachedRequestState:
         num_computed_tokens: tokens whose KV is in the cache.
         eos_token_id: EOS id masked until ``min_tokens`` outputs (``None``: none or ``ignore_eos``).
         lora_request: its LoRA adapter (``None``: the base model).
+        pooling_params: set for a pooling request (pooled, never sampled).
     """
 
     req_id: str
@@ -36,6 +38,7 @@ class CachedRequestState:
     num_computed_tokens: int
     eos_token_id: int | None = None
     lora_request: LoRARequest | None = None
+    pooling_params: PoolingParams | None = None
 
     @property
     def num_output_tokens(self) -> int:
