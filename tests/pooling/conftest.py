@@ -85,3 +85,82 @@ def qwen3_classifier_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     Qwen3ForSequenceClassification(_qwen3_config(num_labels=1)).eval().save_pretrained(path)
     byte_level_tokenizer().save_pretrained(path)
     return path
+
+
+def wordpiece_tokenizer():
+    """A tiny BERT-style WordPiece tokenizer trained here: ``[CLS] a [SEP] (b [SEP])`` with token type ids."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import BertTokenizerFast
+
+    from tests.engine.engine_fakes import CORPUS
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.train_from_iterator(CORPUS * 5, trainers.WordPieceTrainer(vocab_size=300, special_tokens=specials,
+                                                                  show_progress=False))
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.BertProcessing(("[SEP]", sep), ("[CLS]", cls))
+    return BertTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", sep_token="[SEP]", pad_token="[PAD]",
+                             cls_token="[CLS]", mask_token="[MASK]")
+
+
+def _bert_kwargs(**overrides):
+    kwargs = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                  max_position_embeddings=128, type_vocab_size=2, pad_token_id=0)
+    kwargs.update(overrides)
+    return kwargs
+
+
+@pytest.fixture(scope="session")
+def bert_embedder_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A BertModel with a sentence-transformers layout: mean pooling, then Normalize (all-MiniLM's shape)."""
+    from transformers import BertConfig, BertModel
+
+    path = str(tmp_path_factory.mktemp("bert_embed"))
+    torch.manual_seed(3)
+    BertModel(BertConfig(**_bert_kwargs())).eval().save_pretrained(path)
+    wordpiece_tokenizer().save_pretrained(path)
+    save_sentence_transformers_layout(path, "mean")
+    return path
+
+
+@pytest.fixture(scope="session")
+def xlmr_embedder_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """An XLMRobertaModel with a sentence-transformers layout: CLS pooling, then Normalize (BGE's shape)."""
+    from transformers import XLMRobertaConfig, XLMRobertaModel
+
+    path = str(tmp_path_factory.mktemp("xlmr_embed"))
+    torch.manual_seed(4)
+    cfg = XLMRobertaConfig(**_bert_kwargs(type_vocab_size=1, pad_token_id=1, max_position_embeddings=130))
+    XLMRobertaModel(cfg).eval().save_pretrained(path)
+    wordpiece_tokenizer().save_pretrained(path)
+    save_sentence_transformers_layout(path, "cls")
+    return path
+
+
+@pytest.fixture(scope="session")
+def bert_cross_encoder_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A BertForSequenceClassification with one label and two token types (ms-marco cross-encoders' shape)."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    path = str(tmp_path_factory.mktemp("bert_ce"))
+    torch.manual_seed(5)
+    BertForSequenceClassification(BertConfig(**_bert_kwargs(num_labels=1))).eval().save_pretrained(path)
+    wordpiece_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def xlmr_cross_encoder_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """An XLMRobertaForSequenceClassification with one label (BGE-reranker's shape)."""
+    from transformers import XLMRobertaConfig, XLMRobertaForSequenceClassification
+
+    path = str(tmp_path_factory.mktemp("xlmr_ce"))
+    torch.manual_seed(6)
+    cfg = XLMRobertaConfig(**_bert_kwargs(type_vocab_size=1, pad_token_id=1, max_position_embeddings=130,
+                                          num_labels=1))
+    XLMRobertaForSequenceClassification(cfg).eval().save_pretrained(path)
+    wordpiece_tokenizer().save_pretrained(path)
+    return path
