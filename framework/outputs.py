@@ -175,8 +175,8 @@ class ClassificationRequestOutput:
 
 @dataclass
 class ScoringOutput:
-    """The relevance score of a text pair. Attributes: score: a cross-encoder's probability (sigmoid of its one
-    logit; the first label's probability otherwise) or the cosine similarity of two embeddings."""
+    """The relevance score of a text pair. Attributes: score: a cross-encoder's probability (the sigmoid of its
+    one logit) or the cosine similarity of two embeddings."""
 
     score: float
 
