@@ -3,11 +3,11 @@ many pooling requests of one HTTP request concurrently through ``AsyncLLM.encode
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from typing import Any
 
 from tokenmill.entrypoints.openai.protocol import random_id
+from tokenmill.entrypoints.openai.serving_completion import _gather_or_cancel
 from tokenmill.entrypoints.openai.serving_engine import OpenAIServing
 from tokenmill.errors import InvalidRequestError
 from tokenmill.outputs import PoolingRequestOutput
@@ -81,12 +81,5 @@ class OpenAIServingPooling(OpenAIServing):
         extra: dict[str, Any] = {"priority": priority} if priority else {}
         if lora_request is not None:
             extra["lora_request"] = lora_request
-        tasks = [asyncio.ensure_future(self.engine.encode(ids, params, f"{base}-{i}", prompt_param=param, **extra))
-                 for i, ids in enumerate(token_lists)]
-        try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        return await _gather_or_cancel(*(self.engine.encode(ids, params, f"{base}-{i}", prompt_param=param, **extra)
+                                         for i, ids in enumerate(token_lists)))

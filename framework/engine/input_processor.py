@@ -109,13 +109,7 @@ class InputProcessor:
                 param="model",
             )
         arrival = time.time() if arrival_time is None else arrival_time
-        if isinstance(prompt, str):
-            _check_encodable(prompt, prompt_param)
-            prompt_text: str | None = prompt
-            token_ids = list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)) if prompt else []
-        else:
-            prompt_text = None
-            token_ids = list(prompt)
+        prompt_text, token_ids = self._tokenize(prompt, add_special_tokens, prompt_param)
         self._check_prompt(token_ids, prompt_param)
         check_token_ids_in_vocab(params, self.model_config.vocab_size)
         params = self._resolve_params(params, len(token_ids), prompt_param)
@@ -158,13 +152,7 @@ class InputProcessor:
                 "--runner pooling", param="model",
             )
         arrival = time.time() if arrival_time is None else arrival_time
-        if isinstance(prompt, str):
-            _check_encodable(prompt, prompt_param)
-            prompt_text: str | None = prompt
-            token_ids = list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)) if prompt else []
-        else:
-            prompt_text = None
-            token_ids = list(prompt)
+        prompt_text, token_ids = self._tokenize(prompt, add_special_tokens, prompt_param)
         if params.task is None:
             params = params.with_task("classify" if mc.convert == "classify" else "embed")
         max_len = mc.max_model_len
@@ -194,6 +182,14 @@ class InputProcessor:
             request_id=request_id, prompt=prompt_text, prompt_token_ids=token_ids, params=placeholder,
             arrival_time=arrival, engine_requests=[engine_request], pooling_params=params,
         )
+
+    def _tokenize(self, prompt: str | Sequence[int], add_special_tokens: bool, prompt_param: str
+                  ) -> tuple[str | None, list[int]]:
+        """``(text or None, token ids)`` of a prompt given as text or as token ids."""
+        if not isinstance(prompt, str):
+            return None, list(prompt)
+        _check_encodable(prompt, prompt_param)
+        return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)) if prompt else []
 
     def _check_prompt(self, token_ids: list[int], prompt_param: str) -> None:
         if not token_ids:
