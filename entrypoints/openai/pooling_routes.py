@@ -10,7 +10,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from tokenmill.entrypoints.openai.chat_template import ChatRenderer
 from tokenmill.entrypoints.openai.errors import parse_json_body, read_json_object
 from tokenmill.entrypoints.openai.openapi import ERROR_RESPONSES, json_body
 from tokenmill.entrypoints.openai.protocol_pooling import (
@@ -26,6 +25,7 @@ from tokenmill.entrypoints.openai.protocol_pooling import (
     parse_embedding_request,
 )
 from tokenmill.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from tokenmill.entrypoints.openai.serving_engine import ServingContext
 from tokenmill.entrypoints.openai.serving_score import OpenAIServingScores
 
 POOLING_REQUEST_MODELS: list[type[BaseModel]] = [EmbeddingCompletionRequest, EmbeddingChatRequest,
@@ -36,16 +36,15 @@ def _json(model: BaseModel) -> Response:
     return Response(model.model_dump_json(), media_type="application/json")
 
 
-def pooling_router(common: tuple[Any, ...], renderer: ChatRenderer, dependencies: list[Any]) -> APIRouter:
+def pooling_router(context: ServingContext, dependencies: list[Any]) -> APIRouter:
     """The router of the pooling routes.
 
     Args:
-        common: ``(engine, models, tokenization, on_engine_dead)`` as the other handlers get them.
-        renderer: the chat renderer (for ``/v1/embeddings`` with ``messages``).
+        context: what every handler of the app shares.
         dependencies: route dependencies (the API-key check).
     """
-    embedding = OpenAIServingEmbedding(*common, renderer=renderer)
-    scores = OpenAIServingScores(*common)
+    embedding = OpenAIServingEmbedding(context)
+    scores = OpenAIServingScores(context)
     router = APIRouter(dependencies=dependencies, responses=ERROR_RESPONSES)
 
     @router.post("/v1/embeddings", openapi_extra=json_body(EmbeddingCompletionRequest, EmbeddingChatRequest),

@@ -4,9 +4,7 @@
 from __future__ import annotations
 
 import base64
-from typing import Any
 
-from tokenmill.entrypoints.openai.chat_template import ChatRenderer
 from tokenmill.entrypoints.openai.protocol import UsageInfo
 from tokenmill.entrypoints.openai.protocol_pooling import (
     ClassificationData,
@@ -21,15 +19,8 @@ from tokenmill.entrypoints.openai.serving_pooling import OpenAIServingPooling, i
 
 
 class OpenAIServingEmbedding(OpenAIServingPooling):
-    """Handles ``/v1/embeddings`` and ``/classify``.
-
-    Args:
-        renderer: renders chat ``messages`` (the model's chat template).
-    """
-
-    def __init__(self, *args: Any, renderer: ChatRenderer, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.renderer = renderer
+    """Handles ``/v1/embeddings`` (chat ``messages`` are rendered with the app's chat template) and
+    ``/classify``."""
 
     async def create_embedding(self, request: EmbeddingCompletionRequest | EmbeddingChatRequest
                                ) -> EmbeddingResponse:

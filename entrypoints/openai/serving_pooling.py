@@ -7,8 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tokenmill.entrypoints.openai.protocol import random_id
-from tokenmill.entrypoints.openai.serving_completion import _gather_or_cancel
-from tokenmill.entrypoints.openai.serving_engine import OpenAIServing
+from tokenmill.entrypoints.openai.serving_engine import OpenAIServing, ServingContext, gather_or_cancel
 from tokenmill.errors import InvalidRequestError
 from tokenmill.outputs import PoolingRequestOutput
 from tokenmill.pooler_config import supported_pooling_tasks
@@ -41,8 +40,8 @@ def input_prompts(value: Any, param: str = "input") -> list[str | list[int]]:
 class OpenAIServingPooling(OpenAIServing):
     """Base of the embedding, classification and score handlers."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, context: ServingContext) -> None:
+        super().__init__(context)
         mc = self.engine.model_config
         self.runner_type = str(getattr(mc, "runner_type", "generate"))
         self.convert = str(getattr(mc, "convert", "none"))
@@ -81,5 +80,5 @@ class OpenAIServingPooling(OpenAIServing):
         extra: dict[str, Any] = {"priority": priority} if priority else {}
         if lora_request is not None:
             extra["lora_request"] = lora_request
-        return await _gather_or_cancel(*(self.engine.encode(ids, params, f"{base}-{i}", prompt_param=param, **extra)
+        return await gather_or_cancel(*(self.engine.encode(ids, params, f"{base}-{i}", prompt_param=param, **extra)
                                          for i, ids in enumerate(token_lists)))

@@ -23,6 +23,33 @@ def child_request_id(index: int, parent_id: str) -> str:
     return f"{index}_{parent_id}"
 
 
+@dataclass(frozen=True, kw_only=True)
+class RequestInput:
+    """One request as a front end (``LLMEngine.add_request``, ``AsyncLLM.generate``) hands it to the
+    :class:`InputProcessor`.
+
+    Attributes:
+        request_id: unique among requests in flight.
+        prompt: text, or token ids.
+        params: sampling parameters (not modified; a resolved copy is used), or PoolingParams for a pooling
+            request (see :meth:`InputProcessor.process_pooling`).
+        arrival_time: ``time.time()`` of arrival (default: when it is processed).
+        priority: for the ``priority`` scheduling policy (lower runs first).
+        add_special_tokens: let the tokenizer add BOS etc. (``False`` for rendered chat templates).
+        prompt_param: the name errors give the prompt (``"messages"`` for chat requests).
+        lora_request: the LoRA adapter to use (``None``: the base model).
+    """
+
+    request_id: str
+    prompt: str | Sequence[int]
+    params: SamplingParams | PoolingParams
+    arrival_time: float | None = None
+    priority: int = 0
+    add_special_tokens: bool = True
+    prompt_param: str = "prompt"
+    lora_request: LoRARequest | None = None
+
+
 @dataclass
 class ProcessedRequest:
     """A validated request, ready for the output processor and the engine core.
@@ -71,29 +98,8 @@ class InputProcessor:
         vocab = model_config.vocab_size
         self._extra_eos_ids = [t for t in model_eos if t != self.eos_token_id and 0 <= t < vocab]
 
-    def process(
-        self,
-        request_id: str,
-        prompt: str | Sequence[int],
-        params: SamplingParams,
-        *,
-        arrival_time: float | None = None,
-        priority: int = 0,
-        add_special_tokens: bool = True,
-        prompt_param: str = "prompt",
-        lora_request: LoRARequest | None = None,
-    ) -> ProcessedRequest:
-        """Tokenize (when ``prompt`` is text), validate and build the engine-core request(s).
-
-        Args:
-            request_id: unique among requests in flight.
-            prompt: text, or token ids.
-            params: sampling parameters (not modified; a resolved copy is used).
-            arrival_time: ``time.time()`` of arrival (default: now).
-            priority: for the ``priority`` scheduling policy.
-            add_special_tokens: let the tokenizer add BOS etc. (``False`` for rendered chat templates).
-            prompt_param: the name errors give the prompt (``"messages"`` for chat requests).
-            lora_request: the LoRA adapter to use (``None``: the base model).
+    def process(self, request: RequestInput) -> ProcessedRequest:
+        """Tokenize (when the prompt is text), validate and build the engine-core request(s).
 
         Raises:
             InvalidRequestError: empty prompt, token id outside the vocabulary (in the prompt, ``logit_bias``,
@@ -101,6 +107,10 @@ class InputProcessor:
                 prompt + ``max_tokens`` longer than the context or than the whole KV cache, stop strings
                 without detokenization, an invalid structured-output constraint (``param`` names the field).
         """
+        if isinstance(request.params, PoolingParams):
+            return self.process_pooling(request)
+        request_id, prompt, params, prompt_param = request.request_id, request.prompt, request.params, \
+            request.prompt_param
         mc = self.model_config
         if mc.runner_type == "pooling" and not any(a.endswith("ForCausalLM") for a in mc.architectures):
             raise InvalidRequestError(
@@ -108,8 +118,8 @@ class InputProcessor:
                 "head: it cannot generate text (use the embeddings, classify, score or rerank routes)",
                 param="model",
             )
-        arrival = time.time() if arrival_time is None else arrival_time
-        prompt_text, token_ids = self._tokenize(prompt, add_special_tokens, prompt_param)
+        arrival = time.time() if request.arrival_time is None else request.arrival_time
+        prompt_text, token_ids = self._tokenize(prompt, request.add_special_tokens, prompt_param)
         self._check_prompt(token_ids, prompt_param)
         check_token_ids_in_vocab(params, self.model_config.vocab_size)
         params = self._resolve_params(params, len(token_ids), prompt_param)
@@ -119,21 +129,11 @@ class InputProcessor:
             prompt_token_ids=token_ids,
             params=params,
             arrival_time=arrival,
-            engine_requests=self._engine_requests(request_id, token_ids, params, arrival, priority, lora_request),
+            engine_requests=self._engine_requests(request_id, token_ids, params, arrival, request.priority,
+                                                  request.lora_request),
         )
 
-    def process_pooling(
-        self,
-        request_id: str,
-        prompt: str | Sequence[int],
-        params: PoolingParams,
-        *,
-        arrival_time: float | None = None,
-        priority: int = 0,
-        add_special_tokens: bool = True,
-        prompt_param: str = "input",
-        lora_request: LoRARequest | None = None,
-    ) -> ProcessedRequest:
+    def process_pooling(self, request: RequestInput) -> ProcessedRequest:
         """Tokenize and validate a pooling request (embedding, classification, scoring).
 
         The task defaults to the model's (``embed``, or ``classify`` for a classifier). A prompt longer than the
@@ -144,6 +144,9 @@ class InputProcessor:
             InvalidRequestError: the engine does not run the pooling runner, the prompt is empty, too long or
                 has out-of-vocabulary ids, or the model cannot do what ``params`` asks (``param`` names why).
         """
+        request_id, prompt, params, prompt_param = request.request_id, request.prompt, request.params, \
+            request.prompt_param
+        assert isinstance(params, PoolingParams)
         mc = self.model_config
         if mc.runner_type != "pooling":
             raise InvalidRequestError(
@@ -151,8 +154,8 @@ class InputProcessor:
                 "(embeddings, classification, scores); serve an embedding or classification model, or pass "
                 "--runner pooling", param="model",
             )
-        arrival = time.time() if arrival_time is None else arrival_time
-        prompt_text, token_ids = self._tokenize(prompt, add_special_tokens, prompt_param)
+        arrival = time.time() if request.arrival_time is None else request.arrival_time
+        prompt_text, token_ids = self._tokenize(prompt, request.add_special_tokens, prompt_param)
         if params.task is None:
             params = params.with_task("classify" if mc.convert == "classify" else "embed")
         max_len = mc.max_model_len
@@ -176,7 +179,8 @@ class InputProcessor:
         placeholder = SamplingParams(max_tokens=1, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
         engine_request = EngineCoreRequest(
             request_id=request_id, prompt_token_ids=token_ids, sampling_params=placeholder,
-            arrival_time=arrival, priority=priority, lora_request=lora_request, pooling_params=params,
+            arrival_time=arrival, priority=request.priority, lora_request=request.lora_request,
+            pooling_params=params,
         )
         return ProcessedRequest(
             request_id=request_id, prompt=prompt_text, prompt_token_ids=token_ids, params=placeholder,

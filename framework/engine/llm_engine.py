@@ -8,7 +8,7 @@ from typing import Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core_client import InprocClient, SyncMPClient
-from tokenmill.engine.input_processor import InputProcessor
+from tokenmill.engine.input_processor import InputProcessor, RequestInput
 from tokenmill.engine.messages import SchedulerStats
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine_args import EngineArgs
@@ -71,37 +71,23 @@ class LLMEngine:
         request_id: str,
         prompt: str | Sequence[int],
         params: SamplingParams | PoolingParams,
-        *,
-        arrival_time: float | None = None,
-        priority: int = 0,
-        add_special_tokens: bool = True,
-        prompt_param: str = "prompt",
-        lora_request: LoRARequest | None = None,
+        **options: Any,
     ) -> None:
-        """Validate and queue a request (``lora_request``: its LoRA adapter, ``None`` for the base model);
-        with PoolingParams a pooling request, whose one output is a PoolingRequestOutput.
+        """Validate and queue a request; with PoolingParams a pooling request, whose one output is a
+        PoolingRequestOutput.
+
+        ``options``: the keyword fields of :class:`~tokenmill.engine.input_processor.RequestInput`
+        (``arrival_time``, ``priority``, ``add_special_tokens``, ``prompt_param``, ``lora_request``: its LoRA
+        adapter, ``None`` for the base model).
 
         Raises:
             InvalidRequestError: bad prompt or parameters, a duplicate id, or the engine core rejected it (with
                 data-parallel engine cores, in their own processes, such a rejection arrives later instead: the
                 request finishes with ``finish_reason == "error"``).
         """
-        if isinstance(params, PoolingParams):
-            processed = self.input_processor.process_pooling(
-                request_id, prompt, params, arrival_time=arrival_time, priority=priority,
-                add_special_tokens=add_special_tokens, prompt_param=prompt_param, lora_request=lora_request,
-            )
-        else:
-            processed = self.input_processor.process(
-                request_id,
-                prompt,
-                params,
-                arrival_time=arrival_time,
-                priority=priority,
-                add_special_tokens=add_special_tokens,
-                prompt_param=prompt_param,
-                lora_request=lora_request,
-            )
+        processed = self.input_processor.process(
+            RequestInput(request_id=request_id, prompt=prompt, params=params, **options)
+        )
         self.output_processor.add_request(processed)
         added: list[str] = []
         try:

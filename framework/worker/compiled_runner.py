@@ -63,7 +63,7 @@ from tokenmill.worker.compile_cache import CompileCache
 
 if TYPE_CHECKING:
     from tokenmill.worker.input_batch import BatchInputs
-    from tokenmill.worker.model_runner import ModelRunner
+    from tokenmill.worker.runner_view import ModelRunnerView
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class CompiledRunner:
         self._is_loading = threading.Event()
 
     @classmethod
-    def create_if_enabled(cls, runner: ModelRunner) -> CompiledRunner | None:
+    def create_if_enabled(cls, runner: ModelRunnerView) -> CompiledRunner | None:
         """A runner for ``runner``'s model, or ``None`` when compilation is off.
 
         Off with ``enforce_eager`` or ``TOKENMILL_COMPILE=0``, on platforms without ``supports_compile``, with
@@ -162,7 +162,7 @@ class CompiledRunner:
             compiled.prepare_blocking(runner, cache)
         return compiled
 
-    def cache_for(self, runner: ModelRunner) -> CompileCache:
+    def cache_for(self, runner: ModelRunnerView) -> CompileCache:
         """The on-disk cache whose key fits this model, engine configuration and source code."""
         from tokenmill.plugins import get_plugin_status
 
@@ -282,7 +282,7 @@ class CompiledRunner:
 
     # ------------------------------------------------------------------------------------------- preparing
 
-    def prepare_blocking(self, runner: ModelRunner, cache: CompileCache) -> None:
+    def prepare_blocking(self, runner: ModelRunnerView, cache: CompileCache) -> None:
         """Load or compile (and save) every kind now, in this thread."""
         start = time.perf_counter()
         runner.attn_backend.wait_until_ready()
@@ -301,7 +301,7 @@ class CompiledRunner:
         logger.info("compiled forward passes ready in %.1f s: %s (cache %s; --enforce-eager skips this)",
                     time.perf_counter() - start, ", ".join(self.compiled) or "none", cache.directory)
 
-    def start_background(self, runner: ModelRunner, cache: CompileCache) -> None:
+    def start_background(self, runner: ModelRunnerView, cache: CompileCache) -> None:
         """Serve eagerly now; load cached kinds and compile missing ones (child process) in a daemon thread."""
         missing = [k for k in self.kinds if not cache.has(k)]
         if missing:
@@ -339,7 +339,7 @@ class CompiledRunner:
             with contextlib.suppress(Exception):
                 child.wait(5)
 
-    def _background(self, runner: ModelRunner, cache: CompileCache, missing: list[str]) -> None:
+    def _background(self, runner: ModelRunnerView, cache: CompileCache, missing: list[str]) -> None:
         start = time.perf_counter()
         try:
             runner.attn_backend.wait_until_ready()
@@ -360,7 +360,7 @@ class CompiledRunner:
                         time.perf_counter() - start, ", ".join(self.compiled) or "none",
                         ", ".join(k for k in self.kinds if k not in self.compiled) or "none")
 
-    def _compile_in_child(self, runner: ModelRunner, cache: CompileCache, missing: list[str]) -> None:
+    def _compile_in_child(self, runner: ModelRunnerView, cache: CompileCache, missing: list[str]) -> None:
         cache.prepare()
         spec = {"config": runner.config, "kinds": missing, "cache_dir": str(cache.directory),
                 "parent_pid": os.getpid()}
@@ -429,7 +429,7 @@ def _aot_settings() -> Iterator[None]:
         yield
 
 
-def kv_block_dim(model_runner: ModelRunner) -> int:
+def kv_block_dim(model_runner: ModelRunnerView) -> int:
     """Which dimension of the backend's KV cache layout counts blocks."""
     one = model_runner.attn_backend.get_kv_cache_shape(1, model_runner.block_size, 1, 8)
     two = model_runner.attn_backend.get_kv_cache_shape(2, model_runner.block_size, 1, 8)
@@ -437,7 +437,7 @@ def kv_block_dim(model_runner: ModelRunner) -> int:
 
 
 def compile_kind(
-    runner: CompiledRunner, kind: str, model_runner: ModelRunner, cache: CompileCache | None
+    runner: CompiledRunner, kind: str, model_runner: ModelRunnerView, cache: CompileCache | None
 ) -> Callable[..., torch.Tensor]:
     """Compile ``kind`` ahead of time for ``runner``'s model (nothing runs) and save it in ``cache``.
 

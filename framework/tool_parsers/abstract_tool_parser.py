@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from tokenmill.entrypoints.openai.tool_parsers.json_scan import ObjectScan
+from tokenmill.tool_parsers.json_scan import ObjectScan
 
 
 @dataclass

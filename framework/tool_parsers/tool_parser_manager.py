@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from tokenmill.entrypoints.openai.tool_parsers.abstract_tool_parser import ToolParser
+from tokenmill.tool_parsers.abstract_tool_parser import ToolParser
 from tokenmill.plugins.fed_registry import HookFedRegistry, Target
 
 

@@ -105,7 +105,7 @@ def _registry_warnings(out: dict[str, Any]) -> list[str]:
             found.append(f"{error['message']} (start-up stops on it)")
     registries: list[Any] = [ModelRegistry, AttentionBackendRegistry, CustomOpRegistry, LogitsProcessorRegistry]
     try:
-        from tokenmill.entrypoints.openai.tool_parsers.tool_parser_manager import ToolParserManager
+        from tokenmill.tool_parsers.tool_parser_manager import ToolParserManager
 
         registries.append(ToolParserManager)
     except ImportError:
@@ -235,11 +235,8 @@ def _quant_methods(platform_cls: Any) -> dict[str, str | None]:
 
 
 def _tool_parsers() -> dict[str, Any]:
-    # The tool-parser registry lives with the OpenAI server (tokenmill.entrypoints.openai.tool_parsers).
-    try:
-        from tokenmill.entrypoints.openai.tool_parsers.tool_parser_manager import ToolParserManager
-    except ImportError:
-        return {"unavailable": "this tokenmill has no tool-parser registry"}
+    from tokenmill.tool_parsers.tool_parser_manager import ToolParserManager
+
     try:
         return _registry(ToolParserManager, ToolParserManager.list_tool_parsers())
     except Exception as exc:  # noqa: BLE001
