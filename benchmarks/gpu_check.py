@@ -187,6 +187,7 @@ def random_paged_batch(
     for n in q_lens:
         qsl.append(qsl[-1] + n)
     q = torch.randn(qsl[-1], num_heads, head_size, generator=g).to(dtype)
+    # Metadata from host lists as conformance.reference and the tests build it; this check keeps its own batch layout.
     md = AttentionMetadata(
         num_actual_tokens=qsl[-1],
         query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
@@ -306,6 +307,7 @@ def build_random_llama(path: str, shape: dict[str, Any], dtype: torch.dtype, dev
 
     config = LlamaConfig(max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, **shape)
     torch.manual_seed(seed)
+    # The default-dtype guard of model_loader.loader, here around the transformers reference model.
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -349,6 +351,7 @@ def run_engine(core: Any, prompts: list[list[int]], max_tokens: int) -> tuple[li
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
         core.add_request(EngineCoreRequest(f"req-{i}", p, params, eos_token_id=None))
+    # The greedy decode loop of tests/models, here without pytest: this script runs alone on a GPU machine.
     outs: dict[str, list[int]] = {f"req-{i}": [] for i in range(len(prompts))}
     steps = 0
     while core.has_unfinished_requests():

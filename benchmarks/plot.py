@@ -26,6 +26,17 @@ def _title(record: dict[str, Any]) -> str:
             f"\n{machine.get('cpu_model', '?')}, {machine.get('torch_threads', '?')} threads")
 
 
+def _finish(plt: Any, fig: Any, ax: Any, record: dict[str, Any], path: str) -> str:
+    """Title, grid and legend on ``ax``; write ``fig`` to ``path`` (PNG, 120 dpi), close it; returns ``path``."""
+    ax.set_title(_title(record), fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot(record: dict[str, Any], out_dir: str, prefix: str = "sweep") -> list[str]:
     """Write the two PNGs for a sweep record; returns their paths."""
     import matplotlib
@@ -44,13 +55,7 @@ def plot(record: dict[str, Any], out_dir: str, prefix: str = "sweep") -> list[st
     ax.set_xticks(batch, [str(b) for b in batch])
     ax.set_xlabel("batch size (requests submitted at once)")
     ax.set_ylabel("output tokens/s")
-    ax.set_title(_title(record), fontsize=9)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    paths.append(os.path.join(out_dir, f"{prefix}_throughput_vs_batch.png"))
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(_finish(plt, fig, ax, record, os.path.join(out_dir, f"{prefix}_throughput_vs_batch.png")))
 
     timed = [p for p in points if p.get("mean_step_s") is not None]
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -64,13 +69,7 @@ def plot(record: dict[str, Any], out_dir: str, prefix: str = "sweep") -> list[st
     ax.set_xticks(running, [str(b) for b in running])
     ax.set_xlabel("running requests (all decoding)")
     ax.set_ylabel("mean decode step time (ms)")
-    ax.set_title(_title(record), fontsize=9)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    paths.append(os.path.join(out_dir, f"{prefix}_step_time_vs_running.png"))
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(_finish(plt, fig, ax, record, os.path.join(out_dir, f"{prefix}_step_time_vs_running.png")))
     return paths
 
 

@@ -61,6 +61,7 @@ class EngineArgs:
     ``model=None`` means the embedded default model (see :mod:`tokenmill.model_loader.default_model`).
     """
 
+    # Flat fields, one per CLI flag, that mirror the *Config dataclasses' fields; create_engine_config groups them.
     model: str | None = None
     tokenizer: str | None = None
     served_model_name: str | None = None

@@ -10,6 +10,7 @@ from tokenmill.layers import DecoderAttention, DecoderForCausalLM, DecoderLayer,
 from tokenmill.models.gemma2 import GEMMA_NORM, gemma_activation, gemma_embedding_multiplier
 
 
+# Gemma 2's layer plus q/k norms; written out so each family's layer reads whole in its own file.
 class Gemma3DecoderLayer(DecoderLayer):
     def __init__(self, config: Any, layer_idx: int, prefix: str) -> None:
         cfg = config.hf_config

@@ -14,6 +14,7 @@ import statistics
 import time
 from typing import Any
 
+# Each bench command imports the shared argument groups and record helpers it uses from common.
 from tokenmill.entrypoints.bench.common import (
     AddArgs,
     add_engine_cli_args,

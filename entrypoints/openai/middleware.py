@@ -29,6 +29,7 @@ class RequestIdMiddleware:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
+    # The ASGI interface, as in errors.py's middleware: non-HTTP scopes pass through untouched.
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)

@@ -511,6 +511,8 @@ class ContentPartEvent(OpenAIBaseModel):
     part: OutputText
 
 
+# Each streaming event spells out its wire shape as OpenAI's Responses API reference does (the OpenAPI schema
+# is generated from these models).
 class OutputTextDeltaEvent(OpenAIBaseModel):
     type: Literal["response.output_text.delta"] = "response.output_text.delta"
     sequence_number: int

@@ -63,6 +63,7 @@ class _Shutdown(Exception):
     """Raised by the signal handler while the engine core is still starting."""
 
 
+# Takes EngineCoreProc's constructor arguments: it is the process target that builds one.
 def run_engine_core(
     config: EngineConfig,
     input_address: str,

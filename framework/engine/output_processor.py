@@ -36,6 +36,7 @@ from tokenmill.outputs import (
     RequestOutput,
 )
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.tool_parsers.abstract_tool_parser import held_back
 
 ERROR_FINISH_REASON = "error"
 
@@ -413,7 +414,7 @@ class OutputProcessor:
             if engine_finished or not params.stop:
                 seq.released = len(seq.text)
             else:
-                seq.released = max(seq.released, len(seq.text) - _stop_prefix_len(seq.text, params.stop))
+                seq.released = max(seq.released, len(seq.text) - held_back(seq.text, params.stop))
         if engine_finished:
             seq.finish_reason = str(out.finish_reason)
             seq.stop_reason = out.stop_reason
@@ -476,14 +477,3 @@ def _find_stop(text: str, stops: list[str], old_len: int) -> tuple[int, str] | N
         if position != -1 and (best is None or position < best[0]):
             best = (position, stop)
     return best
-
-
-def _stop_prefix_len(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
-    longest = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:k]):
-                longest = k
-                break
-    return longest

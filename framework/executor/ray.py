@@ -191,6 +191,7 @@ class RayExecutor(Executor):
             raise
         logger.info("%d Ray worker actors ready (%s)", self.world_size, self.distributed_init_method)
 
+    # Same signature as Executor.collective_rpc: every executor implements the one interface.
     def collective_rpc(
         self,
         method: Method,

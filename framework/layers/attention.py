@@ -33,6 +33,7 @@ class Attention(nn.Module):
         ValueError: the platform's attention backend does not support a requested option.
     """
 
+    # AttentionImpl's constructor arguments plus ``prefix``: the layer hands them on to its backend's impl.
     def __init__(
         self,
         num_heads: int,

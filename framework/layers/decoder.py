@@ -257,6 +257,7 @@ class DecoderForCausalLM(nn.Module):
         """Extra keyword arguments of :class:`DecoderModel` (embedding multiplier, final norm settings)."""
         return {}
 
+    # Same signature as DecoderModel.forward, which it calls: the model contract's forward.
     def forward(
         self,
         input_ids: torch.Tensor,

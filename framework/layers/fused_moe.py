@@ -270,6 +270,7 @@ class SparseMoeBlock(nn.Module):
     Args: as :class:`FusedMoE`.
     """
 
+    # Same arguments as FusedMoE.__init__ (the block passes them on to its ``experts``).
     def __init__(
         self,
         num_experts: int,

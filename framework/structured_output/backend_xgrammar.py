@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from tokenmill.sampling_params import StructuredOutputsParams
+# Same import list as backend_guidance: both backends implement the one interface with the same helpers.
 from tokenmill.structured_output.backend_types import (
     GrammarSpecError,
     StructuredOutputBackend,

@@ -11,6 +11,7 @@ trailing ``<tool_`` that may become a tag).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -124,9 +125,10 @@ def arguments_text(text: str, obj: ObjectScan, keys: tuple[str, ...] = ("argumen
     return raw, True
 
 
-def held_back(text: str, markers: tuple[str, ...]) -> int:
+def held_back(text: str, markers: Sequence[str]) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of one of ``markers`` (text to hold
-    back from the content while a marker may be starting)."""
+    back from the content while a marker may be starting; the output processor holds back a partial stop
+    string with it too)."""
     longest = 0
     for marker in markers:
         for k in range(min(len(marker) - 1, len(text)), longest, -1):

@@ -15,6 +15,7 @@ BUILTIN_TOOL_PARSERS: dict[str, str] = {
 }
 
 
+# Same form as tokenmill.models' plugin: each built-in registry is filled through its own plugin hook.
 @hookimpl
 def tokenmill_register_tool_parsers(registry: Any) -> None:
     for name, path in BUILTIN_TOOL_PARSERS.items():

@@ -24,6 +24,7 @@ def detect() -> tuple[bool, str]:
     return False, f"the cpu-reference device is off (set {ENABLE_ENV}=1, or pass --platform cpuref)"
 
 
+# Written out as a vendor's package would: an example stands alone and imports only tokenmill.plugin_api.
 @hookimpl
 def tokenmill_platform() -> PlatformSpec:
     return PlatformSpec(

@@ -34,6 +34,7 @@ class TorchPagedAttentionBackend(AttentionBackend):
     supports_logits_soft_cap = True
     supports_encoder_only = True
 
+    # get_impl_cls / get_kv_cache_shape: the AttentionBackend interface, which every backend spells out.
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:
         return TorchPagedAttentionImpl
@@ -49,6 +50,7 @@ class TorchPagedAttentionImpl(AttentionImpl):
     ``ceil((W - 1) / block_size) + 1`` blocks that can hold the last ``W`` positions: blocks wholly outside the
     window are never read."""
 
+    # Same signature as AttentionImpl.forward: the interface every backend implements.
     def forward(
         self,
         query: torch.Tensor,

@@ -47,6 +47,7 @@ class TritonPagedAttentionImpl(AttentionImpl):
         ImportError: triton is not installed (the message says which backend to use instead).
     """
 
+    # Same signature as AttentionImpl.__init__: every impl takes the backend's constructor arguments.
     def __init__(
         self,
         num_heads: int,

@@ -326,6 +326,8 @@ def paged_attention(
         query.stride(1),
         out.stride(0),
         out.stride(1),
+        # The cache strides go in as scalars, as in the reshape_and_cache launch above: each kernel takes its own
+        # argument list.
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),

@@ -41,6 +41,7 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
 
 
 class CpuPagedAttentionImpl(TorchPagedAttentionImpl):
+    # Same signature as AttentionImpl.__init__: every impl takes the backend's constructor arguments.
     def __init__(
         self,
         num_heads: int,

@@ -29,6 +29,7 @@ class CpuPlatform(Platform):
     default_dtype: ClassVar[str] = "float32"  # correctness first; bfloat16 with --dtype bfloat16
     supports_graph_capture: ClassVar[bool] = False
     supports_compile: ClassVar[bool] = True  # fused pointwise work; per-op overhead dominates small steps on a CPU
+    # These override Platform's class attributes of the same names (see platforms/interface.py).
     ranks_share_device: ClassVar[bool] = True
     # KV cache: min(4 GiB, a quarter of the RAM available once the weights are loaded) unless --kv-cache-memory
     memory_accounting: ClassVar[str] = "available"

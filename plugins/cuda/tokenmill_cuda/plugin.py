@@ -31,6 +31,8 @@ def detect() -> tuple[bool, str]:
     return True, f"{count} NVIDIA GPU(s) visible, CUDA {torch.version.cuda}"
 
 
+# Written out like tokenmill_cpu's and tokenmill_rocm's hooks: platform plugins ship as separate distributions
+# and import only tokenmill.plugin_api, never each other.
 @hookimpl
 def tokenmill_platform() -> PlatformSpec:
     return PlatformSpec(

@@ -414,6 +414,7 @@ std::string dense_gemm_bf16_isa() {
 
 int64_t dense_gemm_panel() { return kPanel; }
 
+// Same form as quant_linear_isa(): each kernel file reports the ISA its own build flags chose.
 std::string dense_gemm_isa() {
 #if defined(TOKENMILL_GEMM_AVX512)
   return "avx512";

@@ -91,6 +91,7 @@ inline __m512 load_float16<at::Half>(const at::Half* p) {
 }
 #endif
 
+// The AVX2 twin of load_float16 above: one loader per ISA, chosen at compile time.
 #ifdef TOKENMILL_AVX2
 template <typename T>
 inline __m256 load8_float(const T* p) {  // double: instantiated by the dispatch, rejected before it runs
