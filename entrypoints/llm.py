@@ -1,4 +1,5 @@
-"""LLM: the offline API (``tokenmill.LLM``): batch generation and chat in this process."""
+"""LLM: the offline API (``tokenmill.LLM``): batch generation and chat, and embedding, classification and
+scoring with pooling models (docs/pooling.md), in this process."""
 
 from __future__ import annotations
 
@@ -15,7 +16,16 @@ from tokenmill.engine.output_processor import ERROR_FINISH_REASON
 from tokenmill.engine_args import EngineArgs
 from tokenmill.errors import EngineGenerateError
 from tokenmill.lora.request import LoRARequest
-from tokenmill.outputs import RequestOutput
+from tokenmill.entrypoints.score_utils import cosine, make_pairs, pair_token_ids
+from tokenmill.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 ChatMessage = dict[str, Any]
@@ -126,6 +136,125 @@ class LLM:
                 )
             )
         return self._run(prompts, sampling_params, use_tqdm, add_special_tokens=False, prompt_param="messages")
+
+    def encode(
+        self,
+        prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        pooling_params: PoolingParams | None = None,
+        *,
+        use_tqdm: bool = False,
+        lora_request: LoRARequest | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """Run prompts through a pooling model; one PoolingRequestOutput per prompt, in order.
+
+        Raises:
+            InvalidRequestError: the model is not served with the pooling runner, or a bad prompt / parameter.
+            EngineGenerateError: the engine core failed a request.
+        """
+        params = pooling_params or PoolingParams()
+        return self._run_pooling(_normalize_prompts(prompts), params, use_tqdm, lora_request)
+
+    def embed(
+        self,
+        prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        pooling_params: PoolingParams | None = None,
+        *,
+        use_tqdm: bool = False,
+        lora_request: LoRARequest | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """Embed prompts (one vector each, normalized unless ``normalize=False``; ``dimensions`` shortens
+        Matryoshka embeddings). Text prompts get the checkpoint's default sentence-transformers prompt, if any.
+
+        Raises:
+            InvalidRequestError: the model does not embed, or a bad prompt / parameter.
+        """
+        params = (pooling_params or PoolingParams()).with_task("embed")
+        normalized = [self._with_default_prompt(p) for p in _normalize_prompts(prompts)]
+        return [EmbeddingRequestOutput.from_base(o) for o in self._run_pooling(normalized, params, use_tqdm,
+                                                                               lora_request)]
+
+    def classify(
+        self,
+        prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        pooling_params: PoolingParams | None = None,
+        *,
+        use_tqdm: bool = False,
+        lora_request: LoRARequest | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """Class probabilities of each prompt (softmax over the labels, sigmoid for one label).
+
+        Raises:
+            InvalidRequestError: the model has no classification head, or a bad prompt / parameter.
+        """
+        params = (pooling_params or PoolingParams()).with_task("classify")
+        return [ClassificationRequestOutput.from_base(o)
+                for o in self._run_pooling(_normalize_prompts(prompts), params, use_tqdm, lora_request)]
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = False,
+        lora_request: LoRARequest | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """Relevance scores of text pairs: ``data_1`` (one text, or N) against ``data_2`` (N texts), as vLLM
+        pairs them. A cross-encoder (a classifier with one label) scores each pair in one pass (sigmoid of its
+        logit); an embedding model scores the cosine similarity of the two embeddings.
+
+        Raises:
+            InvalidRequestError: empty sides, mismatched lengths, or a model that neither embeds nor classifies.
+        """
+        pairs = make_pairs(data_1, data_2, "data_1", "data_2")
+        if self.llm_engine.model_config.convert == "classify":
+            tokenizer = self.llm_engine.tokenizer
+            params = PoolingParams(task="score", truncate_prompt_tokens=truncate_prompt_tokens)
+            outs = self._run_pooling([pair_token_ids(tokenizer, a, b) for a, b in pairs], params, use_tqdm,
+                                     lora_request)
+            return [ScoringRequestOutput(o.request_id, ScoringOutput(float(o.outputs.data.reshape(-1)[0])),
+                                         o.prompt_token_ids) for o in outs]
+        texts = sorted({t for pair in pairs for t in pair})
+        params = PoolingParams(task="embed", truncate_prompt_tokens=truncate_prompt_tokens)
+        embedded = dict(zip(texts, self._run_pooling(list(texts), params, use_tqdm, lora_request)))
+        return [
+            ScoringRequestOutput(f"{embedded[a].request_id}-{embedded[b].request_id}",
+                                 ScoringOutput(cosine(embedded[a].outputs.data, embedded[b].outputs.data)),
+                                 embedded[a].prompt_token_ids + embedded[b].prompt_token_ids)
+            for a, b in pairs
+        ]
+
+    def _with_default_prompt(self, prompt: str | list[int]) -> str | list[int]:
+        pooler = self.llm_engine.model_config.pooler_config
+        if not isinstance(prompt, str) or pooler is None or not pooler.default_prompt_name:
+            return prompt
+        return (pooler.prompts or {}).get(pooler.default_prompt_name, "") + prompt
+
+    def _run_pooling(self, prompts: list[str | list[int]], params: PoolingParams, use_tqdm: bool,
+                     lora_request: LoRARequest | None) -> list[PoolingRequestOutput]:
+        engine = self.llm_engine
+        request_ids: list[str] = []
+        finished: dict[str, PoolingRequestOutput] = {}
+        from tqdm.auto import tqdm
+
+        try:
+            for prompt in prompts:
+                request_id = str(next(self._request_counter))
+                engine.add_request(request_id, prompt, params, lora_request=lora_request, prompt_param="prompts")
+                request_ids.append(request_id)
+            with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+                while engine.has_unfinished_requests():
+                    for output in engine.step():
+                        if not isinstance(output, PoolingRequestOutput):
+                            failed = [c.stop_reason for c in output.outputs if c.finish_reason == ERROR_FINISH_REASON]
+                            raise EngineGenerateError(f"request {output.request_id} failed in the engine core: "
+                                                      f"{failed[0] if failed else output.outputs}")
+                        finished[output.request_id] = output
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request(request_ids)
+            raise
+        return [finished[i] for i in request_ids]
 
     def _run(
         self,

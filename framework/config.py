@@ -34,6 +34,10 @@ class ModelConfig:
         trust_remote_code: passed to transformers when reading configs and tokenizers.
         quantization: quantized weight copies made after loading (``"int8"`` or ``"int4"``, used for
             small batches, see :mod:`tokenmill.layers.quantization`), or ``None``.
+        runner_type: ``"generate"`` (sampling) or ``"pooling"`` (embeddings, classification; docs/pooling.md).
+        convert: ``"none"``, ``"embed"`` or ``"classify"``: how a pooling model is used (``"embed"``: the
+            base model's hidden states are pooled; ``"classify"``: through its classification head).
+        pooler_config: the pooler of a pooling model (``None`` for generation).
     """
 
     model: str
@@ -46,6 +50,9 @@ class ModelConfig:
     seed: int = 0
     trust_remote_code: bool = False
     quantization: str | None = None
+    runner_type: str = "generate"
+    convert: str = "none"
+    pooler_config: Any = None  # tokenmill.pooler_config.PoolerConfig with the pooling runner
 
     @property
     def architectures(self) -> list[str]:

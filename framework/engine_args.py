@@ -98,6 +98,8 @@ class EngineArgs:
     max_cpu_loras: int | None = None
     speculative_config: dict[str, Any] | str | None = None
     structured_outputs_backend: str = "auto"
+    runner: str = "auto"
+    convert: str = "auto"
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -143,6 +145,12 @@ class EngineArgs:
         g.add_argument("--ray-address", default=d.ray_address,
                        help="Ray cluster to join, e.g. 10.0.0.1:6379 (default: $RAY_ADDRESS, else a local "
                             "cluster is started).")
+        g.add_argument("--runner", default=d.runner, choices=["auto", "generate", "pooling"],
+                       help="generate (sampling) or pooling (embeddings, classification, scores; docs/pooling.md); "
+                            "auto: from the architecture and the checkpoint's sentence-transformers files.")
+        g.add_argument("--convert", default=d.convert, choices=["auto", "none", "embed", "classify"],
+                       help="How the pooling runner uses the model: embed (pooled hidden states) or classify "
+                            "(its classification head); auto: classify for *ForSequenceClassification.")
         g.add_argument("--seed", type=int, default=d.seed)
         g.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager)
         g.add_argument("--compile-mode", default=d.compile_mode, choices=list(COMPILE_MODES),
@@ -199,7 +207,12 @@ class EngineArgs:
         loc = resolve_model_location(self.model)
         hf_config = load_hf_config(loc.directory, loc.gguf_file, trust_remote_code=self.trust_remote_code,
                                    gguf_tokenizer=self.tokenizer is None)
+        from tokenmill.model_loader.pooling_setup import resolve_runner
+
+        choice = resolve_runner(loc.directory, hf_config, self.runner, self.convert)
         derived = derived_max_model_len(hf_config)
+        if choice.encoder_only and getattr(hf_config, "model_type", "") in ("xlm-roberta", "roberta"):
+            derived -= int(getattr(hf_config, "pad_token_id", 1) or 0) + 1  # positions start after padding_idx
         max_len = self.max_model_len if self.max_model_len is not None else derived
         if max_len <= 0:
             raise ValueError(f"max_model_len: must be positive, got {max_len}")
@@ -216,6 +229,9 @@ class EngineArgs:
             seed=self.seed,
             trust_remote_code=self.trust_remote_code,
             quantization=self.quantization,
+            runner_type=choice.runner_type,
+            convert=choice.convert,
+            pooler_config=choice.pooler_config,
         )
 
     def create_engine_config(self) -> EngineConfig:
@@ -260,6 +276,21 @@ class EngineArgs:
             max_batched = min(max(2048, self.max_num_seqs), 8192)
         if max_batched < 1:
             raise ValueError(f"max_num_batched_tokens: must be at least 1, got {max_batched}")
+        if model_config.runner_type == "pooling" and self.pipeline_parallel_size > 1:
+            raise ValueError("pipeline_parallel_size: the pooling runner does not support pipeline parallelism")
+        from tokenmill.model_loader.pooling_setup import is_encoder_only
+
+        encoder_only = model_config.runner_type == "pooling" and is_encoder_only(model_config.hf_config)
+        if encoder_only:
+            # bidirectional attention needs each prompt whole in one step, and its KV is never reusable
+            if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < model_config.max_model_len:
+                raise ValueError(
+                    f"max_num_batched_tokens: {self.max_num_batched_tokens} is less than max_model_len "
+                    f"{model_config.max_model_len}; an encoder model runs every prompt in one step"
+                )
+            max_batched = max(max_batched, model_config.max_model_len)
+            if self.tensor_parallel_size > 1:
+                raise ValueError("tensor_parallel_size: encoder models run on one rank")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             hint = " (fp8 KV caches are not supported yet)" if str(self.kv_cache_dtype).startswith("fp8") else ""
             raise ValueError(f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPES)}, "
@@ -271,13 +302,14 @@ class EngineArgs:
                 cache_dtype=self.kv_cache_dtype,
                 kv_cache_memory=parse_size(self.kv_cache_memory),
                 gpu_memory_utilization=self.gpu_memory_utilization,
-                enable_prefix_caching=self.enable_prefix_caching,
+                enable_prefix_caching=self.enable_prefix_caching and not encoder_only,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=max_batched,
-                long_prefill_token_threshold=self.long_prefill_token_threshold,
+                long_prefill_token_threshold=0 if encoder_only else self.long_prefill_token_threshold,
+                enable_chunked_prefill=not encoder_only,
                 policy=self.scheduling_policy,
             ),
             parallel_config=parallel_config,

@@ -1,8 +1,9 @@
-"""User-facing results of generation: RequestOutput, CompletionOutput, Logprob (vLLM's names)."""
+"""User-facing results: RequestOutput, CompletionOutput, Logprob, and the pooling outputs (vLLM's names)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -86,3 +87,105 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     prompt_logprobs: PromptLogprobs | None = None
+
+
+@dataclass
+class PoolingOutput:
+    """The pooler's output for one prompt.
+
+    Attributes:
+        data: float32 tensor: ``[d]`` (an embedding, or class probabilities), ``[n, d]`` per token (ALL).
+    """
+
+    data: Any
+
+
+@dataclass
+class PoolingRequestOutput:
+    """The result of one pooling request, returned by ``LLM.encode`` (vLLM's name).
+
+    Attributes:
+        request_id: the request's id.
+        outputs: the pooled output.
+        prompt_token_ids: the tokenized prompt (after truncation, if any).
+        finished: always true once returned (a pooling request has one output).
+        prompt: the prompt text when the request had one.
+    """
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """An embedding. Attributes: embedding: its values (``dimensions`` or the hidden size floats)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """The result of ``LLM.embed`` for one prompt (vLLM's name)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        data = output.outputs.data
+        if data.dim() != 1:
+            raise ValueError(f"an embedding is one vector, got shape {tuple(data.shape)}")
+        return cls(output.request_id, EmbeddingOutput(data.tolist()), output.prompt_token_ids, output.finished)
+
+
+@dataclass
+class ClassificationOutput:
+    """Class probabilities (logits with ``activation=False``). Attributes: probs: one float per label."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """The result of ``LLM.classify`` for one prompt (vLLM's name)."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> ClassificationRequestOutput:
+        return cls(output.request_id, ClassificationOutput(output.outputs.data.tolist()), output.prompt_token_ids,
+                   output.finished)
+
+
+@dataclass
+class ScoringOutput:
+    """The relevance score of a text pair. Attributes: score: a cross-encoder's probability (the sigmoid of its
+    one logit) or the cosine similarity of two embeddings."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """The result of ``LLM.score`` for one pair (vLLM's name)."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -21,6 +21,17 @@ BUILTIN_MODELS: dict[str, str] = {
     "Olmo2ForCausalLM": "tokenmill.models.olmo2:Olmo2ForCausalLM",
     "MixtralForCausalLM": "tokenmill.models.mixtral:MixtralForCausalLM",
     "Qwen3MoeForCausalLM": "tokenmill.models.qwen3_moe:Qwen3MoeForCausalLM",
+    # pooling models (docs/pooling.md)
+    "Qwen3Model": "tokenmill.models.pooling_adapters:Qwen3Model",
+    "Qwen2Model": "tokenmill.models.pooling_adapters:Qwen2Model",
+    "LlamaModel": "tokenmill.models.pooling_adapters:LlamaModel",
+    "Qwen3ForSequenceClassification": "tokenmill.models.pooling_adapters:Qwen3ForSequenceClassification",
+    "Qwen2ForSequenceClassification": "tokenmill.models.pooling_adapters:Qwen2ForSequenceClassification",
+    "LlamaForSequenceClassification": "tokenmill.models.pooling_adapters:LlamaForSequenceClassification",
+    "BertModel": "tokenmill.models.bert:BertModel",
+    "XLMRobertaModel": "tokenmill.models.bert:XLMRobertaModel",
+    "BertForSequenceClassification": "tokenmill.models.bert:BertForSequenceClassification",
+    "XLMRobertaForSequenceClassification": "tokenmill.models.bert:XLMRobertaForSequenceClassification",
 }
 
 

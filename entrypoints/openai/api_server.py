@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP app: FastAPI routes over an ``AsyncLLM`` (see docs/serving.md).
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``, ``GET /v1/models``,
-``GET /v1/models/{model}``, ``POST /v1/load_lora_adapter``, ``POST /v1/unload_lora_adapter`` (docs/lora.md), ``POST /tokenize``, ``POST /detokenize``, ``GET /health`` (200, or 503 once
+``GET /v1/models/{model}``, ``POST /v1/load_lora_adapter``, ``POST /v1/unload_lora_adapter`` (docs/lora.md), ``POST /tokenize``, ``POST /detokenize``, the pooling routes (``/v1/embeddings``, ``/classify``, ``/score``,
+``/rerank``; docs/pooling.md), ``GET /health`` (200, or 503 once
 the engine is dead), ``GET /version``, ``GET /metrics`` (Prometheus). With an API key (``--api-key`` or
 ``TOKENMILL_API_KEY``) the ``/v1`` routes and ``/tokenize`` / ``/detokenize`` need
 ``Authorization: Bearer <key>``; ``/health``, ``/version`` and ``/metrics`` stay open for probes and scrapers.
@@ -56,6 +57,7 @@ from tokenmill.entrypoints.openai.responses import (
     TokenizeResponse,
     VersionResponse,
 )
+from tokenmill.entrypoints.openai.pooling_routes import POOLING_REQUEST_MODELS, pooling_router
 from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenmill.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tokenmill.entrypoints.openai.serving_engine import EngineClient, ServingContext, Tokenization
@@ -251,6 +253,7 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
         return Response(result.model_dump_json(), media_type="application/json")
 
     app.include_router(tok)
+    app.include_router(pooling_router(context, auth))
 
     @app.get("/health", responses={503: {"model": ERROR_RESPONSES[500]["model"],
                                          "description": "The engine is dead"}})
@@ -281,5 +284,6 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
         return Response(stat_logger.render(), media_type=CONTENT_TYPE)
 
     install_openapi(app, [ChatCompletionRequest, CompletionRequest, ResponsesRequest, TokenizeCompletionRequest,
-                          TokenizeChatRequest, DetokenizeRequest, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest])
+                          TokenizeChatRequest, DetokenizeRequest, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest,
+                          *POOLING_REQUEST_MODELS])
     return app

@@ -119,6 +119,8 @@ class AttentionBackend(ABC):
             trace it once with dynamic batch size and block-table width (see ``tokenmill.worker.compiled_runner``).
         supports_sliding_window: the impl takes ``sliding_window`` (see :class:`AttentionImpl`).
         supports_logits_soft_cap: the impl takes ``logits_soft_cap``.
+        supports_encoder_only: the impl has ``forward_encoder(query, key, value, attn_metadata)``:
+            bidirectional attention within each (whole) sequence of the step, for encoder models.
     """
 
     name: str = ""
@@ -126,6 +128,7 @@ class AttentionBackend(ABC):
     supports_compile: bool = False
     supports_sliding_window: bool = False
     supports_logits_soft_cap: bool = False
+    supports_encoder_only: bool = False
 
     @staticmethod
     @abstractmethod

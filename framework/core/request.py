@@ -12,6 +12,7 @@ from tokenmill.structured_output.request import StructuredOutputRequest
 if TYPE_CHECKING:
     from tokenmill.engine.messages import EngineCoreRequest
     from tokenmill.lora.request import LoRARequest
+    from tokenmill.pooling_params import PoolingParams
     from tokenmill.sampling_params import SamplingParams
 
 
@@ -63,6 +64,8 @@ class Request:
         spec_token_ids: draft tokens to verify in the next step (speculative decoding; not yet outputs).
         structured_output_request: the constraint and its matcher, for a constrained request (else ``None``).
         error: why the engine failed the request (with ``FINISHED_ERROR``).
+        pooling_params: set for a pooling request: it runs its prompt only and finishes with the pooled output
+            once the last prompt chunk has run (``sampling_params`` is then a placeholder).
     """
 
     def __init__(
@@ -77,8 +80,10 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
+        self.pooling_params = pooling_params
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
@@ -120,6 +125,7 @@ class Request:
             priority=req.priority,
             cache_salt=req.cache_salt,
             lora_request=req.lora_request,
+            pooling_params=req.pooling_params,
         )
 
     @property

@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tokenmill.engine.messages import PooledData
 from tokenmill.lora.request import LoRARequest
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -23,6 +25,7 @@ class NewRequestData:
         num_computed_tokens: tokens already in the cache (prefix-cache hits) before this step.
         eos_token_id: the EOS id the sampler masks until ``min_tokens`` (``None``: none, or ``ignore_eos``).
         lora_request: its LoRA adapter (``None``: the base model).
+        pooling_params: set for a pooling request (nothing is sampled; its prompt's hidden states are pooled).
     """
 
     req_id: str
@@ -33,6 +36,7 @@ class NewRequestData:
     num_computed_tokens: int
     eos_token_id: int | None = None
     lora_request: LoRARequest | None = None
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass
@@ -102,6 +106,8 @@ class ModelRunnerOutput:
         spec_token_ids: speculative decoding: per request, draft tokens proposed for the next step (``None``
             without speculation). With drafts scheduled, ``sampled_token_ids`` holds the accepted drafts then one
             more token (1 to K + 1 tokens).
+        pooler_output: per request, the pooled output of a pooling request whose last prompt chunk ran this
+            step, else ``None`` (the whole list is ``None`` when the step has no pooling request).
     """
 
     req_ids: list[str]
@@ -109,3 +115,4 @@ class ModelRunnerOutput:
     logprobs: list[list[tuple[list[int], list[float], int]] | None] | None = None
     prompt_logprobs: list[list[tuple[list[int], list[float], int]] | None] | None = None
     spec_token_ids: list[list[int]] | None = None
+    pooler_output: list[PooledData | None] | None = None

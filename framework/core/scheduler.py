@@ -37,6 +37,7 @@ from tokenmill.engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     FinishReason,
+    PooledData,
     SchedulerStats,
 )
 from tokenmill.errors import InvalidRequestError
@@ -102,14 +103,16 @@ class Scheduler:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use", "request_id")
         if request.num_prompt_tokens == 0:
             raise InvalidRequestError("prompt must not be empty", "prompt")
-        if request.num_prompt_tokens >= self.max_model_len:
+        if request.pooling_params is not None:
+            self._check_pooling_request(request)
+        elif request.num_prompt_tokens >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {request.num_prompt_tokens} tokens; the context length is {self.max_model_len} "
                 "and at least one token must be generated",
                 "prompt",
             )
         capacity = self.kv_cache_manager.num_blocks * self.block_size
-        if not self.kv_cache_manager.can_fit(request.num_prompt_tokens + 1):
+        if request.pooling_params is None and not self.kv_cache_manager.can_fit(request.num_prompt_tokens + 1):
             raise InvalidRequestError(
                 f"the prompt has {request.num_prompt_tokens} tokens but the whole KV cache holds {capacity} "
                 "tokens (at least one token must be generated); shorten the prompt or give the engine a larger "
@@ -117,7 +120,7 @@ class Scheduler:
                 "prompt",
             )
         longest = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
-        if not self.kv_cache_manager.can_fit(longest):
+        if request.pooling_params is None and not self.kv_cache_manager.can_fit(longest):
             raise InvalidRequestError(
                 f"the request needs up to {longest} tokens of KV cache but the whole cache holds {capacity} "
                 "tokens; lower max_tokens or give the engine a larger KV cache (--kv-cache-memory)",
@@ -128,6 +131,21 @@ class Scheduler:
         self._enqueue(request)
         if request.use_structured_output:
             self.structured_output_manager.grammar_init(request)
+
+    def _check_pooling_request(self, request: Request) -> None:
+        """A pooling request needs room for its prompt only (nothing is generated)."""
+        if request.num_prompt_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {request.num_prompt_tokens} tokens; the context length is {self.max_model_len}",
+                "prompt",
+            )
+        if not self.kv_cache_manager.can_fit(request.num_prompt_tokens):
+            capacity = self.kv_cache_manager.num_blocks * self.block_size
+            raise InvalidRequestError(
+                f"the prompt has {request.num_prompt_tokens} tokens but the whole KV cache holds {capacity} "
+                "tokens; shorten the prompt or give the engine a larger KV cache (--kv-cache-memory)",
+                "prompt",
+            )
 
     def _enqueue(self, request: Request, front: bool = False) -> None:
         if self.policy == "priority":
@@ -225,10 +243,11 @@ class Scheduler:
                     and len(running_loras) >= self.max_loras):
                 skipped.append(self.waiting.popleft())
                 continue
-            # Prompt logprobs need the hidden state of every prompt position, so such a request reads
-            # nothing from the prefix cache (its blocks are still cached for others).
-            wants_prompt_logprobs = request.sampling_params.prompt_logprobs is not None
-            looked_up = request.num_computed_tokens == 0 and not wants_prompt_logprobs
+            # Prompt logprobs and pooling need the hidden state of every prompt position, so such a request
+            # reads nothing from the prefix cache (its blocks are still cached for others).
+            needs_all_positions = (request.sampling_params.prompt_logprobs is not None
+                                   or request.pooling_params is not None)
+            looked_up = request.num_computed_tokens == 0 and not needs_all_positions
             if looked_up:
                 hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             else:
@@ -362,6 +381,7 @@ class Scheduler:
             num_computed_tokens=request.num_computed_tokens,
             eos_token_id=None if request.sampling_params.ignore_eos else request.eos_token_id,
             lora_request=request.lora_request,
+            pooling_params=request.pooling_params,
         )
 
     def _pick_victim(self, first_unscheduled: int) -> Request:
@@ -401,6 +421,9 @@ class Scheduler:
             sampled = runner_output.sampled_token_ids[idx]
             request.spec_token_ids = []
             if not sampled:
+                pooled = runner_output.pooler_output
+                if pooled is not None and pooled[idx] is not None:
+                    outputs.append(self._finish_pooling(request, pooled[idx]))
                 continue  # partial prefill: nothing to emit yet
             num_drafts = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
             if num_drafts:
@@ -445,6 +468,21 @@ class Scheduler:
                 room = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens)
                 request.spec_token_ids = runner_output.spec_token_ids[idx][: max(0, room - 1)]
         return EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic(), scheduler_stats=self.make_stats())
+
+    def _finish_pooling(self, request: Request, pooled: PooledData) -> EngineCoreOutput:
+        """A pooling request whose last prompt chunk ran: finished with its pooled output, blocks freed."""
+        request.status = RequestStatus.FINISHED_STOPPED
+        out = EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=[],
+            finish_reason=FinishReason.STOP,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            events=request.take_events(),
+            pooling_output=pooled,
+        )
+        self.running.remove(request)
+        self._free_request(request)
+        return out
 
     def _advance_grammar(self, request: Request, token_id: int) -> bool:
         """Feed a sampled token to the request's matcher; a token the grammar refuses fails the request."""

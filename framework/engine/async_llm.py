@@ -16,7 +16,8 @@ from tokenmill.engine.output_processor import OutputProcessor, RequestOutputColl
 from tokenmill.engine_args import EngineArgs
 from tokenmill.errors import EngineDeadError, ServerShuttingDownError
 from tokenmill.lora.request import LoRALoadError, LoRARequest
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import PoolingRequestOutput, RequestOutput
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -125,6 +126,43 @@ class AsyncLLM:
             if not finished:
                 self._abort_now(request_id)
             raise
+
+    async def encode(
+        self,
+        prompt: str | Sequence[int],
+        pooling_params: PoolingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        add_special_tokens: bool = True,
+        prompt_param: str = "input",
+        lora_request: LoRARequest | None = None,
+    ) -> PoolingRequestOutput:
+        """Run one pooling request (embedding, classification, score) to its one output.
+
+        Cancellation aborts the request (its KV blocks are freed).
+
+        Raises:
+            InvalidRequestError: the engine does not pool, or bad prompt or parameters.
+            EngineDeadError: the engine core is dead or dies meanwhile.
+            EngineGenerateError: the engine core failed this request.
+        """
+        self._check_alive()
+        processed = self.input_processor.process_pooling(RequestInput(
+            request_id=request_id, prompt=prompt, params=pooling_params, priority=priority,
+            add_special_tokens=add_special_tokens, prompt_param=prompt_param, lora_request=lora_request,
+        ))
+        collector = RequestOutputCollector(processed.params.output_kind)
+        self.output_processor.add_request(processed, collector)
+        try:
+            self._ensure_output_handler()
+            await self.engine_core.add_request_async(processed.engine_requests[0])
+            output = collector.get_nowait() or await collector.get()
+        except BaseException:
+            self._abort_now(request_id)
+            raise
+        assert isinstance(output, PoolingRequestOutput)
+        return output
 
     async def add_lora(self, lora_request: LoRARequest) -> None:
         """Load an adapter on every engine core.

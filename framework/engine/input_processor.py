@@ -13,7 +13,9 @@ from tokenmill.config import CacheConfig, ModelConfig, StructuredOutputsConfig
 from tokenmill.engine.messages import EngineCoreRequest
 from tokenmill.errors import InvalidRequestError
 from tokenmill.lora.request import LoRARequest
-from tokenmill.sampling_params import SamplingParams, SamplingParamsError
+from tokenmill.pooler_config import check_pooling_params
+from tokenmill.pooling_params import PoolingParams
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 
 
 def child_request_id(index: int, parent_id: str) -> str:
@@ -29,7 +31,8 @@ class RequestInput:
     Attributes:
         request_id: unique among requests in flight.
         prompt: text, or token ids.
-        params: sampling parameters (not modified; a resolved copy is used).
+        params: sampling parameters (not modified; a resolved copy is used), or PoolingParams for a pooling
+            request (see :meth:`InputProcessor.process_pooling`).
         arrival_time: ``time.time()`` of arrival (default: when it is processed).
         priority: for the ``priority`` scheduling policy (lower runs first).
         add_special_tokens: let the tokenizer add BOS etc. (``False`` for rendered chat templates).
@@ -39,7 +42,7 @@ class RequestInput:
 
     request_id: str
     prompt: str | Sequence[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     arrival_time: float | None = None
     priority: int = 0
     add_special_tokens: bool = True
@@ -59,6 +62,7 @@ class ProcessedRequest:
         arrival_time: ``time.time()`` when it arrived (seconds).
         engine_requests: what the engine core runs: one request, or ``n`` children with ``n == 1`` each
             (ids from :func:`child_request_id`, seeds ``seed + i``).
+        pooling_params: set for a pooling request (``params`` is then a placeholder).
     """
 
     request_id: str
@@ -67,6 +71,7 @@ class ProcessedRequest:
     params: SamplingParams
     arrival_time: float
     engine_requests: list[EngineCoreRequest]
+    pooling_params: PoolingParams | None = None
 
 
 class InputProcessor:
@@ -102,17 +107,19 @@ class InputProcessor:
                 prompt + ``max_tokens`` longer than the context or than the whole KV cache, stop strings
                 without detokenization, an invalid structured-output constraint (``param`` names the field).
         """
+        if isinstance(request.params, PoolingParams):
+            return self.process_pooling(request)
         request_id, prompt, params, prompt_param = request.request_id, request.prompt, request.params, \
             request.prompt_param
+        mc = self.model_config
+        if mc.runner_type == "pooling" and not any(a.endswith("ForCausalLM") for a in mc.architectures):
+            raise InvalidRequestError(
+                f"this model ({', '.join(mc.architectures)}) is served with the 'pooling' runner and has no LM "
+                "head: it cannot generate text (use the embeddings, classify, score or rerank routes)",
+                param="model",
+            )
         arrival = time.time() if request.arrival_time is None else request.arrival_time
-        if isinstance(prompt, str):
-            _check_encodable(prompt, prompt_param)
-            prompt_text: str | None = prompt
-            token_ids = (list(self.tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens))
-                         if prompt else [])
-        else:
-            prompt_text = None
-            token_ids = list(prompt)
+        prompt_text, token_ids = self._tokenize(prompt, request.add_special_tokens, prompt_param)
         self._check_prompt(token_ids, prompt_param)
         check_token_ids_in_vocab(params, self.model_config.vocab_size)
         params = self._resolve_params(params, len(token_ids), prompt_param)
@@ -125,6 +132,68 @@ class InputProcessor:
             engine_requests=self._engine_requests(request_id, token_ids, params, arrival, request.priority,
                                                   request.lora_request),
         )
+
+    def process_pooling(self, request: RequestInput) -> ProcessedRequest:
+        """Tokenize and validate a pooling request (embedding, classification, scoring).
+
+        The task defaults to the model's (``embed``, or ``classify`` for a classifier). A prompt longer than the
+        context length is refused unless ``truncate_prompt_tokens`` asks to keep only its last ``k`` tokens
+        (``-1``: the context length), as vLLM truncates.
+
+        Raises:
+            InvalidRequestError: the engine does not run the pooling runner, the prompt is empty, too long or
+                has out-of-vocabulary ids, or the model cannot do what ``params`` asks (``param`` names why).
+        """
+        request_id, prompt, params, prompt_param = request.request_id, request.prompt, request.params, \
+            request.prompt_param
+        assert isinstance(params, PoolingParams)
+        mc = self.model_config
+        if mc.runner_type != "pooling":
+            raise InvalidRequestError(
+                f"this model is served with the {mc.runner_type!r} runner, which does not do pooling "
+                "(embeddings, classification, scores); serve an embedding or classification model, or pass "
+                "--runner pooling", param="model",
+            )
+        arrival = time.time() if request.arrival_time is None else request.arrival_time
+        prompt_text, token_ids = self._tokenize(prompt, request.add_special_tokens, prompt_param)
+        if params.task is None:
+            params = params.with_task("classify" if mc.convert == "classify" else "embed")
+        max_len = mc.max_model_len
+        keep = params.truncate_prompt_tokens
+        if keep is not None:
+            keep = max_len if keep == -1 else keep
+            if keep > max_len:
+                raise InvalidRequestError(
+                    f"truncate_prompt_tokens: {keep} is more than the context length {max_len}",
+                    param="truncate_prompt_tokens",
+                )
+            token_ids = token_ids[-keep:]
+        self._check_prompt(token_ids, prompt_param)
+        if len(token_ids) > max_len:
+            raise InvalidRequestError(
+                f"{prompt_param}: this model's maximum context length is {max_len} tokens, but the input has "
+                f"{len(token_ids)} tokens; shorten it or pass truncate_prompt_tokens", param=prompt_param,
+            )
+        check_pooling_params(params, mc.pooler_config, mc.convert, int(mc.hf_config.hidden_size),
+                             int(getattr(mc.hf_config, "num_labels", 1) or 1))
+        placeholder = SamplingParams(max_tokens=1, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+        engine_request = EngineCoreRequest(
+            request_id=request_id, prompt_token_ids=token_ids, sampling_params=placeholder,
+            arrival_time=arrival, priority=request.priority, lora_request=request.lora_request,
+            pooling_params=params,
+        )
+        return ProcessedRequest(
+            request_id=request_id, prompt=prompt_text, prompt_token_ids=token_ids, params=placeholder,
+            arrival_time=arrival, engine_requests=[engine_request], pooling_params=params,
+        )
+
+    def _tokenize(self, prompt: str | Sequence[int], add_special_tokens: bool, prompt_param: str
+                  ) -> tuple[str | None, list[int]]:
+        """``(text or None, token ids)`` of a prompt given as text or as token ids."""
+        if not isinstance(prompt, str):
+            return None, list(prompt)
+        _check_encodable(prompt, prompt_param)
+        return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)) if prompt else []
 
     def _check_prompt(self, token_ids: list[int], prompt_param: str) -> None:
         if not token_ids:

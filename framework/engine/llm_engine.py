@@ -13,7 +13,8 @@ from tokenmill.engine.messages import SchedulerStats
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine_args import EngineArgs
 from tokenmill.lora.request import LoRALoadError, LoRARequest
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import PoolingRequestOutput, RequestOutput
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.metrics import SpecDecodingStats
 
@@ -69,10 +70,11 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: str | Sequence[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         **options: Any,
     ) -> None:
-        """Validate and queue a request.
+        """Validate and queue a request; with PoolingParams a pooling request, whose one output is a
+        PoolingRequestOutput.
 
         ``options``: the keyword fields of :class:`~tokenmill.engine.input_processor.RequestInput`
         (``arrival_time``, ``priority``, ``add_special_tokens``, ``prompt_param``, ``lora_request``: its LoRA
@@ -123,7 +125,7 @@ class LLMEngine:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         self.engine_core.abort_requests(self.output_processor.abort_requests(ids))
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         """Run one engine step; returns the outputs of requests that changed (per their ``output_kind``).
 
         A request the engine core failed comes back finished with ``finish_reason == "error"`` and the

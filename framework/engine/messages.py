@@ -11,6 +11,7 @@ import enum
 import msgspec
 
 from tokenmill.lora.request import LoRARequest
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.metrics import SpecDecodingStats
 
@@ -68,6 +69,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
         priority: lower runs earlier under the ``priority`` policy.
         cache_salt: mixed into prefix-cache block hashes (isolates tenants).
         lora_request: the LoRA adapter to run with (``None``: the base model).
+        pooling_params: set for a pooling request (embedding, classification): its prompt is run and pooled,
+            nothing is sampled (``sampling_params`` is then a placeholder with ``max_tokens=1``).
     """
 
     request_id: str
@@ -78,6 +81,19 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     priority: int = 0
     cache_salt: str | None = None
     lora_request: LoRARequest | None = None
+    pooling_params: PoolingParams | None = None
+
+
+class PooledData(msgspec.Struct, array_like=True):
+    """A pooling request's output tensor on the wire: float32 values in C order.
+
+    Attributes:
+        data: the values, little-endian float32 bytes.
+        shape: the tensor's shape (``[d]`` for an embedding or class probabilities, ``[n, d]`` per token).
+    """
+
+    data: bytes
+    shape: list[int]
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -97,6 +113,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
             top ``prompt_logprobs`` candidates; ``rank`` is the 1-based rank of the actual token.
         events: engine-core events of the request since its previous output, oldest first (queued, scheduled,
             preempted; ``None`` when none). Front ends derive queue / prefill / decode times from them.
+        pooling_output: a pooling request's result, with its only (finishing) output.
     """
 
     request_id: str
@@ -108,6 +125,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     new_logprobs: list[tuple[list[int], list[float], int]] | None = None
     prompt_logprobs: list[tuple[list[int], list[float], int]] | None = None
     events: list[EngineCoreEvent] | None = None
+    pooling_output: PooledData | None = None
 
     @property
     def finished(self) -> bool:

@@ -19,11 +19,22 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import torch
+
 from tokenmill.engine.detokenizer import IncrementalDetokenizer, TokenizerView
 from tokenmill.engine.input_processor import ProcessedRequest
-from tokenmill.engine.messages import EngineCoreOutput, FinishReason
+from tokenmill.engine.messages import EngineCoreOutput, FinishReason, PooledData
 from tokenmill.errors import EngineGenerateError, InvalidRequestError
-from tokenmill.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
+from tokenmill.outputs import (
+    CompletionOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 from tokenmill.tool_parsers.abstract_tool_parser import held_back
 
@@ -186,14 +197,23 @@ class _Request:
         self.errored = False
         self.prompt_logprobs: PromptLogprobs | None = None
         self.prompt_logprobs_sent = False
+        self.pooling_params = processed.pooling_params
+        self.pooled: PooledData | None = None
 
     @property
     def finished(self) -> bool:
         return all(s.finished for s in self.sequences)
 
     def build_output(self) -> RequestOutput | None:
-        """This step's RequestOutput, or ``None`` when the output kind has nothing to show yet."""
+        """This step's RequestOutput (a PoolingRequestOutput for a pooling request with its result), or ``None``
+        when the output kind has nothing to show yet."""
         finished = self.finished
+        if self.pooling_params is not None:
+            if self.pooled is not None:
+                return self._pooling_output()
+            if not finished:
+                return None
+            # failed or aborted: a RequestOutput that carries the finish reason
         kind = self.output_kind
         if kind == RequestOutputKind.FINAL_ONLY:
             if not finished:
@@ -217,6 +237,18 @@ class _Request:
             num_cached_tokens=self.num_cached_tokens,
             metrics=self.metrics,
             prompt_logprobs=prompt_logprobs,
+        )
+
+
+    def _pooling_output(self) -> PoolingRequestOutput:
+        assert self.pooled is not None
+        values = np.frombuffer(self.pooled.data, dtype=np.float32).reshape(self.pooled.shape)
+        return PoolingRequestOutput(
+            request_id=self.request_id,
+            outputs=PoolingOutput(torch.from_numpy(values.copy())),
+            prompt_token_ids=self.prompt_token_ids,
+            finished=True,
+            prompt=self.prompt,
         )
 
 
@@ -322,6 +354,8 @@ class OutputProcessor:
                 continue
             touched[request.request_id] = request
             self._apply(seq, out, result)
+            if out.pooling_output is not None:
+                request.pooled = out.pooling_output
             if out.new_token_ids:
                 if request.metrics.first_token_time is None:
                     request.metrics.first_token_time = now

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,6 +25,9 @@ class Attention(nn.Module):
         prefix: the layer's unique name (e.g. ``model.layers.3.self_attn.attn``).
         sliding_window: attend to the last ``sliding_window`` positions only (``None``: all).
         logits_soft_cap: ``c * tanh(score / c)`` on the scaled scores (``None``: off).
+        attn_type: ``"decoder"`` (causal, through the paged KV cache) or ``"encoder_only"`` (bidirectional:
+            every token of a sequence sees every other; the whole sequence runs in one step and nothing is read
+            from the cache), for encoder models such as BERT. Backends declare ``supports_encoder_only``.
 
     Raises:
         ValueError: the platform's attention backend does not support a requested option.
@@ -40,6 +44,7 @@ class Attention(nn.Module):
         *,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        attn_type: str = "decoder",
     ) -> None:
         super().__init__()
         self.layer_name = prefix
@@ -58,6 +63,13 @@ class Attention(nn.Module):
                 raise ValueError(f"attention backend {backend.name or backend.__qualname__} does not support "
                                  f"{name} (layer {prefix!r}); choose a backend with {flag} = True")
             options[name] = value
+        if attn_type not in ("decoder", "encoder_only"):
+            raise ValueError(f"attn_type: must be 'decoder' or 'encoder_only', got {attn_type!r}")
+        if attn_type == "encoder_only" and not getattr(backend, "supports_encoder_only", False):
+            raise ValueError(f"attention backend {backend.name or backend.__qualname__} does not support "
+                             f"encoder-only (bidirectional) attention (layer {prefix!r}); choose a backend with "
+                             "supports_encoder_only = True (e.g. TORCH_PAGED)")
+        self.attn_type = attn_type
         self.impl = backend.get_impl_cls()(num_heads, head_size, scale, num_kv_heads, **options)
         self.kv_cache = torch.empty(0)
         # Unique in the model and the same in every process and run: compiled graphs hold it as a constant and
@@ -70,7 +82,13 @@ class Attention(nn.Module):
         ctx = get_forward_context()
         if ctx.opaque_attention:
             return torch.ops.tokenmill.attention(query, key, value, self.op_key)
-        return self.impl.forward(query, key, value, self.kv_cache, ctx.attn_metadata)
+        return self.run_impl(query, key, value, ctx.attn_metadata)
+
+    def run_impl(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+        """The backend's attention for this layer's type (``[T, Hq*D]``)."""
+        if self.attn_type == "encoder_only":
+            return self.impl.forward_encoder(query, key, value, attn_metadata)  # type: ignore[attr-defined]
+        return self.impl.forward(query, key, value, self.kv_cache, attn_metadata)
 
 
 _INSTANCE_IDS = itertools.count()
@@ -95,7 +113,7 @@ def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, la
     if ctx.attn_layers is None:
         raise RuntimeError("tokenmill::attention needs the forward context's attn_layers (the running model's)")
     layer = ctx.attn_layers[layer_key]
-    out = layer.impl.forward(query, key, value, layer.kv_cache, ctx.attn_metadata)
+    out = layer.run_impl(query, key, value, ctx.attn_metadata)
     return out.contiguous()
 
 

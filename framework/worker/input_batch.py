@@ -22,7 +22,8 @@ class CachedRequestState(NewRequestData):
     def from_new(cls, new: NewRequestData) -> CachedRequestState:
         """The worker's own copy of a scheduled new request (its lists are copied: they grow here)."""
         return cls(new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
-                   list(new.block_ids), new.num_computed_tokens, new.eos_token_id, new.lora_request)
+                   list(new.block_ids), new.num_computed_tokens, new.eos_token_id, new.lora_request,
+                   new.pooling_params)
 
     @property
     def num_output_tokens(self) -> int:

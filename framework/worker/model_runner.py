@@ -13,6 +13,7 @@ from tokenmill.distributed import get_pp_size
 from tokenmill.forward_context import set_forward_context
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.pipeline import IntermediateTensors
+from tokenmill.layers.pooler import build_pooler
 from tokenmill.attention.paged_cache import allocate_kv_caches, kv_cache_bytes_per_block
 from tokenmill.layers.linear_method import attach_linear_method
 from tokenmill.layers.quantization import quantize_model
@@ -23,6 +24,7 @@ from tokenmill.worker.compiled_runner import CompiledRunner
 from tokenmill.worker.grammar_bitmask import apply_grammar_bitmask
 from tokenmill.worker.graph_runner import GraphRunner
 from tokenmill.worker.input_batch import CachedRequestState, build_batch_inputs, build_sampling_metadata
+from tokenmill.worker.pooling_collector import PoolingCollector
 from tokenmill.worker.logits_processor import LogitsProcessorBatch, apply_logits_processors, build_logits_processors
 from tokenmill.worker.sampler import Sampler, gather_logprobs
 
@@ -67,6 +69,7 @@ class ModelRunner:
                                             config.model_config.max_model_len, self.kv_cache_dtype)
         self.logits_processors = build_logits_processors(config, device)  # plugins' and --logits-processors
         self.process_weights = True  # False in the compile worker: it traces, never runs, so nothing is prepacked
+        self.pooling_collector: PoolingCollector | None = None  # with the pooling runner (docs/pooling.md)
 
     def load_model(self) -> None:
         """Build and load the model, attach quantized copies, then the platform's linear method (which may
@@ -81,6 +84,9 @@ class ModelRunner:
             self.lora_manager = LoRAModelManager(self.model, lc.max_loras, lc.max_lora_rank, lc.max_cpu_loras)
         if self.spec_decoder is not None:
             self.spec_decoder.load_model(process_weights=self.process_weights)
+        mc = self.config.model_config
+        if mc.runner_type == "pooling":
+            self.pooling_collector = PoolingCollector(build_pooler(self.model, mc.pooler_config, mc.convert))
 
     def model_memory_bytes(self) -> int:
         assert self.model is not None
@@ -115,11 +121,13 @@ class ModelRunner:
         positions = torch.arange(num_tokens, device=self.device) % max(1, self.config.model_config.max_model_len)
         with set_forward_context(None):
             hidden = self.model(input_ids, positions)
-        logits = self.model.compute_logits(hidden[:num_rows]).float()
-        torch.softmax(logits, dim=-1)
+        if getattr(self.model, "has_lm_head", True):  # pooling-only models have none
+            logits = self.model.compute_logits(hidden[:num_rows]).float()
+            torch.softmax(logits, dim=-1)
+            del logits
         platform.synchronize()
         peak = platform.get_peak_memory_bytes()
-        del hidden, logits
+        del hidden
         platform.empty_cache()
         return max(0, peak - before)
 
@@ -157,6 +165,9 @@ class ModelRunner:
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
             self.prompt_logprobs.pop(req_id, None)
+        if self.pooling_collector is not None:
+            self.pooling_collector.discard(so.finished_req_ids)
+            self.pooling_collector.discard(new.req_id for new in so.scheduled_new_reqs)
         if self.spec_decoder is not None:
             self.spec_decoder.remove_requests(so.finished_req_ids)
             self.spec_decoder.remove_requests(new.req_id for new in so.scheduled_new_reqs)
@@ -216,6 +227,12 @@ class ModelRunner:
                 hidden = self.model(batch.input_ids, batch.positions)
         self._accumulate_prompt_logprobs(states, counts, batch.attn_metadata.query_start_loc_cpu, hidden)
         sample_rows = [i for i, m in enumerate(batch.sample_mask) if m]
+        pooler_output = None
+        if self.pooling_collector is not None:
+            pooler_output = self.pooling_collector.collect(states, counts, batch.attn_metadata.query_start_loc_cpu,
+                                                           hidden)
+            if pooler_output is not None:  # pooling requests are never sampled
+                sample_rows = [i for i in sample_rows if states[i].pooling_params is None]
         prompt_logprobs: list[list[LogprobEntry] | None] | None = None
         for i in sample_rows:
             done = self.prompt_logprobs.pop(req_ids[i], None)
@@ -283,7 +300,7 @@ class ModelRunner:
                 spec_token_ids[i] = proposals[j]
         return ModelRunnerOutput(
             req_ids=req_ids, sampled_token_ids=sampled_ids, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            spec_token_ids=spec_token_ids,
+            spec_token_ids=spec_token_ids, pooler_output=pooler_output,
         )
 
     def _process_logits(self, logits: torch.Tensor, states: list[CachedRequestState]) -> torch.Tensor:

@@ -16,6 +16,8 @@ LAYER_OF: dict[str, str] = {
     "errors": "foundation",
     "outputs": "foundation",
     "sampling_params": "foundation",
+    "pooling_params": "foundation",
+    "pooler_config": "foundation",
     "lora.request": "foundation",
     "cache_dir": "foundation",
     "dtypes": "foundation",

@@ -15,11 +15,15 @@ from tokenmill.models.plugin import BUILTIN_MODELS
 FAMILY_ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                 "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM",
                 "Olmo2ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"]
+# pooling models (docs/pooling.md), tested in tests/pooling
+POOLING_ARCHS = ["Qwen3Model", "Qwen2Model", "LlamaModel", "Qwen3ForSequenceClassification",
+                 "Qwen2ForSequenceClassification", "LlamaForSequenceClassification", "BertModel", "XLMRobertaModel",
+                 "BertForSequenceClassification", "XLMRobertaForSequenceClassification"]
 
 
 def test_every_family_is_registered_through_the_entry_point_and_imports():
-    assert sorted(BUILTIN_MODELS) == sorted(FAMILY_ARCHS)
-    for arch in FAMILY_ARCHS:
+    assert sorted(BUILTIN_MODELS) == sorted(FAMILY_ARCHS + POOLING_ARCHS)
+    for arch in FAMILY_ARCHS + POOLING_ARCHS:
         assert ModelRegistry.is_registered(arch)
         assert ModelRegistry.resolve_model_cls([arch]).__name__ == arch
 

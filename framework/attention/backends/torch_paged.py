@@ -32,6 +32,7 @@ class TorchPagedAttentionBackend(AttentionBackend):
     supports_compile = True
     supports_sliding_window = True
     supports_logits_soft_cap = True
+    supports_encoder_only = True
 
     # get_impl_cls / get_kv_cache_shape: the AttentionBackend interface, which every backend spells out.
     @staticmethod
@@ -93,6 +94,43 @@ class TorchPagedAttentionImpl(AttentionImpl):
             out[start:end] = self.forward_prefill(q[start:end], k_ctx, v_ctx).view(-1, *q.shape[1:])
         if fresh:
             self.forward_prefills(q, k, v, fresh, out.view(num_tokens, -1))
+        return out.reshape(num_tokens, -1)
+
+    def forward_encoder(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_metadata: AttentionMetadata | None
+    ) -> torch.Tensor:
+        """Bidirectional (encoder-only) attention: each sequence's tokens see all of that sequence's tokens and
+        no other's; the KV cache is neither written nor read, so every sequence must be whole in this step.
+
+        Args:
+            query: ``[T, Hq * D]``; key, value: ``[T, Hkv * D]``.
+            attn_metadata: the step's metadata (``None``: the whole batch is one sequence, the profiling pass).
+
+        Returns:
+            ``[T, Hq * D]`` in ``query``'s dtype.
+
+        Raises:
+            ValueError: a sequence continues a previous step (a chunked prompt: bidirectional attention needs
+                the whole sequence at once).
+        """
+        num_tokens = query.shape[0]
+        q = query.view(num_tokens, self.num_heads, self.head_size)
+        k = key.view(num_tokens, self.num_kv_heads, self.head_size)
+        v = value.view(num_tokens, self.num_kv_heads, self.head_size)
+        if attn_metadata is None:
+            ranges = [(0, num_tokens)]
+        else:
+            qsl, seq_lens = attn_metadata.query_start_loc_cpu, attn_metadata.seq_lens_cpu
+            ranges = [(qsl[i], qsl[i + 1]) for i in range(len(seq_lens))]
+            if any(end - start != seq_lens[i] for i, (start, end) in enumerate(ranges)):
+                raise ValueError("encoder-only attention needs each sequence whole in one step (chunked prefill "
+                                 "must be off for encoder models)")
+        out = torch.empty_like(q)
+        gqa = self.num_heads != self.num_kv_heads
+        for start, end in ranges:
+            qh, kh, vh = (t[start:end].transpose(0, 1)[None] for t in (q, k, v))
+            o = F.scaled_dot_product_attention(qh, kh, vh, scale=self.scale, enable_gqa=gqa)
+            out[start:end] = o[0].transpose(0, 1)
         return out.reshape(num_tokens, -1)
 
     def forward_prefills(
