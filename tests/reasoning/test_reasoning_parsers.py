@@ -135,3 +135,14 @@ def test_registry_lists_builtins_and_refuses_unknown_names() -> None:
     assert {"deepseek_r1", "granite", "mistral", "qwen3"} <= set(ReasoningParserManager.list_reasoning_parsers())
     with pytest.raises(UnknownReasoningParserError, match="unknown reasoning parser 'nope'.*qwen3"):
         ReasoningParserManager.get_reasoning_parser("nope")
+
+
+def test_tokenmill_plugins_lists_the_reasoning_parsers() -> None:
+    from tokenmill.plugins.diagnosis import collect_diagnosis, format_diagnosis
+
+    report = collect_diagnosis()
+    parsers = report["reasoning_parsers"]
+    assert parsers["qwen3"]["target"].endswith("qwen3_reasoning_parser:Qwen3ReasoningParser")
+    assert "builtin_reasoning_parsers" in parsers["qwen3"]["source"]
+    text = format_diagnosis(report)
+    assert "Reasoning parsers:" in text and "deepseek_r1" in text.split("Reasoning parsers:")[1]
