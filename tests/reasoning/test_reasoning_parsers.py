@@ -138,7 +138,7 @@ def test_registry_lists_builtins_and_refuses_unknown_names() -> None:
 
 
 def test_tokenmill_plugins_lists_the_reasoning_parsers() -> None:
-    from tokenmill.plugins.diagnosis import collect_diagnosis, format_diagnosis
+    from tokenmill.entrypoints.plugins_diagnosis import collect_diagnosis, format_diagnosis
 
     report = collect_diagnosis()
     parsers = report["reasoning_parsers"]
