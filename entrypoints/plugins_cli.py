@@ -20,7 +20,7 @@ def add_plugins_parser(subparsers: argparse._SubParsersAction) -> None:
         help="List plugins, platforms, backends and architectures; `plugins check NAME` runs the conformance kit.",
         description="Every distribution with a tokenmill entry point and the hooks it implements, every platform "
                     "tried and why it is active or declined, what is selected and why, and the registered "
-                    "architectures, attention backends, custom ops, quantization methods and tool parsers.",
+                    "architectures, attention backends, custom ops, quantization methods, tool parsers and reasoning parsers.",
     )
     parser.add_argument("--json", action="store_true", help="Print JSON instead of text.")
     parser.add_argument("--model", default=None, help="Also show which class serves this model's architecture.")

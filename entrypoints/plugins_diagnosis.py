@@ -70,6 +70,7 @@ def collect_diagnosis(model: str | None = None) -> dict[str, Any]:
         out["custom_ops"] = _guarded(_custom_ops, platform_cls)
         out["quantization_methods"] = _guarded(_quant_methods, platform_cls)
         out["tool_parsers"] = _tool_parsers()
+        out["reasoning_parsers"] = _reasoning_parsers()
         out["logits_processors"] = _logits_processors()
         warnings.extend(_registry_warnings(out))
         if platform_cls is not None:
@@ -98,12 +99,15 @@ def _registry_warnings(out: dict[str, Any]) -> list[str]:
     found: list[str] = []
     seen: set[str] = set()
     for key in ("architectures", "attention_backends", "custom_ops", "quantization_methods", "tool_parsers",
-                "logits_processors"):
+                "reasoning_parsers", "logits_processors"):
         error = out.get(key, {}).get("error") if isinstance(out.get(key), dict) else None
         if isinstance(error, dict) and error["message"] not in seen:
             seen.add(error["message"])
             found.append(f"{error['message']} (start-up stops on it)")
-    registries: list[Any] = [ModelRegistry, AttentionBackendRegistry, CustomOpRegistry, LogitsProcessorRegistry]
+    from tokenmill.reasoning import ReasoningParserManager
+
+    registries: list[Any] = [ModelRegistry, AttentionBackendRegistry, CustomOpRegistry, LogitsProcessorRegistry,
+                             ReasoningParserManager]
     try:
         from tokenmill.tool_parsers.tool_parser_manager import ToolParserManager
 
@@ -243,6 +247,15 @@ def _tool_parsers() -> dict[str, Any]:
         return {"error": _error(exc)}
 
 
+def _reasoning_parsers() -> dict[str, Any]:
+    from tokenmill.reasoning import ReasoningParserManager
+
+    try:
+        return _registry(ReasoningParserManager, ReasoningParserManager.list_reasoning_parsers())
+    except Exception as exc:  # noqa: BLE001
+        return {"error": _error(exc)}
+
+
 def _logits_processors() -> dict[str, Any]:
     from tokenmill.worker.logits_processor import LogitsProcessorRegistry
 
@@ -318,6 +331,7 @@ def format_diagnosis(d: dict[str, Any]) -> str:
     table("Custom ops", d["custom_ops"])
     table("Quantization methods", d["quantization_methods"])
     table("Tool parsers", d["tool_parsers"])
+    table("Reasoning parsers", d["reasoning_parsers"])
     table("Logits processors", d["logits_processors"])
     lines += ["", "Warnings:" if d["warnings"] else "Warnings: none"]
     lines.extend(f"  - {w}" for w in d["warnings"])

@@ -32,6 +32,9 @@ Contents, by what a plugin does with them:
   :class:`TorchLoRAMethod`; its step mapping :class:`LoRABatchMapping`);
 * tool calling: :class:`ToolParser` (subclass it; ``parse(text, final)`` returns a :class:`PartialParse` of
   :class:`PartialToolCall`), :class:`ToolParserManager` (the registry of ``tokenmill_register_tool_parsers``);
+* reasoning: :class:`ReasoningParser` (subclass it, or :class:`MarkerReasoningParser` for thinking between two
+  text markers; streaming steps return a :class:`ReasoningDelta`), :class:`ReasoningParserManager` (the registry
+  of ``tokenmill_register_reasoning_parsers``);
 * sampling: :class:`LogitsProcessor`, :class:`LogitsProcessorBatch`, :class:`LogitsProcessorRegistry`,
   :class:`SamplingParams` (its ``extra_args`` reach the processors), :class:`LoRARequest` (a request's adapter);
 * models: :class:`ModelRegistry`, the contract :class:`CausalLM`, every layer of ``tokenmill.layers``
@@ -115,6 +118,11 @@ _LAZY: dict[str, str] = {
     "ToolParserManager": "tokenmill.tool_parsers",
     "PartialParse": "tokenmill.tool_parsers",
     "PartialToolCall": "tokenmill.tool_parsers",
+    # reasoning parsers
+    "ReasoningParser": "tokenmill.reasoning",
+    "ReasoningDelta": "tokenmill.reasoning",
+    "MarkerReasoningParser": "tokenmill.reasoning",
+    "ReasoningParserManager": "tokenmill.reasoning",
     # sampling
     "LogitsProcessor": "tokenmill.worker.logits_processor",
     "LogitsProcessorBatch": "tokenmill.worker.logits_processor",
@@ -174,6 +182,7 @@ if TYPE_CHECKING:
         UnknownPlatformError,
     )
     from tokenmill.platforms.interface import UnspecifiedPlatform
+    from tokenmill.reasoning import MarkerReasoningParser, ReasoningDelta, ReasoningParser, ReasoningParserManager
     from tokenmill.plugins.manager import PluginLoadError
     from tokenmill.plugins.qualname import resolve_qualname
     from tokenmill.worker.graph_emulator import EmulatedGraphCapture, GraphCaptureError

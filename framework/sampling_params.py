@@ -115,6 +115,35 @@ _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural
 STRUCTURED_OUTPUT_BACKENDS = ("xgrammar", "guidance")
 
 
+class ReasoningParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """What the engine needs to know about a reasoning model's thinking (filled by the front end from its
+    ``--reasoning-parser``; see docs/reasoning.md).
+
+    The output is taken to start inside the thinking. Until the generated tokens contain ``end_token_ids`` the
+    request's ``structured_outputs`` grammar is not enforced (the thinking is free text; the grammar applies to
+    the answer), and when ``thinking_token_budget`` tokens have been generated without them, the engine emits
+    ``end_token_ids`` itself, one per step, and the answer follows.
+
+    Attributes:
+        end_token_ids: the token ids of the end-of-thinking marker (e.g. ``</think>``), non-empty.
+        thinking_token_budget: most tokens of thinking (vLLM's request field of that name); ``None``: no limit.
+    """
+
+    end_token_ids: list[int]
+    thinking_token_budget: int | None = None
+
+    def validate(self) -> None:
+        """Raises:
+        SamplingParamsError: ``end_token_ids`` empty or not token ids, or a negative budget.
+        """
+        if not isinstance(self.end_token_ids, list) or not self.end_token_ids:
+            raise SamplingParamsError("reasoning", "end_token_ids must be a non-empty list of token ids")
+        for t in self.end_token_ids:
+            _check_int("reasoning", t, lo=0)
+        if self.thinking_token_budget is not None:
+            _check_int("thinking_token_budget", self.thinking_token_budget, lo=0)
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Parameters of one request's generation.
 
@@ -152,6 +181,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             whenever the output ends with the sequence's other tokens.
         structured_outputs: a constraint the output must follow (JSON schema, regex, choice, grammar), see
             :class:`StructuredOutputsParams`; ``None``: unconstrained.
+        reasoning: the thinking of a reasoning model (its end marker and budget), see :class:`ReasoningParams`;
+            ``None``: the output has no thinking (a grammar applies from the first token).
     """
 
     n: int = 1
@@ -181,6 +212,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    reasoning: ReasoningParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -235,6 +267,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                     "structured_outputs", f"must be a StructuredOutputsParams, got {self.structured_outputs!r}"
                 )
             self.structured_outputs.validate()
+        if self.reasoning is not None:
+            if not isinstance(self.reasoning, ReasoningParams):
+                raise SamplingParamsError("reasoning", f"must be a ReasoningParams, got {self.reasoning!r}")
+            self.reasoning.validate()
 
     def _validate_token_controls(self) -> None:
         """``logit_bias``, ``allowed_token_ids``, ``bad_words`` and ``bad_words_token_ids``.

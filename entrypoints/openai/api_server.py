@@ -48,6 +48,7 @@ from tokenmill.entrypoints.openai.protocol import (
 )
 from tokenmill.entrypoints.openai.protocol_lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from tokenmill.entrypoints.openai.protocol_responses import ResponsesRequest, ResponsesResponse
+from tokenmill.entrypoints.openai.reasoning import resolve_reasoning_parser
 from tokenmill.entrypoints.openai.responses import (
     ChatCompletionResponse,
     CompletionResponse,
@@ -147,12 +148,13 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
         args: parsed CLI arguments; read (missing ones take their defaults): ``api_key`` (else
             ``$TOKENMILL_API_KEY``), ``chat_template`` (file or inline template), ``allowed_origins``,
             ``allowed_methods``, ``allowed_headers``, ``allow_credentials`` (CORS; off without origins),
-            ``max_request_body_bytes``, ``return_tokens_as_token_ids``, ``enable_auto_tool_choice`` and
-            ``tool_call_parser``.
+            ``max_request_body_bytes``, ``return_tokens_as_token_ids``, ``enable_auto_tool_choice``,
+            ``tool_call_parser`` and ``reasoning_parser``.
 
     Raises:
         FileNotFoundError: ``chat_template`` is neither a file nor a template.
-        ValueError: ``enable_auto_tool_choice`` without a known ``tool_call_parser``.
+        ValueError: ``enable_auto_tool_choice`` without a known ``tool_call_parser``; an unknown
+            ``reasoning_parser``.
     """
     model_config = engine.model_config
     served_name = getattr(model_config, "served_model_name", None) or str(getattr(model_config, "model", "model"))
@@ -169,7 +171,7 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
         add_listener(stats.on_engine_outputs)
     context = ServingContext(
         engine, models, tokenization, renderer, state.mark_engine_dead, stats,
-        tool_parser_cls=resolve_tool_parser(args),
+        tool_parser_cls=resolve_tool_parser(args), reasoning_parser_cls=resolve_reasoning_parser(args),
         return_tokens_as_token_ids=bool(getattr(args, "return_tokens_as_token_ids", False)),
     )
     serving_chat = OpenAIServingChat(context)

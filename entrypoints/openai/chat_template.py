@@ -51,6 +51,24 @@ class ChatRenderer:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self._reserved = _reserved_template_kwargs(tokenizer)
+        self._variables: frozenset[str] | None = None
+
+    @property
+    def template_variables(self) -> frozenset[str]:
+        """The variables the active template reads (e.g. ``enable_thinking``); empty without a template."""
+        if self._variables is None:
+            from jinja2 import meta
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            source = self.chat_template or getattr(self.tokenizer, "chat_template", None)
+            if isinstance(source, dict):  # transformers allows named templates: the default one renders
+                source = source.get("default")
+            try:
+                ast = ImmutableSandboxedEnvironment().parse(source) if isinstance(source, str) else None
+            except jinja2.TemplateSyntaxError:
+                ast = None
+            self._variables = frozenset(meta.find_undeclared_variables(ast)) if ast is not None else frozenset()
+        return self._variables
 
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool, continue_final_message: bool,
                template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None) -> str:

@@ -42,6 +42,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--tool-call-parser", default=None, metavar="NAME",
                         help="How the model writes tool calls (built in: hermes, llama3_json, mistral, pythonic; "
                              "plugins add more through the tokenmill_register_tool_parsers hook).")
+    server.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                        help="Split a reasoning model's thinking from its answer into message.reasoning (built in: "
+                             "deepseek_r1, granite, mistral, qwen3; plugins add more through the "
+                             "tokenmill_register_reasoning_parsers hook). See docs/reasoning.md.")
     server.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS,
                         help="uvicorn's log level (default info).")
     server.add_argument("--disable-uvicorn-access-log", action="store_true", default=False,

@@ -20,6 +20,7 @@ from types import FrameType
 from typing import Any
 
 from tokenmill.entrypoints.openai.api_server import DEFAULT_HOST, DEFAULT_PORT, ServerState, build_app
+from tokenmill.entrypoints.openai.reasoning import resolve_reasoning_parser
 from tokenmill.entrypoints.openai.serving_models import parse_lora_modules
 from tokenmill.entrypoints.openai.chat_template import load_chat_template
 from tokenmill.entrypoints.openai.tool_choice import resolve_tool_parser
@@ -88,6 +89,7 @@ def run_server(args: argparse.Namespace) -> int:
     try:
         load_chat_template(getattr(args, "chat_template", None))
         resolve_tool_parser(args)
+        resolve_reasoning_parser(args)
         host = getattr(args, "host", None) or DEFAULT_HOST
         port = DEFAULT_PORT if getattr(args, "port", None) is None else int(args.port)
         sock = _bind(host, port)

@@ -436,11 +436,8 @@ class ChatCompletionRequest(_ChatTemplateFields, _SamplingRequest):
             "function_call": Refused("the deprecated functions API is " + _NOT_IMPLEMENTED + "; use tool_choice",
                                      ("none", "auto")),
             "moderation": Refused("moderation is " + _NOT_IMPLEMENTED),
-            "reasoning_effort": Refused("reasoning effort is " + _NOT_IMPLEMENTED
-                                        + " (a model whose chat template takes one: use chat_template_kwargs)"),
             "verbosity": Refused(_NOT_IMPLEMENTED),
             "web_search_options": Refused("web search is " + _NOT_IMPLEMENTED),
-            "include_reasoning": Refused("no reasoning parser runs: reasoning stays in the content", (True,)),
             "documents": Refused("documents for the chat template are " + _NOT_IMPLEMENTED),
             "chat_template": Refused("a request cannot bring its own chat template; start the server with "
                                      "--chat-template"),
@@ -455,9 +452,17 @@ class ChatCompletionRequest(_ChatTemplateFields, _SamplingRequest):
     tools: list[ChatCompletionToolParam] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
+    # reasoning models (docs/reasoning.md): vLLM's include_reasoning and thinking_token_budget, OpenAI's effort
+    include_reasoning: bool = True
+    reasoning_effort: str | None = None
+    thinking_token_budget: int | None = None
 
     def check(self) -> None:
         super().check()
+        if self.thinking_token_budget is not None and (isinstance(self.thinking_token_budget, bool)
+                                                       or self.thinking_token_budget < 0):
+            raise InvalidRequestError(f"thinking_token_budget: must be a non-negative integer, got "
+                                      f"{self.thinking_token_budget!r}", param="thinking_token_budget")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise InvalidRequestError("top_logprobs: requires logprobs to be true", param="top_logprobs")

@@ -101,6 +101,15 @@ class TextConfig(OpenAIBaseModel):
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
+class ReasoningOptions(OpenAIBaseModel):
+    """``reasoning``: ``effort`` maps onto the chat template's thinking switch as chat's ``reasoning_effort``
+    does; ``summary`` is accepted, but no summary is written (the reasoning item carries the whole thinking)."""
+
+    effort: str | None = None
+    summary: str | None = None
+    generate_summary: str | None = None
+
+
 class ResponsesRequest(RequestModel):
     """``POST /v1/responses``.
 
@@ -127,7 +136,6 @@ class ResponsesRequest(RequestModel):
             "previous_response_id": Refused("responses are not stored; send the whole conversation as input"),
             "conversation": Refused("conversations are not stored; send the whole conversation as input"),
             "prompt": Refused("stored prompt templates are not supported; send input (and instructions)"),
-            "reasoning": Refused("reasoning options are not supported by this server", ({},)),
             "context_management": Refused("not supported by this server", ([],)),
             "moderation": Refused("moderation is not supported by this server"),
             "background_options": Refused("background responses are not supported"),
@@ -163,6 +171,7 @@ class ResponsesRequest(RequestModel):
     ignore_eos: bool = False
     priority: int = 0
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning: ReasoningOptions | None = None
 
     @field_validator("tools", mode="before")
     @classmethod
@@ -400,7 +409,23 @@ class FunctionCallItem(OpenAIBaseModel):
     arguments: str
 
 
-OutputItem = OutputMessage | FunctionCallItem
+class ReasoningText(OpenAIBaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(OpenAIBaseModel):
+    """A ``reasoning`` output item: the model's thinking, whole, as one ``reasoning_text`` part (``summary``
+    stays empty: the server writes no summaries)."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[dict[str, Any]] = Field(default_factory=list)
+    content: list[ReasoningText] = Field(default_factory=list)
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+
+OutputItem = ReasoningItem | OutputMessage | FunctionCallItem
 
 
 class InputTokensDetails(OpenAIBaseModel):
@@ -508,7 +533,7 @@ class ContentPartEvent(OpenAIBaseModel):
     item_id: str
     output_index: int
     content_index: int
-    part: OutputText
+    part: OutputText | ReasoningText
 
 
 # Each streaming event spells out its wire shape as OpenAI's Responses API reference does (the OpenAPI schema
@@ -548,6 +573,24 @@ class FunctionCallArgumentsDoneEvent(OpenAIBaseModel):
     output_index: int
     name: str
     arguments: str
+
+
+class ReasoningTextDeltaEvent(OpenAIBaseModel):
+    type: Literal["response.reasoning_text.delta"] = "response.reasoning_text.delta"
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+
+
+class ReasoningTextDoneEvent(OpenAIBaseModel):
+    type: Literal["response.reasoning_text.done"] = "response.reasoning_text.done"
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
 
 
 class ErrorEvent(OpenAIBaseModel):

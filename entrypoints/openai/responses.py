@@ -48,10 +48,14 @@ class ChatChoiceLogprobs(OpenAIBaseModel):
 
 
 class ChatResponseMessage(OpenAIBaseModel):
-    """``tool_calls`` is left out of the JSON when the model called no tool."""
+    """``tool_calls`` is left out of the JSON when the model called no tool, ``reasoning`` and
+    ``reasoning_content`` when there is no thinking."""
 
     role: str = "assistant"
     content: str | None = None
+    # a reasoning model's thinking (--reasoning-parser): vLLM's field and its older name, both sent
+    reasoning: str | None = Field(default=None, exclude_if=_is_none)
+    reasoning_content: str | None = Field(default=None, exclude_if=_is_none)
     tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=_is_none)
 
 
@@ -79,11 +83,15 @@ class DeltaMessage(OpenAIBaseModel):
 
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="plain")
     def _drop_none(self) -> dict[str, Any]:
-        out: dict[str, Any] = {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        out: dict[str, Any] = {k: v for k, v in (("role", self.role), ("content", self.content),
+                                                 ("reasoning", self.reasoning),
+                                                 ("reasoning_content", self.reasoning_content)) if v is not None}
         if self.tool_calls is not None:
             out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
         return out

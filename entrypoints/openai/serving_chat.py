@@ -24,6 +24,7 @@ from fastapi.responses import Response
 from tokenmill.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_json
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, UsageInfo, random_id
 from tokenmill.entrypoints.openai.protocol_tools import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
+from tokenmill.entrypoints.openai.reasoning import Reasoning, apply_reasoning_effort
 from tokenmill.entrypoints.openai.responses import (
     ChatCompletionChoice,
     ChatCompletionResponse,
@@ -42,7 +43,9 @@ from tokenmill.entrypoints.openai.streaming import (
 )
 from tokenmill.entrypoints.openai.tool_choice import ToolCalling, resolve_tool_calling, template_messages
 from tokenmill.entrypoints.openai.tool_parsers import ToolCallDelta, random_tool_call_id
+from tokenmill.errors import InvalidRequestError
 from tokenmill.outputs import RequestOutput
+from tokenmill.reasoning import ReasoningStream
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -64,6 +67,7 @@ class OpenAIServingChat(OpenAIServing):
         model_name = self.admit(request)
         for param, ids in request.token_id_fields().items():
             self.check_token_ids(ids, param)
+        reasoning = self.resolve_reasoning(request)
         tool_calling, constraint = await self.resolve_constraints(request)
         prompt_ids = request.truncated(await self.tokenization.run(self._render_and_encode, request),
                                        self.max_model_len)
@@ -75,15 +79,35 @@ class OpenAIServingChat(OpenAIServing):
             lambda: request.to_sampling_params(max_tokens, kind, self.vocab_size), request.max_tokens_param
         )
         params = apply_constraints(params, tool_calling, constraint)
+        if reasoning is not None:
+            params = msgspec.structs.replace(params, **reasoning.sampling_changes())
         request_id = random_id("chatcmpl")
         echo = request.messages[-1].text() if request.echo and request.messages[-1].role == "assistant" else ""
         self.log_request(request_id, raw_request, "%d prompt tokens, max_tokens %s", len(prompt_ids), max_tokens)
         gen = self.generate(prompt_ids, params, request_id, arrival, request.priority, model_name=model_name)
         if request.stream:
             return await self._stream(request, raw_request, gen, request_id, model_name, len(prompt_ids), echo,
-                                      tool_calling)
+                                      tool_calling, reasoning)
         return await self._full(request, raw_request, gen, request_id, model_name, len(prompt_ids), echo,
-                                tool_calling)
+                                tool_calling, reasoning)
+
+    def resolve_reasoning(self, request: ChatCompletionRequest) -> Reasoning | None:
+        """Map ``reasoning_effort`` onto the template's switch (into ``request.chat_template_kwargs``) and
+        build the request's reasoning handling (``None`` without ``--reasoning-parser``).
+
+        Raises:
+            InvalidRequestError: ``reasoning_effort`` on a template without a switch, or
+                ``thinking_token_budget`` without a reasoning parser.
+        """
+        request.chat_template_kwargs = apply_reasoning_effort(
+            request.reasoning_effort, request.chat_template_kwargs, self.renderer.template_variables)
+        if self.reasoning_parser_cls is None:
+            if request.thinking_token_budget is not None:
+                raise InvalidRequestError("thinking_token_budget: the server runs no reasoning parser (start it "
+                                          "with --reasoning-parser NAME)", param="thinking_token_budget")
+            return None
+        return Reasoning(self.reasoning_parser_cls, self.tokenization.tokenizer, request.chat_template_kwargs,
+                         request.include_reasoning, request.thinking_token_budget)
 
     def _render_and_encode(self, request: ChatCompletionRequest) -> list[int]:
         """Apply the chat template and tokenize (runs in the tokenizer thread)."""
@@ -115,7 +139,8 @@ class OpenAIServingChat(OpenAIServing):
     # ------------------------------------------------------------------------------------ non-streaming
 
     async def _full(self, request: ChatCompletionRequest, raw_request: Request, gen: Gen, request_id: str,
-                    model_name: str, prompt_len: int, echo: str, tool_calling: ToolCalling | None) -> Response:
+                    model_name: str, prompt_len: int, echo: str, tool_calling: ToolCalling | None,
+                    reasoning: Reasoning | None = None) -> Response:
         results = await self.full_outputs(raw_request, [gen], request_id)
         if results is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -127,7 +152,11 @@ class OpenAIServingChat(OpenAIServing):
         for index in sorted(by_index):
             o = by_index[index]
             logprobs = chat_logprobs(tokenizer, o.token_ids, o.logprobs, k, as_ids) if request.logprobs else None
-            message, finish_reason = tool_message(tool_calling, echo, o.text, o.finish_reason)
+            thinking, text = reasoning.split(o.text) if reasoning is not None else (None, o.text)
+            message, finish_reason = tool_message(tool_calling, echo, text, o.finish_reason)
+            if thinking is not None:
+                message.reasoning = message.reasoning_content = thinking
+                message.content = message.content or None
             choices.append(ChatCompletionChoice(
                 index=index,
                 message=message,
@@ -150,16 +179,18 @@ class OpenAIServingChat(OpenAIServing):
     # ---------------------------------------------------------------------------------------- streaming
 
     async def _stream(self, request: ChatCompletionRequest, raw_request: Request, gen: Gen, request_id: str,
-                      model_name: str, prompt_len: int, echo: str, tool_calling: ToolCalling | None) -> Response:
+                      model_name: str, prompt_len: int, echo: str, tool_calling: ToolCalling | None,
+                      reasoning: Reasoning | None = None) -> Response:
         firsts = await self.first_outputs(raw_request, [gen], request_id)
         if firsts is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         return sse_response(self._chunks(request, gen, firsts[0], request_id, model_name, prompt_len, echo,
-                                         tool_calling))
+                                         tool_calling, reasoning))
 
     async def _chunks(self, request: ChatCompletionRequest, gen: Gen, first: RequestOutput | None,
                       request_id: str, model_name: str, prompt_len: int, echo: str,
-                      tool_calling: ToolCalling | None = None) -> AsyncGenerator[str, None]:
+                      tool_calling: ToolCalling | None = None,
+                      reasoning: Reasoning | None = None) -> AsyncGenerator[str, None]:
         created = int(time.time())
         include_usage = request.include_usage
         continuous = include_usage and request.continuous_usage
@@ -178,6 +209,7 @@ class OpenAIServingChat(OpenAIServing):
 
         finished: set[int] = set()
         tools = StreamedToolCalls(tool_calling) if tool_calling is not None else None
+        thinking: dict[int, ReasoningStream] = {}
         try:
             try:
                 for i in range(request.n):
@@ -196,9 +228,16 @@ class OpenAIServingChat(OpenAIServing):
                         logprobs = None
                         if request.logprobs and o.logprobs:
                             logprobs = chat_logprobs(tokenizer, o.token_ids, o.logprobs, k, as_ids)
-                        delta = (DeltaMessage(content=o.text) if tools is None
-                                 else tools.delta(o.index, o.text, o.finish_reason is not None))
-                        if delta.content or delta.tool_calls or logprobs is not None:
+                        text, thought = o.text, None
+                        if reasoning is not None:  # the tool parser sees the answer only
+                            stream = thinking.get(o.index) or thinking.setdefault(o.index, reasoning.stream())
+                            split = stream.update(o.text, o.token_ids, o.finish_reason is not None)
+                            text, thought = split.content or "", split.reasoning if reasoning.include_reasoning else None
+                        delta = (DeltaMessage(content=text) if tools is None
+                                 else tools.delta(o.index, text, o.finish_reason is not None))
+                        if thought:
+                            delta.reasoning = delta.reasoning_content = thought
+                        if delta.content or delta.tool_calls or thought or logprobs is not None:
                             yield chunk([ChatCompletionStreamChoice(index=o.index, delta=delta, logprobs=logprobs)])
                         if o.finish_reason is not None:
                             finished.add(o.index)

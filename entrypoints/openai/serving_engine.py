@@ -29,6 +29,7 @@ from tokenmill.tool_parsers import ToolParser
 from tokenmill.errors import EngineDeadError, EngineGenerateError, InvalidRequestError, ServerShuttingDownError
 from tokenmill.metrics.stats import RequestStatsTracker
 from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.reasoning import ReasoningParser
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -126,6 +127,7 @@ class ServingContext:
             ``None`` (``tool_choice`` ``auto`` with tools is then refused).
         return_tokens_as_token_ids: the default of the requests' ``return_tokens_as_token_ids``
             (``--return-tokens-as-token-ids``).
+        reasoning_parser_cls: the ``--reasoning-parser`` class (``None``: the thinking stays in the content).
     """
 
     engine: EngineClient
@@ -136,6 +138,7 @@ class ServingContext:
     stats: RequestStatsTracker | None = None
     tool_parser_cls: type[ToolParser] | None = None
     return_tokens_as_token_ids: bool = False
+    reasoning_parser_cls: type[ReasoningParser] | None = None
 
 
 class GenerateRequest(Protocol):
@@ -197,6 +200,7 @@ class OpenAIServing:
         self.on_engine_dead = context.on_engine_dead
         self.stats = context.stats
         self.tool_parser_cls = context.tool_parser_cls
+        self.reasoning_parser_cls = context.reasoning_parser_cls
         self.return_tokens_as_token_ids = context.return_tokens_as_token_ids
         self.max_model_len = int(engine.model_config.max_model_len)
         self.vocab_size = int(engine.model_config.vocab_size)

@@ -27,6 +27,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel
@@ -49,6 +50,10 @@ from tokenmill.entrypoints.openai.protocol_responses import (
     OutputTextDeltaEvent,
     OutputTextDoneEvent,
     OutputTextLogprob,
+    ReasoningItem,
+    ReasoningText,
+    ReasoningTextDeltaEvent,
+    ReasoningTextDoneEvent,
     ResponseErrorInfo,
     ResponseLifecycleEvent,
     ResponsesRequest,
@@ -61,6 +66,7 @@ from tokenmill.entrypoints.openai.protocol_tools import (
     ChatCompletionToolParam,
     NamedToolChoiceFunction,
 )
+from tokenmill.entrypoints.openai.reasoning import Reasoning, apply_reasoning_effort
 from tokenmill.entrypoints.openai.serving_engine import Gen, OpenAIServing, output_kind
 from tokenmill.entrypoints.openai.streaming import CLIENT_CLOSED_REQUEST, close_quietly, sse_response
 from tokenmill.entrypoints.openai.structured_outputs import json_schema_to_structured_outputs
@@ -176,6 +182,11 @@ class OpenAIServingResponses(OpenAIServing):
         """
         arrival = time.time()
         model_name = self.admit(request)
+        effort = request.reasoning.effort if request.reasoning is not None else None
+        request.chat_template_kwargs = apply_reasoning_effort(effort, request.chat_template_kwargs,
+                                                              self.renderer.template_variables, "reasoning.effort")
+        reasoning = None if self.reasoning_parser_cls is None else Reasoning(
+            self.reasoning_parser_cls, self.tokenization.tokenizer, request.chat_template_kwargs)
         tool_calling, constraint = await self.resolve_constraints(request)
         messages = request.input_messages()
         prompt_ids = await self.tokenization.run(self._render_and_encode, messages, request)
@@ -188,10 +199,12 @@ class OpenAIServingResponses(OpenAIServing):
                                                skip_special_tokens=skip_special),
             "max_output_tokens",
         )
+        if reasoning is not None:
+            params = msgspec.structs.replace(params, **reasoning.sampling_changes())
         resp_id = response_id("resp")
         self.log_request(resp_id, raw_request, "%d input tokens, max_output_tokens %s", len(prompt_ids), max_tokens)
         gen = self.generate(prompt_ids, params, resp_id, arrival, request.priority, model_name=model_name)
-        state = _ResponseState(self, request, resp_id, model_name, len(prompt_ids), tool_calling)
+        state = _ResponseState(self, request, resp_id, model_name, len(prompt_ids), tool_calling, reasoning)
         if request.stream:
             firsts = await self.first_outputs(raw_request, [gen], resp_id)
             if firsts is None:
@@ -262,7 +275,7 @@ class OpenAIServingResponses(OpenAIServing):
                     if output.outputs:
                         o = output.outputs[0]
                         new_logprobs = state.add(output, o)
-                        for text in items.update(o.text, new_logprobs, o.finish_reason is not None):
+                        for text in items.update(o.text, new_logprobs, o.finish_reason is not None, o.token_ids):
                             yield text
                     output = await anext(gen, None)
                 for text in items.finish():
@@ -287,10 +300,14 @@ class _ResponseState:
     """What one response has produced so far: text, logprobs, token counts, finish reason."""
 
     def __init__(self, serving: OpenAIServingResponses, request: ResponsesRequest, resp_id: str, model: str,
-                 prompt_len: int, tool_calling: ToolCalling | None = None) -> None:
+                 prompt_len: int, tool_calling: ToolCalling | None = None, reasoning: Reasoning | None = None
+                 ) -> None:
         self.serving = serving
         self.request = request
         self.tool_calling = tool_calling
+        self.reasoning = reasoning
+        self.reasoning_id = response_id("rs")
+        self.content_text = ""  # the answer part of ``text`` streamed so far (all of it without reasoning)
         self.resp_id = resp_id
         self.model = model
         self.message_id = response_id("msg")
@@ -303,10 +320,16 @@ class _ResponseState:
         self.finish_reason: str | None = None
         self._result: tuple[str, list[tuple[str, ToolCall]]] | None = None
 
+    def thinking(self) -> str | None:
+        """The finished output's reasoning (``None`` without a reasoning parser or thinking)."""
+        return self.reasoning.split(self.text)[0] if self.reasoning is not None else None
+
     def result(self) -> tuple[str, list[tuple[str, ToolCall]]]:
-        """The finished text split into content and ``(item id, call)`` pairs (computed once)."""
+        """The finished text split into content and ``(item id, call)`` pairs (computed once); the tool parser
+        reads the answer only, never the thinking."""
         if self._result is None:
-            content, calls = extract_tool_calls(self.tool_calling, self.text)
+            answer = self.reasoning.split(self.text)[1] if self.reasoning is not None else self.text
+            content, calls = extract_tool_calls(self.tool_calling, answer)
             self._result = content, [(response_id("fc"), call) for call in calls]
         return self._result
 
@@ -352,7 +375,9 @@ class _ResponseState:
         """
         if items is None:
             content, calls = self.result()
-            items = []
+            thinking = self.thinking()
+            items = [] if not thinking else [ReasoningItem(id=self.reasoning_id, status=self.item_status,
+                                                            content=[ReasoningText(text=thinking)])]
             if content or not calls:
                 part = OutputText(text=content, logprobs=_to_output_logprobs(self.logprobs))
                 items.append(OutputMessage(id=self.message_id, status=self.item_status, content=[part]))
@@ -395,17 +420,47 @@ class _StreamedItems:
         self.num_items = 0
         self.pending_logprobs: list[Any] = []
         self._items: list[tuple[int, OutputItem]] = []
+        self.thinking = state.reasoning.stream() if state.reasoning is not None else None
+        self.reasoning_index: int | None = None
+        self.reasoning_text = ""
 
     def start(self) -> list[str]:
-        return self._open_message() if self.streamer is None else []
+        return self._open_message() if self.streamer is None and self.thinking is None else []
 
-    def update(self, new_text: str, new_logprobs: list[Any], final: bool) -> list[str]:
+    def update(self, new_text: str, new_logprobs: list[Any], final: bool, token_ids: Any = ()) -> list[str]:
         """Events for the next piece of generated text (``final``: the last piece)."""
+        events: list[str] = []
+        self.final_seen = self.final_seen or final
+        if self.thinking is not None:  # the thinking becomes a reasoning item; the rest goes on as answer
+            split = self.thinking.update(new_text, token_ids, final)
+            if split.reasoning:
+                events += self._reasoning_delta(split.reasoning)
+            new_text = split.content or ""
+            self.state.content_text += new_text
+        return events + self._answer_update(new_text, new_logprobs, final)
+
+    def _reasoning_delta(self, text: str) -> list[str]:
+        events: list[str] = []
+        if self.reasoning_index is None:
+            self.reasoning_index = self._next_index()
+            item = ReasoningItem(id=self.state.reasoning_id, status="in_progress")
+            events.append(self.event(OutputItemEvent, type="response.output_item.added",
+                                     output_index=self.reasoning_index, item=item))
+            events.append(self.event(ContentPartEvent, type="response.content_part.added",
+                                     item_id=self.state.reasoning_id, output_index=self.reasoning_index,
+                                     content_index=0, part=ReasoningText(text="")))
+        self.reasoning_text += text
+        events.append(self.event(ReasoningTextDeltaEvent, item_id=self.state.reasoning_id,
+                                 output_index=self.reasoning_index, content_index=0, delta=text))
+        return events
+
+    def _answer_update(self, new_text: str, new_logprobs: list[Any], final: bool) -> list[str]:
         if self.streamer is None:
             return self._text_delta(new_text, new_logprobs) if new_text or new_logprobs else []
         self.final_seen = self.final_seen or final
         self.pending_logprobs.extend(new_logprobs)
-        content, pieces = self.streamer.update(self.state.text, final)
+        answer = self.state.content_text if self.thinking is not None else self.state.text
+        content, pieces = self.streamer.update(answer, final)
         events: list[str] = []
         if content:
             events += self._text_delta(content, self.pending_logprobs)
@@ -429,12 +484,17 @@ class _StreamedItems:
         """Close every item, in output order (a response with neither content nor calls gets an empty
         message, as a whole response does)."""
         events: list[str] = []
-        if self.streamer is not None and not self.final_seen:
+        if (self.streamer is not None or self.thinking is not None) and not self.final_seen:
             events += self.update("", [], True)
         if self.message_index is None and not self.calls:
             events += self._open_message()
         status = self.state.item_status
         closing: list[tuple[int, str]] = []
+        if self.reasoning_index is not None:
+            done = ReasoningItem(id=self.state.reasoning_id, status=status,
+                                 content=[ReasoningText(text=self.reasoning_text)])
+            self._items.append((self.reasoning_index, done))
+            closing.append((self.reasoning_index, "reasoning"))
         if self.message_index is not None:
             part = OutputText(text=self.content, logprobs=_to_output_logprobs(self.state.logprobs))
             done = OutputMessage(id=self.state.message_id, status=status, content=[part])
@@ -448,7 +508,13 @@ class _StreamedItems:
         items = dict(self._items)
         for index, kind in sorted(closing):
             item = items[index]
-            if kind == "message":
+            if kind == "reasoning":
+                part = item.content[0]
+                events.append(self.event(ReasoningTextDoneEvent, item_id=item.id, output_index=index,
+                                         content_index=0, text=part.text))
+                events.append(self.event(ContentPartEvent, type="response.content_part.done", item_id=item.id,
+                                         output_index=index, content_index=0, part=part))
+            elif kind == "message":
                 part = item.content[0]
                 events.append(self.event(OutputTextDoneEvent, item_id=item.id, output_index=index, content_index=0,
                                          text=part.text, logprobs=_to_delta_logprobs(self.state.logprobs)))

@@ -7,6 +7,7 @@ import time
 from typing import TYPE_CHECKING
 
 from tokenmill.engine.messages import EngineCoreEvent, EngineCoreEventType, FinishReason
+from tokenmill.core.reasoning_state import ReasoningState
 from tokenmill.structured_output.request import StructuredOutputRequest
 
 if TYPE_CHECKING:
@@ -63,6 +64,7 @@ class Request:
         lora_request: its LoRA adapter (``None``: the base model).
         spec_token_ids: draft tokens to verify in the next step (speculative decoding; not yet outputs).
         structured_output_request: the constraint and its matcher, for a constrained request (else ``None``).
+        reasoning: where the output stands in a reasoning model's thinking (``None``: the output does not think).
         error: why the engine failed the request (with ``FINISHED_ERROR``).
         pooling_params: set for a pooling request: it runs its prompt only and finishes with the pooled output
             once the last prompt chunk has run (``sampling_params`` is then a placeholder).
@@ -109,6 +111,8 @@ class Request:
         self.structured_output_request = StructuredOutputRequest(so_params) if so_params is not None else None
         if self.structured_output_request is not None:
             self.status = RequestStatus.WAITING_FOR_GRAMMAR
+        reasoning = sampling_params.reasoning
+        self.reasoning = ReasoningState(reasoning) if reasoning is not None else None
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, max_model_len: int) -> Request:
@@ -161,6 +165,11 @@ class Request:
     @property
     def use_structured_output(self) -> bool:
         return self.structured_output_request is not None
+
+    @property
+    def in_reasoning(self) -> bool:
+        """The output is still in the model's thinking (no grammar applies yet)."""
+        return self.reasoning is not None and not self.reasoning.ended
 
     def record_event(self, event_type: EngineCoreEventType, timestamp: float | None = None) -> None:
         """Note a lifecycle event (``timestamp``: ``time.time()`` seconds, default now) for the next output."""

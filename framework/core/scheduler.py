@@ -11,7 +11,9 @@ its grammar compiles on the manager's threads; each step the scheduler sends the
 scheduled constrained request that samples (not those in the middle of a prefill), and
 :meth:`Scheduler.update_from_output` advances each matcher with the sampled token. The request stops when the
 grammar is terminated. Preemption by recompute keeps every output token, so a preempted request's matcher
-state stays valid as it is.
+state stays valid as it is. A reasoning model's request (``SamplingParams.reasoning``) is not masked, nor its
+matcher advanced, until its output contains the end-of-thinking marker; its thinking budget forces the marker
+through the same bitmask rows (:class:`tokenmill.core.reasoning_state.ReasoningState`).
 """
 
 from __future__ import annotations
@@ -335,14 +337,16 @@ class Scheduler:
 
     def _grammar_bitmask(self, num_scheduled: dict[str, int]) -> tuple[list[str], np.ndarray | None]:
         """The constrained requests that sample this step (their computed tokens reach their known tokens),
-        in batch order, and their bitmask rows."""
+        in batch order, and their bitmask rows; a reasoning request with a thinking budget counts as constrained
+        (its row forces the end marker once the budget is spent)."""
         ids: list[str] = []
         requests: list[Request] = []
         for req_id in num_scheduled:
             request = self.requests[req_id]
             so_request = request.structured_output_request
-            if so_request is not None and so_request.grammar is not None \
-                    and request.num_computed_tokens >= request.num_tokens:
+            constrained = so_request is not None and so_request.grammar is not None
+            forcing = request.reasoning is not None and request.reasoning.constrains_sampling
+            if (constrained or forcing) and request.num_computed_tokens >= request.num_tokens:
                 ids.append(req_id)
                 requests.append(request)
         if not requests:
@@ -441,7 +445,10 @@ class Scheduler:
             for token_id in sampled:
                 request.append_output_token_id(token_id)
                 new_ids.append(token_id)
-                if so_request is not None and not self._advance_grammar(request, token_id):
+                thinking = request.in_reasoning  # the thinking, end marker included, is not the grammar's
+                if thinking:
+                    request.reasoning.observe(request.output_token_ids)  # type: ignore[union-attr]
+                if so_request is not None and not thinking and not self._advance_grammar(request, token_id):
                     break
                 if request.check_stop(self.max_model_len):
                     break
@@ -464,7 +471,7 @@ class Scheduler:
             if request.is_finished:
                 self.running.remove(request)
                 self._free_request(request)
-            elif runner_output.spec_token_ids is not None:
+            elif runner_output.spec_token_ids is not None and not self._thinking_under_control(request):
                 room = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens)
                 request.spec_token_ids = runner_output.spec_token_ids[idx][: max(0, room - 1)]
         return EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic(), scheduler_stats=self.make_stats())
@@ -483,6 +490,12 @@ class Scheduler:
         self.running.remove(request)
         self._free_request(request)
         return out
+
+    @staticmethod
+    def _thinking_under_control(request: Request) -> bool:
+        """A request still thinking whose grammar or budget starts at the end marker: it gets no draft tokens
+        (drafts verified past the marker would have been sampled without the grammar's mask)."""
+        return request.in_reasoning and (request.use_structured_output or request.reasoning.budget is not None)  # type: ignore[union-attr]
 
     def _advance_grammar(self, request: Request, token_id: int) -> bool:
         """Feed a sampled token to the request's matcher; a token the grammar refuses fails the request."""

@@ -12,7 +12,8 @@ and tokenmill refuses to load a plugin whose requirement this version does not m
 
 from __future__ import annotations
 
-PLUGIN_API_VERSION = "1.2"  # 1.1: Platform.allocate_kv_cache, UnquantizedLinearMethod; 1.2: finish_kv_cache_allocation
+PLUGIN_API_VERSION = "1.3"  # 1.1: Platform.allocate_kv_cache, UnquantizedLinearMethod; 1.2: finish_kv_cache_allocation;
+# 1.3: reasoning parsers (ReasoningParser, tokenmill_register_reasoning_parsers)
 REQUIREMENT_ATTR = "TOKENMILL_PLUGIN_API"
 
 

@@ -69,6 +69,16 @@ def tokenmill_register_tool_parsers(registry: Any) -> None:
 
 
 @hookspec
+def tokenmill_register_reasoning_parsers(registry: Any) -> None:
+    """Register reasoning parsers (for ``--reasoning-parser NAME``): call
+    ``registry.register_reasoning_parser(name, "module:Class")`` with a subclass of
+    :class:`tokenmill.plugin_api.ReasoningParser`.
+
+    ``registry`` is :class:`tokenmill.plugin_api.ReasoningParserManager`.
+    """
+
+
+@hookspec
 def tokenmill_register_custom_ops(registry: Any) -> None:
     """Replace layers without editing model code: call ``registry.register_op(name, "module:Class")`` with an
     op name of :data:`tokenmill.plugin_api.CUSTOM_OPS` (``"rms_norm"``, ``"rotary_embedding"``,

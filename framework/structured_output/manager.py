@@ -153,12 +153,23 @@ class StructuredOutputManager:
     def grammar_bitmask(self, requests: list[Request]) -> np.ndarray:
         """The next-token bitmask of each request (ready matchers), one row each, in order.
 
+        A request still in a reasoning model's thinking gets an all-allowed row (the grammar applies to the
+        answer), or, once its thinking budget is spent, a row allowing only the next token of the end marker.
+
         Returns:
             ``[len(requests), ceil(vocab_size / 32)]`` int32; bit ``t % 32`` of word ``t // 32`` set when token
             ``t`` is allowed.
         """
         bitmask = torch.full((len(requests), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
         for row, request in enumerate(requests):
+            if request.in_reasoning:
+                # the grammar applies to the answer: nothing is masked before the end-of-thinking marker,
+                # except the marker's own tokens once the thinking budget is spent
+                forced = request.reasoning.forced_token(request.output_token_ids)  # type: ignore[union-attr]
+                if forced is not None and 0 <= forced < self.vocab_size:
+                    bitmask[row] = 0
+                    bitmask[row, forced // 32] = _bit(forced % 32)
+                continue
             so_request = request.structured_output_request
             grammar = so_request.grammar if so_request is not None else None
             if grammar is not None and not grammar.is_terminated():
@@ -178,3 +189,8 @@ class StructuredOutputManager:
                 backend.destroy()
             self._backends.clear()
             self._cache.clear()
+
+
+def _bit(position: int) -> int:
+    """The int32 word with only bit ``position`` (0-31) set (bit 31 is the sign bit)."""
+    return (1 << position) - (1 << 32 if position == 31 else 0)

@@ -36,6 +36,7 @@ LAYER_OF: dict[str, str] = {
     "lora": "model",
     "tokenizer": "model",
     "tool_parsers": "model",
+    "reasoning": "model",
     # core/worker/engine: scheduling, execution, the engine and its configuration.
     "core": "engine",
     "worker": "engine",

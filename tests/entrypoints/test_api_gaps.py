@@ -74,7 +74,6 @@ def test_every_offending_field_is_named(client: TestClient, fake_engine: FakeAsy
     ("audio", {"voice": "alloy", "format": "mp3"}), ("reasoning_effort", "low"), ("verbosity", "low"),
     ("web_search_options", {}), ("functions", [{"name": "f"}]), ("request_id", "abc"), ("cache_salt", "s"),
     ("chat_template", "{{ 1 }}"), ("documents", [{"text": "x"}]), ("kv_transfer_params", {}),
-    ("include_reasoning", False),
 ])
 def test_chat_fields_that_change_the_meaning_are_refused(client: TestClient, field: str, value: Any) -> None:
     error = assert_error(client.post(CHAT, json=chat(**{field: value})), 400, field)

@@ -214,7 +214,7 @@ def test_extras_reach_the_sampling_params(client: TestClient, fake_engine: FakeA
     ({"input": "Hi", "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": "Hi", "conversation": "conv_1"}, "conversation"),
     ({"input": "Hi", "background": True}, "background"),
-    ({"input": "Hi", "reasoning": {"effort": "high"}}, "reasoning"),
+    ({"input": "Hi", "reasoning": {"effort": "high"}}, "reasoning.effort"),
     ({"input": "Hi", "prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"input": "Hi", "no_such_field": 1}, "no_such_field"),
     ({"input": "Hi", "priority": 1}, "priority"),
