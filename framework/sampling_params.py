@@ -119,6 +119,21 @@ _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural
 STRUCTURED_OUTPUT_BACKENDS = ("xgrammar", "guidance")
 
 
+class LogitsProcessorSpec(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """A per-request logits processor named by its qualified name (vLLM's ``logits_processors`` request field).
+
+    Attributes:
+        qualname: ``"package.module:Name"`` or ``"package.module.Name"``; allowed only when it matches the
+            engine's ``--logits-processor-pattern`` (see :mod:`tokenmill.worker.request_logits_processors`).
+        args, kwargs: when either is given, ``Name`` is a factory called with them and its result is the
+            processor; otherwise ``Name`` itself is the processor.
+    """
+
+    qualname: str
+    args: list[Any] | None = None
+    kwargs: dict[str, Any] | None = None
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Parameters of one request's generation.
 
@@ -156,6 +171,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             whenever the output ends with the sequence's other tokens.
         structured_outputs: a constraint the output must follow (JSON schema, regex, choice, grammar), see
             :class:`StructuredOutputsParams`; ``None``: unconstrained.
+        logits_processors: per-request logits processors, see :class:`LogitsProcessorSpec` (refused unless the
+            engine runs with ``--logits-processor-pattern``).
     """
 
     n: int = 1
@@ -185,6 +202,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    logits_processors: list[LogitsProcessorSpec] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -218,7 +218,8 @@ class OpenAIServingResponses(OpenAIServing):
         resp_id = response_id("resp")
         logger.info("request %s (X-Request-Id %s): %d input tokens, max_output_tokens %s", resp_id,
                     getattr(raw_request.state, "request_id", "-"), len(prompt_ids), max_tokens)
-        gen = self.generate(prompt_ids, params, resp_id, arrival, request.priority, model_name=model_name)
+        gen = self.generate(prompt_ids, params, resp_id, arrival, request.priority, model_name=model_name,
+                            cache_salt=request.cache_salt)
         state = _ResponseState(self, request, resp_id, model_name, len(prompt_ids), tool_calling)
         if request.stream:
             return await self._stream(raw_request, gen, state)

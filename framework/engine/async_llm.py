@@ -65,7 +65,9 @@ class AsyncLLM:
             raise
         self.tokenizer = tokenizer
         self.input_processor = InputProcessor(
-            self.model_config, tokenizer, engine_config.cache_config, engine_config.structured_outputs_config
+            self.model_config, tokenizer, engine_config.cache_config, engine_config.structured_outputs_config,
+            logits_processor_pattern=engine_config.logits_processor_pattern,
+            speculative=engine_config.speculative_config is not None,
         )
         self.output_processor = OutputProcessor(tokenizer)
         self._output_handler: asyncio.Task[None] | None = None
@@ -97,10 +99,12 @@ class AsyncLLM:
         add_special_tokens: bool = True,
         prompt_param: str = "prompt",
         lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Run one request; yields RequestOutputs per ``sampling_params.output_kind``, the last finished.
 
-        ``lora_request`` names the LoRA adapter to use (``None``: the base model).
+        ``lora_request`` names the LoRA adapter to use (``None``: the base model); ``cache_salt`` is mixed into
+        the prefix-cache hashes of the request's blocks (only requests with the same salt share cached blocks).
 
         Stopping the iteration early (``aclose``, cancellation, a client disconnect) aborts the request.
 
@@ -119,6 +123,7 @@ class AsyncLLM:
             add_special_tokens=add_special_tokens,
             prompt_param=prompt_param,
             lora_request=lora_request,
+            cache_salt=cache_salt,
         )
         collector = RequestOutputCollector(sampling_params.output_kind)
         self.output_processor.add_request(processed, collector)

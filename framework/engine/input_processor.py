@@ -53,11 +53,16 @@ class InputProcessor:
             up front instead of failing inside the engine core.
         structured_outputs_config: the engine's structured-output backend (constraints are checked, and
             ``auto`` resolved, here; default ``auto``).
+        logits_processor_pattern: which per-request logits processors requests may name (``None``: none).
+        speculative: the engine decodes speculatively (per-request logits processors are then refused).
     """
 
     def __init__(self, model_config: ModelConfig, tokenizer: Any, cache_config: CacheConfig | None = None,
-                 structured_outputs_config: StructuredOutputsConfig | None = None) -> None:
+                 structured_outputs_config: StructuredOutputsConfig | None = None, *,
+                 logits_processor_pattern: str | None = None, speculative: bool = False) -> None:
         self.model_config = model_config
+        self.logits_processor_pattern = logits_processor_pattern
+        self.speculative = speculative
         self.structured_outputs_backend = (structured_outputs_config or StructuredOutputsConfig()).backend
         self.tokenizer = tokenizer
         self.cache_config = cache_config
@@ -78,6 +83,7 @@ class InputProcessor:
         add_special_tokens: bool = True,
         prompt_param: str = "prompt",
         lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
     ) -> ProcessedRequest:
         """Tokenize (when ``prompt`` is text), validate and build the engine-core request(s).
 
@@ -90,12 +96,15 @@ class InputProcessor:
             add_special_tokens: let the tokenizer add BOS etc. (``False`` for rendered chat templates).
             prompt_param: the name errors give the prompt (``"messages"`` for chat requests).
             lora_request: the LoRA adapter to use (``None``: the base model).
+            cache_salt: mixed into the prefix-cache hashes of the request's blocks, so that only requests with
+                the same salt share cached blocks (``None``: no salt).
 
         Raises:
             InvalidRequestError: empty prompt, token id outside the vocabulary (in the prompt, ``logit_bias``,
                 ``allowed_token_ids``, ``stop_token_ids``, ``bad_words_token_ids`` or tokenized ``bad_words``),
                 prompt + ``max_tokens`` longer than the context or than the whole KV cache, stop strings
-                without detokenization, an invalid structured-output constraint (``param`` names the field).
+                without detokenization, an invalid structured-output constraint, per-request logits processors
+                that are not allowed or cannot be built (``param`` names the field).
         """
         arrival = time.time() if arrival_time is None else arrival_time
         if isinstance(prompt, str):
@@ -107,6 +116,10 @@ class InputProcessor:
             token_ids = list(prompt)
         self._check_prompt(token_ids, prompt_param)
         check_token_ids_in_vocab(params, self.model_config.vocab_size)
+        if params.logits_processors:
+            from tokenmill.worker.request_logits_processors import check_request_processors
+
+            check_request_processors(params.logits_processors, self.logits_processor_pattern, self.speculative)
         params = self._resolve_params(params, len(token_ids), prompt_param)
         return ProcessedRequest(
             request_id=request_id,
@@ -114,7 +127,8 @@ class InputProcessor:
             prompt_token_ids=token_ids,
             params=params,
             arrival_time=arrival,
-            engine_requests=self._engine_requests(request_id, token_ids, params, arrival, priority, lora_request),
+            engine_requests=self._engine_requests(request_id, token_ids, params, arrival, priority, lora_request,
+                                                  cache_salt),
         )
 
     def _check_prompt(self, token_ids: list[int], prompt_param: str) -> None:
@@ -203,7 +217,7 @@ class InputProcessor:
 
     def _engine_requests(
         self, request_id: str, token_ids: list[int], params: SamplingParams, arrival: float, priority: int,
-        lora_request: LoRARequest | None = None,
+        lora_request: LoRARequest | None = None, cache_salt: str | None = None,
     ) -> list[EngineCoreRequest]:
         base = params
         if self._extra_eos_ids and not params.ignore_eos:
@@ -228,6 +242,7 @@ class InputProcessor:
                 arrival_time=arrival,
                 priority=priority,
                 lora_request=lora_request,
+                cache_salt=cache_salt,
             )
             for rid, p in ids_and_params
         ]

@@ -50,7 +50,9 @@ class LLMEngine:
         else:
             self.engine_core = InprocClient(engine_config, engine_core_cls)
         self.input_processor = InputProcessor(
-            self.model_config, tokenizer, engine_config.cache_config, engine_config.structured_outputs_config
+            self.model_config, tokenizer, engine_config.cache_config, engine_config.structured_outputs_config,
+            logits_processor_pattern=engine_config.logits_processor_pattern,
+            speculative=engine_config.speculative_config is not None,
         )
         self.output_processor = OutputProcessor(tokenizer)
         spec = engine_config.speculative_config
@@ -76,8 +78,10 @@ class LLMEngine:
         add_special_tokens: bool = True,
         prompt_param: str = "prompt",
         lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
     ) -> None:
-        """Validate and queue a request (``lora_request``: its LoRA adapter, ``None`` for the base model).
+        """Validate and queue a request (``lora_request``: its LoRA adapter, ``None`` for the base model;
+        ``cache_salt``: mixed into its prefix-cache block hashes, ``None`` for none).
 
         Raises:
             InvalidRequestError: bad prompt or parameters, a duplicate id, or the engine core rejected it (with
@@ -93,6 +97,7 @@ class LLMEngine:
             add_special_tokens=add_special_tokens,
             prompt_param=prompt_param,
             lora_request=lora_request,
+            cache_salt=cache_salt,
         )
         self.output_processor.add_request(processed)
         added: list[str] = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,6 +27,8 @@ class CachedRequestState:
         num_computed_tokens: tokens whose KV is in the cache.
         eos_token_id: EOS id masked until ``min_tokens`` outputs (``None``: none or ``ignore_eos``).
         lora_request: its LoRA adapter (``None``: the base model).
+        request_processors: its per-request logits processors once built
+            (:class:`~tokenmill.worker.request_logits_processors.RequestProcessors`; ``None``: none yet).
     """
 
     req_id: str
@@ -36,6 +39,7 @@ class CachedRequestState:
     num_computed_tokens: int
     eos_token_id: int | None = None
     lora_request: LoRARequest | None = None
+    request_processors: Any = None
 
     @property
     def num_output_tokens(self) -> int:
