@@ -247,3 +247,15 @@ def test_thinking_switch_and_metadata_reach_the_template() -> None:
         engine.tokenizer.chat_template = DEFAULT_TEMPLATE + "{% if enable_thinking is false %}[no-think]{% endif %}"
         create(sdk, thinking={"type": "disabled"}, metadata={"user_id": "u1"})
     assert "".join(chr(t) for t in engine.calls[0].prompt).endswith("<|assistant|>[no-think]")
+
+
+def test_output_config_format_constrains_the_answer() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    client, engine, sdk = make(reply='{"a": 1}')
+    with client:
+        m = create(sdk, output_config={"format": {"type": "json_schema", "schema": schema}})
+    constraint = engine.calls[0].params.structured_outputs
+    assert constraint is not None
+    got = constraint.json
+    assert (json.loads(got) if isinstance(got, str) else got) == schema
+    assert json.loads(m.content[0].text) == {"a": 1}
