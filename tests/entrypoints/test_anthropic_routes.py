@@ -259,3 +259,25 @@ def test_output_config_format_constrains_the_answer() -> None:
     got = constraint.json
     assert (json.loads(got) if isinstance(got, str) else got) == schema
     assert json.loads(m.content[0].text) == {"a": 1}
+
+
+def test_engine_failures_mid_stream_shutdown_and_count_tokens_errors() -> None:
+    from tokenmill.errors import ServerShuttingDownError
+
+    client, engine, _ = make()
+    body = {"model": SERVED_NAME, "max_tokens": 50, "messages": USER}
+    with client:
+        engine.die_after = 3
+        events = sse(client.post(MESSAGES, json={**body, "stream": True}).text)
+        assert [name for name, _ in events][:2] == ["message_start", "ping"]
+        assert events[-1] == ("error", {"type": "error", "error": {
+            "type": "api_error", "message": "The inference engine stopped; the server is shutting down."}})
+        engine.dead, engine.die_after = False, None
+        engine.stop_error = ServerShuttingDownError("stopping")
+        assert_anthropic_error(client.post(MESSAGES, json=body), 529, "overloaded_error")
+        engine.stop_error = None
+        assert_anthropic_error(client.post(MESSAGES + "/count_tokens", json={"model": "nope", "messages": USER}),
+                               404, "not_found_error")
+        assert_anthropic_error(client.post(MESSAGES + "/count_tokens", json={"model": SERVED_NAME}), 400,
+                               "invalid_request_error")
+        assert_anthropic_error(client.post(MESSAGES + "/batches", json=body), 404, "not_found_error")
