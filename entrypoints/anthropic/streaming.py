@@ -110,8 +110,8 @@ async def anthropic_events(chunks: AsyncIterator[str], stop_sequences: list[str]
                 last_usage = chunk.get("usage") or last_usage
                 if not started:
                     started = True
-                    start = MessageResponse(id=message_id_of(chunk.get("id", "")), model=chunk.get("model", ""), content=[],
-                                            usage=chat_usage(last_usage))
+                    start = MessageResponse(id=message_id_of(chunk.get("id", "")), model=chunk.get("model", ""),
+                                            content=[], usage=chat_usage(last_usage))
                     yield event("message_start", {"message": start.model_dump()})
                     yield event("ping", {})
                 for choice in chunk.get("choices") or []:
