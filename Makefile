@@ -24,7 +24,9 @@ EXAMPLE_FILES := $(wildcard examples/platform_plugin/pyproject.toml examples/pla
 $(VENV)/.test-installed: $(VENV)/.installed $(EXAMPLE_FILES)
 	$(PIP) install -q -e '.[test]'
 	# The out-of-tree examples, built and installed as separate distributions, as a third party ships them
-	# (not editable: their packaging is part of what the tests check).
+	# (not editable: their packaging is part of what the tests check). pip builds them in place, and setuptools
+	# keeps modules removed from the source in build/: an old one would be installed again.
+	rm -rf examples/platform_plugin/build examples/model_plugin/build
 	$(PIP) install -q --no-deps --force-reinstall ./examples/platform_plugin ./examples/model_plugin
 	touch $@
 

@@ -92,8 +92,7 @@ def main() -> None:
             results = {k: v for k, v in results.items() if "C++" in k}
         if cache_dtype != dtype:  # the engine's compiled decode graphs call the C++ kernel; no second trace here
             results.pop("torch.compile (Inductor loops)", None)
-        # float32: torch's bfloat16 sum is compute-bound here (17 vs 27 GB/s), which understated the floor
-        # before the tenth session
+        # float32: torch's bfloat16 sum is compute-bound here (17 vs 27 GB/s) and would understate the floor
         big = torch.empty(1 << 27, dtype=torch.float32).fill_(1)
         bw = big.numel() * big.element_size() / (median_ms(big.sum, 5) / 1000)
         kv_bytes = 2 * b * args.context * args.num_kv_heads * d * cache.element_size() * args.layers

@@ -6,8 +6,8 @@ For SmolLM2-135M's matmuls (per layer qkv 960 x 576, o 576 x 576, gate_up 3072 x
 layers; LM head 49,152 x 576) it times ``F.linear``, oneDNN on prepacked weights
 (``torch.ops.mkldnn._linear_pointwise``, what tokenmill-cpu's bfloat16 linear layers run) and, for float32,
 tokenmill-cpu's panel kernel (``torch.ops.tokenmill_cpu.dense_gemm``, what its float32 layers run at up to 256
-rows, and above where it measures faster than ``F.linear``; since the tenth session, at every row count since the
-eleventh), and takes the fastest, at the row counts a throughput run has: prefill steps of ``--prefill-rows`` tokens (the scheduler's token budget) and decode steps of
+rows, and above where it measures faster than ``F.linear``), and takes the fastest, at the row counts a throughput
+run has: prefill steps of ``--prefill-rows`` tokens (the scheduler's token budget) and decode steps of
 ``--num-prompts`` running requests. Each row count's GFLOP/s is 2 M N K summed over one step's matmuls divided
 by the median time of that step (distinct weights per layer, so they stream from memory as in the model).
 

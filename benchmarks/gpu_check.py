@@ -14,7 +14,7 @@ leaves what it measured):
 
 Budget: under 8 minutes end to end on one H200 (``--time-budget-s``, default 420, skips what is left once
 spent). ``--quick`` is a smoke run at tiny shapes; on a machine without a GPU it sets ``TRITON_INTERPRET=1``
-and runs the kernels on CPU (how it is checked in CI-less sessions).
+and runs the kernels on CPU (how it is checked where no GPU is available).
 
 Only tokenmill's offline path is imported (``tokenmill.engine_args``, ``tokenmill.engine.core``), never the
 server, so pyzmq, fastapi, uvicorn, pydantic and gguf are not needed. msgspec is (sampling params and engine

@@ -11,8 +11,8 @@ warm-up) up to four ways, in the same process:
 * oneDNN with each weight reordered once (``torch.ops.mkldnn._reorder_linear_weight`` /
   ``torch.ops.mkldnn._linear_pointwise``);
 * float32 only: MKL's packed GEMM with each weight packed once for 32 rows and told the step's row count
-  (``torch.ops.mkl._mkl_reorder_linear_weight`` / ``torch.ops.mkl._mkl_linear``), which is what tokenmill-cpu
-  ran before the tenth session; every product is checked against ``F.linear`` first;
+  (``torch.ops.mkl._mkl_reorder_linear_weight`` / ``torch.ops.mkl._mkl_linear``), what tokenmill-cpu runs where
+  its panel kernel is not built; every product is checked against ``F.linear`` first;
 * float32 only: tokenmill-cpu's panel kernel (``torch.ops.tokenmill_cpu.dense_gemm`` on
   ``tokenmill_cpu.dense_linear.pack_panels``), what tokenmill-cpu runs now at 1 to 256 rows; built for the
   capability torch reports, so ``ATEN_CPU_CAPABILITY=avx2`` times its AVX2 build.
@@ -20,8 +20,8 @@ warm-up) up to four ways, in the same process:
   (``torch.ops.tokenmill_cpu.dense_gemm_bf16`` on ``tokenmill_cpu.dense_linear.pack_panels_bf16``), what
   tokenmill-cpu runs at 1 to 4 rows (oneDNN above).
 
-The figures behind the table in ``tokenmill_cpu/dense_linear.py`` and docs/benchmarks.md (issue 16, eighth
-session). With ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2`` an AVX-512 machine
+The figures behind the choice of path in ``tokenmill_cpu/dense_linear.py`` (docs/benchmarks.md, "Dense
+matmuls"). With ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2`` an AVX-512 machine
 gives the AVX2 code paths.
 """
 

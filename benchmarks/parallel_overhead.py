@@ -9,7 +9,7 @@ a layout is its median step time minus the single-rank one. It also times the ra
 workers (an all-reduce of one step's activations, ``[batch, 64]`` float32, over gloo; for PP a send/recv of
 the same between the stages) so the step overhead can be split into communication and RPC.
 
-    python benchmarks/parallel_overhead.py --json benchmarks/results/parallel_overhead_cpu.json
+    python benchmarks/parallel_overhead.py --json benchmarks/results/<date>_<machine>_parallel_overhead.json
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/plot.py benchmarks/results/sweep.json [--out-dir benchmarks/results] [--prefix sweep]
+    python benchmarks/plot.py benchmarks/results/<date>_<machine>_sweep.json [--out-dir benchmarks/results] [--prefix <date>_<machine>_sweep]
 
 Writes ``<prefix>_throughput_vs_batch.png`` (output tokens/s against batch size) and
 ``<prefix>_step_time_vs_running.png`` (mean decode step time in milliseconds against the number of running

@@ -8,8 +8,8 @@ One layer of SmolLM2-135M's shape (9 query heads, 3 KV heads, head size 64, floa
 q, k and v as views of one fused projection as the model gives them. Prints the median milliseconds per layer
 (after warm-up) of:
 
-* prompts one by one: ``tokenmill_cpu.kernels.prefill_attention`` once per prompt (what the CPU backend ran
-  for a step's fresh prompts before the sixteenth session of issue 16);
+* prompts one by one: ``tokenmill_cpu.kernels.prefill_attention`` once per prompt (the baseline for one call
+  per step);
 * prompts in one call: ``tokenmill_cpu.kernels.prefill_attention_varlen`` (what it runs now);
 * torch's ``scaled_dot_product_attention`` (``is_causal``, ``enable_gqa``) once per prompt: the torch op the
   kernel must beat (and the arithmetic rate of each: causal attention is ``4 * Hq * D * L * (L + 1) / 2`` FLOPs
@@ -23,7 +23,7 @@ q, k and v as views of one fused projection as the model gives them. Prints the 
   ``tokenmill_cpu.kernels.write_kv_cache``.
 
 Multiply by 30 for a whole step. With ``ATEN_CPU_CAPABILITY=avx2`` an AVX-512 machine gives the AVX2 build's
-figures. Results: docs/benchmarks.md (issue 16, sixteenth and twenty-first sessions).
+figures. Results: docs/benchmarks.md, "Prefill attention kernel".
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Where a decode step's time goes: torch.profiler over decode steps of the engine core.
 
-Usage (the figures in docs/benchmarks.md, "Where a decode step's time goes"):
+Usage (the figures in docs/benchmarks.md, "Offline throughput against the matmul ceiling"):
 
     python benchmarks/profile_decode.py --batch 1 --dtype bfloat16 --quantization int4 [--enforce-eager]
     python benchmarks/profile_decode.py --batch 256 --dtype bfloat16

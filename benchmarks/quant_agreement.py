@@ -1,9 +1,9 @@
 """Greedy agreement of a weight-quantized engine with the full-precision (dequantized) one on a fixed test set.
 
-Usage (the figures in docs/benchmarks.md, "Quantized decode: agreement"):
+Usage (the figures in docs/benchmarks.md, "Quantized matmul kernels"):
 
     python benchmarks/quant_agreement.py --quantization int4 --dtype bfloat16 --max-tokens 64 \
-        --json benchmarks/results/quant_agreement_int4.json
+        --json benchmarks/results/<date>_<machine>_quant_agreement_int4.json
 
 Runs the same chat questions (the test set below, answered with the model's chat template, temperature 0)
 through three engines, one after the other: the reference (float32, no quantization: the checkpoint's weights

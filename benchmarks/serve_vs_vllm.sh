@@ -13,7 +13,7 @@
 # run's log ends with the CPU time the hypervisor took from this VM meanwhile ("CPU steal"), which marks a run
 # slowed by a neighbour.
 set -u
-OUT=${OUT:-benchmarks/results/serve_vs_vllm}
+OUT=${OUT:-$("$(dirname "$0")/record_name.sh" serve_vs_vllm)}  # <date>_<machine>_serve_vs_vllm
 DTYPE=${DTYPE:-float32}
 RUNS=${RUNS:-2}
 V=${VLLM_VENV:?set VLLM_VENV to the venv holding vLLM CPU}/bin

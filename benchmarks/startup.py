@@ -8,9 +8,9 @@ Each start records: seconds until ``GET /v1/models`` answers (ready), seconds un
 ``POST /v1/completions`` has answered (first answer, sent as soon as the server is ready), and the server's
 log lines with their arrival time (seconds since start), so where the time went can be read off.
 
-    python benchmarks/startup.py --warm-runs 2 --output benchmarks/results/startup_X.json
+    python benchmarks/startup.py --warm-runs 2 --output benchmarks/results/<date>_<machine>_startup.json
 
-Issue 16's targets: first answer within 30 s cold and 15 s warm.
+The targets: first answer within 30 s cold and 15 s warm (docs/benchmarks.md, "Start-up").
 """
 
 from __future__ import annotations

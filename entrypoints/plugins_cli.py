@@ -47,7 +47,7 @@ def add_plugins_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_list(args: argparse.Namespace) -> int:
-    from tokenmill.plugins.diagnosis import collect_diagnosis, format_diagnosis
+    from tokenmill.entrypoints.plugins_diagnosis import collect_diagnosis, format_diagnosis
 
     report = collect_diagnosis(model=args.model)
     if args.json:

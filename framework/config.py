@@ -13,8 +13,9 @@ from typing import Any
 QUANTIZATION_METHODS = ("int8", "int4")  # see tokenmill.layers.quantization
 COMPILE_MODES = ("background", "blocking")  # see tokenmill.worker.compiled_runner
 
-_DTYPES = ("auto", "float32", "float16", "bfloat16")
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # see CacheConfig.cache_dtype
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # torch dtypes of these: tokenmill.dtypes.TORCH_DTYPES
+MODEL_DTYPES = ("auto", *DTYPE_NAMES)  # see ModelConfig.dtype
+KV_CACHE_DTYPES = ("auto", *DTYPE_NAMES)  # see CacheConfig.cache_dtype
 
 
 @dataclass

@@ -159,12 +159,6 @@ def _make_group(groups: Sequence[list[int]], rank: int, whole_world: bool) -> Gr
     return GroupCoordinator(mine, rank, device_group)
 
 
-def destroy_model_parallel() -> None:
-    """Back to a single rank (the process group itself is destroyed by the worker)."""
-    global _TP, _PP
-    _TP, _PP = GroupCoordinator([0], 0), GroupCoordinator([0], 0)
-
-
 def get_tp_group() -> GroupCoordinator:
     return _TP
 
@@ -173,24 +167,12 @@ def get_pp_group() -> GroupCoordinator:
     return _PP
 
 
-def init_tensor_parallel(rank: int, world_size: int) -> None:
-    """Single-stage shortcut kept for callers that only know tensor parallelism: ranks ``0..world_size-1``
-    form the tensor-parallel group on the default process group."""
-    global _TP, _PP
-    _TP = GroupCoordinator(list(range(world_size)), rank, torch.distributed.group.WORLD if world_size > 1 else None)
-    _PP = GroupCoordinator([rank], rank)
-
-
 def get_tp_rank() -> int:
     return _TP.rank_in_group
 
 
 def get_tp_size() -> int:
     return _TP.world_size
-
-
-def get_pp_rank() -> int:
-    return _PP.rank_in_group
 
 
 def get_pp_size() -> int:

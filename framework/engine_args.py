@@ -20,6 +20,7 @@ from tokenmill.config import (
     DATA_PARALLEL_ROUTING,
     DISTRIBUTED_EXECUTOR_BACKENDS,
     KV_CACHE_DTYPES,
+    MODEL_DTYPES,
     QUANTIZATION_METHODS,
     CacheConfig,
     DeviceConfig,
@@ -34,7 +35,6 @@ from tokenmill.config import (
 logger = logging.getLogger(__name__)
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
 
 
 def parse_size(value: str | int | None) -> int | None:
@@ -106,7 +106,7 @@ class EngineArgs:
         g = parser.add_argument_group("engine")
         g.add_argument("--tokenizer", default=d.tokenizer, help="Tokenizer directory (default: the model's).")
         g.add_argument("--served-model-name", default=d.served_model_name, help="Model name the API reports.")
-        g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+        g.add_argument("--dtype", default=d.dtype, choices=list(MODEL_DTYPES))
         g.add_argument("--max-model-len", type=int, default=d.max_model_len, help="Context length in tokens.")
         g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="Most requests per step.")
         g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
@@ -198,12 +198,12 @@ class EngineArgs:
             FileNotFoundError: the model path does not exist.
             ValueError: ``max_model_len`` exceeds what the model supports or is not positive.
         """
-        from tokenmill.model_loader.hf_config import load_hf_config, resolve_model_location
+        from tokenmill.model_loader.hf_config import derived_max_model_len, load_hf_config, resolve_model_location
 
         loc = resolve_model_location(self.model)
         hf_config = load_hf_config(loc.directory, loc.gguf_file, trust_remote_code=self.trust_remote_code,
                                    gguf_tokenizer=self.tokenizer is None)
-        derived = _derived_max_model_len(hf_config)
+        derived = derived_max_model_len(hf_config)
         max_len = self.max_model_len if self.max_model_len is not None else derived
         if max_len <= 0:
             raise ValueError(f"max_model_len: must be positive, got {max_len}")
@@ -362,14 +362,6 @@ class EngineArgs:
 
     def replace(self, **changes: Any) -> EngineArgs:
         return dataclasses.replace(self, **changes)
-
-
-def _derived_max_model_len(hf_config: Any) -> int:
-    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
-        value = getattr(hf_config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return 2048
 
 
 def _checked_pattern(pattern: str | None) -> str | None:

@@ -110,11 +110,11 @@ _LAZY: dict[str, str] = {
     "LoRAMethod": "tokenmill.lora.ops",
     "TorchLoRAMethod": "tokenmill.lora.ops",
     "LoRABatchMapping": "tokenmill.lora.ops",
-    # tool calling (OpenAI server)
-    "ToolParser": "tokenmill.entrypoints.openai.tool_parsers",
-    "ToolParserManager": "tokenmill.entrypoints.openai.tool_parsers",
-    "PartialParse": "tokenmill.entrypoints.openai.tool_parsers",
-    "PartialToolCall": "tokenmill.entrypoints.openai.tool_parsers",
+    # tool calling
+    "ToolParser": "tokenmill.tool_parsers",
+    "ToolParserManager": "tokenmill.tool_parsers",
+    "PartialParse": "tokenmill.tool_parsers",
+    "PartialToolCall": "tokenmill.tool_parsers",
     # sampling
     "LogitsProcessor": "tokenmill.worker.logits_processor",
     "LogitsProcessorBatch": "tokenmill.worker.logits_processor",
@@ -178,9 +178,9 @@ if TYPE_CHECKING:
     from tokenmill.plugins.qualname import resolve_qualname
     from tokenmill.worker.graph_emulator import EmulatedGraphCapture, GraphCaptureError
     from tokenmill.sampling_params import SamplingParams
+    from tokenmill.tool_parsers import PartialParse, PartialToolCall, ToolParser, ToolParserManager
     from tokenmill.worker.graph_runner import GraphCapture
     from tokenmill.worker.logits_processor import LogitsProcessor, LogitsProcessorBatch, LogitsProcessorRegistry
-    from tokenmill.entrypoints.openai.tool_parsers import PartialParse, PartialToolCall, ToolParser, ToolParserManager
 
 
 def __getattr__(name: str) -> Any:

@@ -17,12 +17,8 @@ from tokenmill.errors import InvalidRequestError
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
 MAX_LOGPROBS = 20
-
-
-class SamplingType(IntEnum):
-    GREEDY = 0
-    RANDOM = 1
-    RANDOM_SEED = 2
+# Temperatures below this are greedy (argmax), as in vLLM; the samplers also floor their divisor at it.
+SAMPLING_EPS = 1e-5
 
 
 class RequestOutputKind(IntEnum):
@@ -294,10 +290,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                     _check_int("bad_words_token_ids", t, lo=0)
 
     @property
-    def sampling_type(self) -> SamplingType:
-        if self.temperature < 1e-5:
-            return SamplingType.GREEDY
-        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+    def is_greedy(self) -> bool:
+        """Whether tokens are picked by argmax (``temperature`` below :data:`SAMPLING_EPS`)."""
+        return self.temperature < SAMPLING_EPS
 
     def clone(self) -> SamplingParams:
         return msgspec.structs.replace(self)

@@ -306,6 +306,34 @@ def write_json(path: str, record: dict[str, Any]) -> None:
     print(f"results written to {path}")
 
 
+# ------------------------------------------------------------------------------------------------ flags
+
+
+def add_shared_args(parser: argparse.ArgumentParser, *, output_len: int = 128, num_prompts: int | None = None,
+                    num_prompts_help: str = "Number of prompts N", detokenize: bool = False,
+                    hf_dtypes: bool = False, tqdm: bool = False) -> None:
+    """The flags the benchmarks share, in two groups: the workload (``--num-prompts`` when ``num_prompts`` is
+    given, ``--input-len``, ``--output-len``, ``--disable-detokenize`` with ``detokenize``, ``--hf-dtypes``
+    with ``hf_dtypes``) and the report (``--json``, ``--disable-tqdm`` with ``tqdm``)."""
+    workload = parser.add_argument_group("workload")
+    if num_prompts is not None:
+        workload.add_argument("--num-prompts", type=int, default=num_prompts,
+                              help=f"{num_prompts_help} (default {num_prompts}).")
+    workload.add_argument("--input-len", type=int, default=128, help="Prompt tokens I (default 128).")
+    workload.add_argument("--output-len", type=int, default=output_len,
+                          help=f"New tokens O per request (default {output_len}).")
+    if detokenize:
+        workload.add_argument("--disable-detokenize", action="store_true",
+                              help="Skip detokenization (token ids only), to time the engine alone.")
+    if hf_dtypes:
+        workload.add_argument("--hf-dtypes", default="float32,bfloat16",
+                              help="dtypes for --baseline hf; the fastest counts (default float32,bfloat16).")
+    report = parser.add_argument_group("report")
+    report.add_argument("--json", default=None, metavar="FILE", help="Write every figure to this JSON file.")
+    if tqdm:
+        report.add_argument("--disable-tqdm", action="store_true", help="No progress bar.")
+
+
 # ------------------------------------------------------------------------------------------------ engine
 
 
@@ -327,6 +355,19 @@ def engine_args_from(args: argparse.Namespace) -> Any:
     from tokenmill.engine_args import EngineArgs
 
     return EngineArgs.from_cli_args(args)
+
+
+def engine_prompts(engine: Any, args: argparse.Namespace) -> list[list[int]]:
+    """``--num-prompts`` random prompts of ``--input-len`` tokens (seed ``--seed``) for an ``LLMEngine``, once
+    ``--input-len`` plus ``--output-len`` are known to fit its context.
+
+    Raises:
+        ValueError: the lengths do not fit (see :func:`check_lengths`).
+    """
+    model_config = engine.model_config
+    check_lengths(args.input_len, args.output_len, model_config.max_model_len)
+    return random_prompts(engine.get_tokenizer(), args.num_prompts, args.input_len, seed=args.seed,
+                          vocab_size=model_config.vocab_size)
 
 
 def check_lengths(input_len: int, output_len: int, max_model_len: int) -> None:

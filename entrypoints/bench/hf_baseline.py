@@ -11,15 +11,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-DEFAULT_DTYPES = ("float32", "bfloat16")
-
+from tokenmill.config import DTYPE_NAMES
 
 def parse_dtypes(text: str) -> list[str]:
     """``"float32,bfloat16"`` -> ``["float32", "bfloat16"]`` (each checked)."""
     dtypes = [d.strip() for d in text.split(",") if d.strip()]
-    bad = [d for d in dtypes if d not in ("float32", "bfloat16", "float16")]
+    bad = [d for d in dtypes if d not in DTYPE_NAMES]
     if not dtypes or bad:
-        raise ValueError(f"--hf-dtypes: expected a comma-separated list of float32, bfloat16, float16; got {text!r}")
+        raise ValueError(f"--hf-dtypes: expected a comma-separated list of {', '.join(DTYPE_NAMES)}; got {text!r}")
     return dtypes
 
 

@@ -24,6 +24,7 @@ from typing import Any
 from tokenmill.entrypoints.bench.common import (
     AddArgs,
     add_engine_cli_args,
+    add_shared_args,
     base_record,
     check_lengths,
     engine_args_from,
@@ -47,20 +48,15 @@ def add_parser(subparsers: argparse._SubParsersAction, add_extra_args: AddArgs |
         description="One request at a time: time to first token and decode speed (medians), optionally "
                     "compared with transformers generate() or llama.cpp on the same weights.",
     )
-    parser.add_argument("--input-len", type=int, default=128, help="Prompt tokens I (default 128).")
-    parser.add_argument("--output-len", type=int, default=128, help="New tokens O (default 128).")
+    add_shared_args(parser, detokenize=True, hf_dtypes=True)
     parser.add_argument("--num-iters", type=int, default=5, help="Timed runs; medians are reported (default 5).")
     parser.add_argument("--num-iters-warmup", type=int, default=1, help="Untimed runs first (default 1).")
-    parser.add_argument("--disable-detokenize", action="store_true", help="Token ids only, no text.")
     parser.add_argument("--baseline", choices=["hf", "llamacpp", "no-spec"], default=None,
                         help="hf: transformers generate(); llamacpp: llama-cpp-python on the same GGUF file; "
                              "no-spec: tokenmill without --speculative-config (alternating with it).")
     parser.add_argument("--dataset-name", choices=["random", "quote"], default="random",
                         help="random: random tokens, exactly I per prompt; quote: prompts of about I tokens asking "
                              "to repeat a passage word for word (default random).")
-    parser.add_argument("--hf-dtypes", default="float32,bfloat16",
-                        help="dtypes for --baseline hf; the fastest decode counts (default float32,bfloat16).")
-    parser.add_argument("--json", default=None, metavar="FILE", help="Write every figure to this JSON file.")
     add_engine_cli_args(parser, add_extra_args)
     parser.set_defaults(func=run)
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.entrypoints.bench.common import (
+    add_shared_args,
     base_record,
     isa_rows,
     load_tokenizer_for,
@@ -57,17 +58,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--tokenizer", default=None,
                         help="Tokenizer for the random prompts: model directory, .gguf file or hub id "
                              "(default: the embedded SmolLM2 model's).")
-    parser.add_argument("--num-prompts", type=int, default=256, help="Requests to send (default 256).")
+    add_shared_args(parser, num_prompts=256, num_prompts_help="Requests to send", tqdm=True)
     parser.add_argument("--max-concurrency", type=int, default=32, help="Most requests in flight (default 32).")
     parser.add_argument("--request-rate", type=float, default=None,
                         help="Mean requests/s of Poisson arrivals (default: all at once).")
-    parser.add_argument("--input-len", type=int, default=128, help="Prompt tokens I (default 128).")
-    parser.add_argument("--output-len", type=int, default=128, help="New tokens O (default 128).")
     parser.add_argument("--api-key", default=None, help="Sent as 'Authorization: Bearer KEY'.")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="Seconds per request (default 600).")
     parser.add_argument("--seed", type=int, default=0, help="Seed of prompts and arrival times.")
-    parser.add_argument("--json", default=None, metavar="FILE", help="Write every figure to this JSON file.")
-    parser.add_argument("--disable-tqdm", action="store_true", help="No progress bar.")
     parser.set_defaults(func=run)
 
 

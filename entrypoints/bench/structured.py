@@ -22,9 +22,10 @@ from typing import Any
 from tokenmill.entrypoints.bench.common import (
     AddArgs,
     add_engine_cli_args,
+    add_shared_args,
     base_record,
-    check_lengths,
     engine_args_from,
+    engine_prompts,
     isa_rows,
     kernel_info,
     print_table,
@@ -62,17 +63,14 @@ def add_parser(subparsers: argparse._SubParsersAction, add_extra_args: AddArgs |
         description="Output throughput of the engine with a fraction of the requests constrained by a JSON "
                     "schema, against the same requests unconstrained, measured alternately in one process.",
     )
-    parser.add_argument("--num-prompts", type=int, default=96, help="Requests per run N (default 96).")
+    add_shared_args(parser, num_prompts=96, num_prompts_help="Requests per run N")
     parser.add_argument("--concurrency", type=int, default=32,
                         help="Requests running at once C (sets --max-num-seqs; default 32).")
     parser.add_argument("--constrained-fraction", type=float, default=0.5,
                         help="Fraction F of the requests constrained by the schema (default 0.5).")
-    parser.add_argument("--input-len", type=int, default=128, help="Tokens per prompt I (default 128).")
-    parser.add_argument("--output-len", type=int, default=128, help="New tokens per request O (default 128).")
     parser.add_argument("--repeats", type=int, default=3, help="Timed runs of each workload (default 3).")
     parser.add_argument("--schema", default=None, metavar="FILE",
                         help="JSON schema file for the constrained requests (default: a long array of objects).")
-    parser.add_argument("--json", default=None, metavar="FILE", help="Write every figure to this JSON file.")
     add_engine_cli_args(parser, add_extra_args)
     parser.set_defaults(func=run)
 
@@ -136,11 +134,8 @@ def run(args: argparse.Namespace) -> int:
     args.max_num_seqs = args.concurrency
     engine = LLMEngine.from_engine_args(engine_args_from(args))
     try:
-        model_config = engine.model_config
-        check_lengths(args.input_len, args.output_len, model_config.max_model_len)
-        tokenizer = engine.get_tokenizer()
-        prompts = random_prompts(tokenizer, args.num_prompts, args.input_len, seed=args.seed,
-                                 vocab_size=model_config.vocab_size)
+        model_config, tokenizer = engine.model_config, engine.get_tokenizer()
+        prompts = engine_prompts(engine, args)
         llm = LLM.from_llm_engine(engine)
         plain = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
         constrained = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,

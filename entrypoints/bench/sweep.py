@@ -17,6 +17,7 @@ from typing import Any
 from tokenmill.entrypoints.bench.common import (
     AddArgs,
     add_engine_cli_args,
+    add_shared_args,
     base_record,
     check_lengths,
     engine_args_from,
@@ -39,10 +40,7 @@ def add_parser(subparsers: argparse._SubParsersAction, add_extra_args: AddArgs |
     )
     parser.add_argument("--batch-sizes", default="1,8,32,64,128,256",
                         help="Comma-separated batch sizes (default 1,8,32,64,128,256).")
-    parser.add_argument("--input-len", type=int, default=128, help="Prompt tokens I (default 128).")
-    parser.add_argument("--output-len", type=int, default=64, help="New tokens O per request (default 64).")
-    parser.add_argument("--disable-detokenize", action="store_true", help="Token ids only, no text.")
-    parser.add_argument("--json", default=None, metavar="FILE", help="Write every figure to this JSON file.")
+    add_shared_args(parser, output_len=64, detokenize=True)
     add_engine_cli_args(parser, add_extra_args)
     parser.set_defaults(func=run)
 

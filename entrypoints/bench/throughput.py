@@ -16,11 +16,12 @@ from typing import Any
 from tokenmill.entrypoints.bench.common import (
     AddArgs,
     add_engine_cli_args,
+    add_shared_args,
     base_record,
-    check_lengths,
     cpu_steal_seconds,
     engine_args_from,
     engine_kernel_info,
+    engine_prompts,
     isa_rows,
     kernel_info,
     peak_rss_bytes,
@@ -37,20 +38,12 @@ def add_parser(subparsers: argparse._SubParsersAction, add_extra_args: AddArgs |
         description="Offline throughput of the engine (all prompts submitted at once), optionally compared "
                     "with Hugging Face transformers generate() on the same weights and prompts.",
     )
-    parser.add_argument("--num-prompts", type=int, default=256, help="Number of prompts N (default 256).")
-    parser.add_argument("--input-len", type=int, default=128, help="Tokens per prompt I (default 128).")
-    parser.add_argument("--output-len", type=int, default=128, help="New tokens per prompt O (default 128).")
+    add_shared_args(parser, num_prompts=256, detokenize=True, hf_dtypes=True, tqdm=True)
     parser.add_argument("--warmup-prompts", type=int, default=8,
                         help="Prompts of the untimed warm-up run (default 8; 0 = no warm-up).")
-    parser.add_argument("--disable-detokenize", action="store_true",
-                        help="Skip detokenization (token ids only), to time the engine alone.")
     parser.add_argument("--baseline", choices=["hf"], default=None,
                         help="Also run transformers generate() on the same prompts and print the ratio.")
     parser.add_argument("--hf-batch-size", type=int, default=64, help="Prompts per generate() call (default 64).")
-    parser.add_argument("--hf-dtypes", default="float32,bfloat16",
-                        help="dtypes to run the baseline in; the fastest counts (default float32,bfloat16).")
-    parser.add_argument("--json", default=None, metavar="FILE", help="Write every figure to this JSON file.")
-    parser.add_argument("--disable-tqdm", action="store_true", help="No progress bar.")
     add_engine_cli_args(parser, add_extra_args)
     parser.set_defaults(func=run)
 
@@ -81,11 +74,8 @@ def run_tokenmill(args: argparse.Namespace) -> tuple[dict[str, Any], list[list[i
     engine = LLMEngine.from_engine_args(engine_args)
     load_s = time.perf_counter() - load_start
     try:
-        model_config = engine.model_config
-        check_lengths(args.input_len, args.output_len, model_config.max_model_len)
-        tokenizer = engine.get_tokenizer()
-        prompts = random_prompts(tokenizer, args.num_prompts, args.input_len, seed=args.seed,
-                                 vocab_size=model_config.vocab_size)
+        model_config, tokenizer = engine.model_config, engine.get_tokenizer()
+        prompts = engine_prompts(engine, args)
         llm = LLM.from_llm_engine(engine)
         detokenize = not args.disable_detokenize
         if args.warmup_prompts > 0:

@@ -39,6 +39,7 @@ from tokenmill.entrypoints.openai.errors import (
 from tokenmill.entrypoints.openai.middleware import (
     DEFAULT_MAX_BODY_BYTES,
     BodySizeLimitMiddleware,
+    REQUEST_ID_HEADER,
     RequestIdMiddleware,
 )
 from tokenmill.entrypoints.openai.openapi import ERROR_RESPONSES, install_openapi, json_body
@@ -62,7 +63,7 @@ from tokenmill.entrypoints.openai.responses import (
 )
 from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenmill.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from tokenmill.entrypoints.openai.serving_engine import EngineClient, Tokenization
+from tokenmill.entrypoints.openai.serving_engine import EngineClient, ServingContext, Tokenization
 from tokenmill.entrypoints.openai.serving_models import OpenAIServingModels
 from tokenmill.entrypoints.openai.serving_responses import OpenAIServingResponses
 from tokenmill.entrypoints.openai.serving_tokenization import OpenAIServingTokenization, parse_tokenize_request
@@ -143,7 +144,7 @@ def _add_cors(app: FastAPI, args: argparse.Namespace) -> None:
         allow_credentials=bool(getattr(args, "allow_credentials", False)),
         allow_methods=_split_list(getattr(args, "allowed_methods", None), ["*"]),
         allow_headers=_split_list(getattr(args, "allowed_headers", None), ["*"]),
-        expose_headers=["X-Request-Id"],
+        expose_headers=[REQUEST_ID_HEADER],
     )
 
 
@@ -175,15 +176,15 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
     add_listener = getattr(engine, "add_stats_listener", None)
     if add_listener is not None:
         add_listener(stats.on_engine_outputs)
-    common = (engine, models, tokenization, state.mark_engine_dead)
-    token_ids = bool(getattr(args, "return_tokens_as_token_ids", False))
-    tool_parser_cls = resolve_tool_parser(args)
-    serving_chat = OpenAIServingChat(*common, renderer=renderer, stats=stats, return_tokens_as_token_ids=token_ids,
-                                     tool_parser_cls=tool_parser_cls)
-    serving_completion = OpenAIServingCompletion(*common, stats=stats, return_tokens_as_token_ids=token_ids)
-    serving_responses = OpenAIServingResponses(*common, renderer=renderer, stats=stats,
-                                               return_tokens_as_token_ids=token_ids, tool_parser_cls=tool_parser_cls)
-    serving_tokenization = OpenAIServingTokenization(*common, renderer=renderer)
+    context = ServingContext(
+        engine, models, tokenization, renderer, state.mark_engine_dead, stats,
+        tool_parser_cls=resolve_tool_parser(args),
+        return_tokens_as_token_ids=bool(getattr(args, "return_tokens_as_token_ids", False)),
+    )
+    serving_chat = OpenAIServingChat(context)
+    serving_completion = OpenAIServingCompletion(context)
+    serving_responses = OpenAIServingResponses(context)
+    serving_tokenization = OpenAIServingTokenization(context)
     api_key = getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None
 
     @contextlib.asynccontextmanager

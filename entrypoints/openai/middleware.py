@@ -14,6 +14,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tokenmill.entrypoints.openai.errors import RequestTooLargeError, error_from_exception
 
 REQUEST_ID_HEADER = "X-Request-Id"
+_REQUEST_ID_KEY = REQUEST_ID_HEADER.lower().encode("latin-1")  # ASGI header names are lower-case bytes
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 _REQUEST_ID_RE = re.compile(r"^[\x21-\x7e]{1,256}$")
 
@@ -33,14 +34,14 @@ class RequestIdMiddleware:
             await self.app(scope, receive, send)
             return
         given = next((v.decode("latin-1") for k, v in scope.get("headers", [])
-                      if k.lower() == b"x-request-id"), None)
+                      if k.lower() == _REQUEST_ID_KEY), None)
         request_id = given if given is not None and _REQUEST_ID_RE.match(given) else uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
-                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
-                headers.append((b"x-request-id", request_id.encode("latin-1")))
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != _REQUEST_ID_KEY]
+                headers.append((_REQUEST_ID_KEY, request_id.encode("latin-1")))
                 message = {**message, "headers": headers}
             await send(message)
 

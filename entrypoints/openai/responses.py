@@ -110,6 +110,9 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
 
 # ------------------------------------------------------------------------------- completion responses
 
+# The completion models repeat the chat ones' envelope fields on purpose: each model spells out its wire shape
+# as OpenAI's API reference does, and the OpenAPI schema is generated from them.
+
 
 class CompletionLogprobs(OpenAIBaseModel):
     """The legacy completions logprobs shape; ``text_offset`` counts characters from the choice's text start.

@@ -16,13 +16,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncGenerator
-from contextlib import aclosing
 from typing import Any
 
 import msgspec
 from fastapi import Request
 from fastapi.responses import Response
-from tokenmill.entrypoints.openai.chat_template import ChatRenderer
 from tokenmill.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_json
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, UsageInfo, random_id
 from tokenmill.entrypoints.openai.protocol_tools import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
@@ -34,44 +32,25 @@ from tokenmill.entrypoints.openai.responses import (
     ChatResponseMessage,
     DeltaMessage,
 )
-from tokenmill.entrypoints.openai.serving_engine import EngineClient, OpenAIServing, Tokenization
-from tokenmill.entrypoints.openai.serving_models import OpenAIServingModels
+from tokenmill.entrypoints.openai.serving_engine import Gen, OpenAIServing, output_kind
 from tokenmill.entrypoints.openai.streaming import (
     CLIENT_CLOSED_REQUEST,
     SSE_DONE,
     close_quietly,
-    run_unless_disconnected,
     sse_event,
     sse_response,
 )
-from tokenmill.entrypoints.openai.structured_outputs import check_structured_outputs
 from tokenmill.entrypoints.openai.tool_choice import ToolCalling, resolve_tool_calling, template_messages
-from tokenmill.entrypoints.openai.tool_parsers import ToolCallDelta, ToolParser, random_tool_call_id
-from tokenmill.errors import EngineGenerateError, InvalidRequestError
-from tokenmill.metrics.stats import RequestStatsTracker
-from tokenmill.outputs import CompletionOutput, RequestOutput
-from tokenmill.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from tokenmill.entrypoints.openai.tool_parsers import ToolCallDelta, random_tool_call_id
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
-Gen = AsyncGenerator[RequestOutput, None]
-
 
 class OpenAIServingChat(OpenAIServing):
-    """Handles chat completion requests.
-
-    Args:
-        renderer: turns messages into prompt text (the chat template).
-        tool_parser_cls: the ``--tool-call-parser`` class when ``--enable-auto-tool-choice`` is on, else ``None``
-            (``tool_choice="auto"`` is then refused).
-    """
-
-    def __init__(self, engine: EngineClient, models: OpenAIServingModels, tokenization: Tokenization,
-                 on_engine_dead: Any, renderer: ChatRenderer, stats: RequestStatsTracker | None = None,
-                 tool_parser_cls: type[ToolParser] | None = None, **options: Any) -> None:
-        super().__init__(engine, models, tokenization, on_engine_dead, stats, **options)
-        self.renderer = renderer
-        self.tool_parser_cls = tool_parser_cls
+    """Handles chat completion requests (the chat template and ``--tool-call-parser`` come from the
+    :class:`~tokenmill.entrypoints.openai.serving_engine.ServingContext`)."""
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         """Run one chat request.
@@ -82,9 +61,7 @@ class OpenAIServingChat(OpenAIServing):
             EngineDeadError, EngineGenerateError: from the engine (non-streaming, or before the first token).
         """
         arrival = time.time()
-        model_name = self.models.resolve(request.model)
-        request.check()
-        self.check_priority(request.priority)
+        model_name = self.admit(request)
         for param, ids in request.token_id_fields().items():
             self.check_token_ids(ids, param)
         tool_calling, constraint = await self.resolve_constraints(request)
@@ -93,15 +70,14 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = self.resolve_max_tokens(
             len(prompt_ids), request.requested_max_tokens, "messages", request.max_tokens_param
         )
-        kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+        kind = output_kind(request.stream)
         params = self.make_sampling_params(
             lambda: request.to_sampling_params(max_tokens, kind, self.vocab_size), request.max_tokens_param
         )
         params = apply_constraints(params, tool_calling, constraint)
         request_id = random_id("chatcmpl")
         echo = request.messages[-1].text() if request.echo and request.messages[-1].role == "assistant" else ""
-        logger.info("request %s (X-Request-Id %s): %d prompt tokens, max_tokens %s", request_id,
-                    getattr(raw_request.state, "request_id", "-"), len(prompt_ids), max_tokens)
+        self.log_request(request_id, raw_request, "%d prompt tokens, max_tokens %s", len(prompt_ids), max_tokens)
         gen = self.generate(prompt_ids, params, request_id, arrival, request.priority, model_name=model_name,
                             cache_salt=request.cache_salt)
         if request.stream:
@@ -112,67 +88,39 @@ class OpenAIServingChat(OpenAIServing):
 
     def _render_and_encode(self, request: ChatCompletionRequest) -> list[int]:
         """Apply the chat template and tokenize (runs in the tokenizer thread)."""
-        text = self.renderer.render(
+        return self.encode_chat(
             template_messages([m.to_template_dict() for m in request.messages]),
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
             template_kwargs=request.chat_template_kwargs,
             tools=[t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None,
+            add_special_tokens=request.add_special_tokens,
         )
-        return self.tokenization.encode(text, add_special_tokens=request.add_special_tokens)
 
     # ----------------------------------------------------------------------- tools and structured outputs
 
     async def resolve_constraints(self, request: ChatCompletionRequest
                                   ) -> tuple[ToolCalling | None, StructuredOutputsParams | None]:
-        """The request's tool handling and its structured-output constraint, compile-checked off the event loop
-        (in the tokenizer thread: the first check imports the grammar library).
+        """The request's tool handling and its structured-output constraint (compile-checked, see
+        :meth:`resolve_structured_outputs`).
 
         Raises:
             InvalidRequestError: a bad ``tools`` / ``tool_choice`` (``auto`` without the server flags), two
                 constraints at once, or a constraint that does not compile (``param`` names the field).
         """
-        parser_factory = None
-        if self.tool_parser_cls is not None:
-            parser_cls = self.tool_parser_cls
-            parser_factory = lambda: parser_cls(self.tokenization.tokenizer)  # noqa: E731
         tool_calling = resolve_tool_calling(request.tools, request.tool_choice, request.parallel_tool_calls,
-                                            parser_factory)
+                                            self.tool_parser_factory())
         constraint, source = request.structured_outputs_params()
-        if tool_calling is not None and tool_calling.structured_outputs is not None:
-            if source is not None:
-                field = source.split(".", 1)[0]
-                raise InvalidRequestError(
-                    f"{field}: cannot be combined with tool_choice 'required' or a named function", param=field
-                )
-            constraint, source = tool_calling.structured_outputs, "tool_choice"
-        if constraint is None or source is None:
-            return tool_calling, None
-        checked = await self.tokenization.run(check_structured_outputs, constraint, self.structured_outputs_backend,
-                                              source)
-        return tool_calling, checked
+        return tool_calling, await self.resolve_structured_outputs(constraint, source, tool_calling)
 
     # ------------------------------------------------------------------------------------ non-streaming
 
     async def _full(self, request: ChatCompletionRequest, raw_request: Request, gen: Gen, request_id: str,
                     model_name: str, prompt_len: int, echo: str, tool_calling: ToolCalling | None) -> Response:
-        async def collect() -> tuple[RequestOutput | None, dict[int, CompletionOutput]]:
-            last: RequestOutput | None = None
-            by_index: dict[int, CompletionOutput] = {}
-            async with aclosing(gen):
-                async for out in gen:
-                    last = out
-                    for o in out.outputs:
-                        by_index[o.index] = o
-            return last, by_index
-
-        completed, result = await run_unless_disconnected(raw_request, collect())
-        if not completed or result is None:
-            logger.info("request %s: client disconnected, aborted", request_id)
+        results = await self.full_outputs(raw_request, [gen], request_id)
+        if results is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        last, by_index = result
-        if last is None:
-            raise EngineGenerateError(f"request {request_id}: the engine returned no output")
+        [(last, by_index)] = results
         tokenizer = self.tokenization.tokenizer
         k = request.top_logprobs or 0
         as_ids = self.tokens_as_ids(request.return_tokens_as_token_ids)
@@ -204,21 +152,10 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _stream(self, request: ChatCompletionRequest, raw_request: Request, gen: Gen, request_id: str,
                       model_name: str, prompt_len: int, echo: str, tool_calling: ToolCalling | None) -> Response:
-        # The first output is awaited before answering, so that a request the engine rejects gets a
-        # plain 400 rather than a stream that starts and then fails.
-        async def first_output() -> RequestOutput | None:
-            return await anext(gen, None)
-
-        try:
-            completed, first = await run_unless_disconnected(raw_request, first_output())
-        except BaseException:
-            await close_quietly(gen)
-            raise
-        if not completed:
-            await close_quietly(gen)
-            logger.info("request %s: client disconnected, aborted", request_id)
+        firsts = await self.first_outputs(raw_request, [gen], request_id)
+        if firsts is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return sse_response(self._chunks(request, gen, first, request_id, model_name, prompt_len, echo,
+        return sse_response(self._chunks(request, gen, firsts[0], request_id, model_name, prompt_len, echo,
                                          tool_calling))
 
     async def _chunks(self, request: ChatCompletionRequest, gen: Gen, first: RequestOutput | None,

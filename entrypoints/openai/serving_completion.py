@@ -9,12 +9,10 @@ the same tokens whether the answer is streamed or not.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from typing import TypeVar
 
 import msgspec
 from fastapi import Request
@@ -32,48 +30,19 @@ from tokenmill.entrypoints.openai.responses import (
     CompletionResponse,
     CompletionStreamResponse,
 )
-from tokenmill.entrypoints.openai.serving_engine import OpenAIServing
-from tokenmill.entrypoints.openai.structured_outputs import check_structured_outputs
+from tokenmill.entrypoints.openai.serving_engine import Gen, OpenAIServing, output_kind
 from tokenmill.entrypoints.openai.streaming import (
     CLIENT_CLOSED_REQUEST,
     SSE_DONE,
     close_quietly,
     merge_async_iterators,
-    run_unless_disconnected,
     sse_event,
     sse_response,
 )
-from tokenmill.errors import EngineGenerateError
 from tokenmill.outputs import CompletionOutput, RequestOutput
-from tokenmill.sampling_params import RequestOutputKind, StructuredOutputsParams
+from tokenmill.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
-
-Gen = AsyncGenerator[RequestOutput, None]
-T = TypeVar("T")
-
-
-async def _collect(gen: Gen) -> tuple[RequestOutput | None, dict[int, CompletionOutput]]:
-    last: RequestOutput | None = None
-    by_index: dict[int, CompletionOutput] = {}
-    async with aclosing(gen):
-        async for out in gen:
-            last = out
-            for o in out.outputs:
-                by_index[o.index] = o
-    return last, by_index
-
-
-async def _gather_or_cancel(*aws: Awaitable[T]) -> list[T]:
-    """``asyncio.gather`` that cancels the others when one fails (or when the caller is cancelled)."""
-    tasks: list[asyncio.Future[T]] = [asyncio.ensure_future(a) for a in aws]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
 
 
 async def _first_then_rest(first: RequestOutput | None, gen: Gen) -> Gen:
@@ -97,9 +66,7 @@ class OpenAIServingCompletion(OpenAIServing):
             EngineDeadError, EngineGenerateError: from the engine (non-streaming, or before the first token).
         """
         arrival = time.time()
-        model_name = self.models.resolve(request.model)
-        request.check()
-        self.check_priority(request.priority)
+        model_name = self.admit(request)
         for param, ids in request.token_id_fields().items():
             self.check_token_ids(ids, param)
         constraint = await self.resolve_constraint(request)
@@ -108,7 +75,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_ids = [request.truncated(ids, self.max_model_len) for ids in encoded]
         # A truncated prompt is echoed as what the model saw.
         prompts = [p if len(ids) == len(full) else ids for p, ids, full in zip(prompts, prompt_ids, encoded)]
-        kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+        kind = output_kind(request.stream)
         params = []
         for ids in prompt_ids:
             self.check_token_ids(ids, "prompt")
@@ -122,8 +89,8 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.echo:
             echoes = await self.tokenization.run(self._prompt_texts, prompts)
         request_id = random_id("cmpl")
-        logger.info("request %s (X-Request-Id %s): %d prompt(s), %d prompt tokens", request_id,
-                    getattr(raw_request.state, "request_id", "-"), len(prompts), sum(map(len, prompt_ids)))
+        self.log_request(request_id, raw_request, "%d prompt(s), %d prompt tokens", len(prompts),
+                         sum(map(len, prompt_ids)))
         gens = [
             self.generate(ids, p, request_id if len(prompt_ids) == 1 else f"{request_id}-{i}", arrival,
                           request.priority, model_name=model_name, cache_salt=request.cache_salt)
@@ -140,11 +107,7 @@ class OpenAIServingCompletion(OpenAIServing):
         Raises:
             InvalidRequestError: two constraints, or one that does not compile (``param`` names the field).
         """
-        constraint, source = request.structured_outputs_params()
-        if constraint is None or source is None:
-            return None
-        return await self.tokenization.run(check_structured_outputs, constraint, self.structured_outputs_backend,
-                                           source)
+        return await self.resolve_structured_outputs(*request.structured_outputs_params())
 
     def _encode_all(self, prompts: list[str | list[int]], add_special_tokens: bool) -> list[list[int]]:
         return [self.tokenization.encode(p, add_special_tokens) if isinstance(p, str) else list(p)
@@ -174,15 +137,12 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _full(self, request: CompletionRequest, raw_request: Request, gens: list[Gen], request_id: str,
                     model_name: str, prompt_ids: list[list[int]], echoes: list[str]) -> Response:
-        completed, results = await run_unless_disconnected(raw_request, _gather_or_cancel(*map(_collect, gens)))
-        if not completed or results is None:
-            logger.info("request %s: client disconnected, aborted", request_id)
+        results = await self.full_outputs(raw_request, gens, request_id)
+        if results is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         choices: list[CompletionChoice] = []
         prompt_tokens = completion_tokens = cached_tokens = 0
         for i, (last, by_index) in enumerate(results):
-            if last is None:
-                raise EngineGenerateError(f"request {request_id}: the engine returned no output")
             prompt_tokens += len(last.prompt_token_ids) or len(prompt_ids[i])
             cached_tokens += last.num_cached_tokens
             prompt_lps = prompt_logprobs_json(last.prompt_logprobs) if request.prompt_logprobs is not None else None
@@ -209,19 +169,8 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _stream(self, request: CompletionRequest, raw_request: Request, gens: list[Gen],
                       request_id: str, model_name: str, prompt_ids: list[list[int]], echoes: list[str]
                       ) -> Response:
-        # First outputs are awaited before answering so that rejected prompts get a plain 400.
-        try:
-            completed, firsts = await run_unless_disconnected(
-                raw_request, _gather_or_cancel(*(anext(g, None) for g in gens))
-            )
-        except BaseException:
-            for g in gens:
-                await close_quietly(g)
-            raise
-        if not completed or firsts is None:
-            for g in gens:
-                await close_quietly(g)
-            logger.info("request %s: client disconnected, aborted", request_id)
+        firsts = await self.first_outputs(raw_request, gens, request_id)
+        if firsts is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         return sse_response(self._chunks(request, gens, firsts, request_id, model_name, prompt_ids, echoes))
 

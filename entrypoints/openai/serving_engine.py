@@ -1,5 +1,7 @@
-"""What chat and text completions share: the engine interface, tokenization off the event loop, request
-checks that need the model (context length, vocabulary), per-request metrics and SSE errors."""
+"""What the request handlers share: the engine interface, tokenization off the event loop, the
+:class:`ServingContext` built once per app, and :class:`OpenAIServing` with the steps of a request (checks that
+need the model, chat template, tool calling and structured outputs, metrics, client disconnects, stream
+errors)."""
 
 from __future__ import annotations
 
@@ -7,25 +9,32 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+from fastapi import Request
 from tokenmill.engine.detokenizer import TokenizerView
 from tokenmill.engine.input_processor import child_request_id
+from tokenmill.entrypoints.openai.chat_template import ChatRenderer
 from tokenmill.entrypoints.openai.errors import ContextLengthExceededError, error_from_exception
 from tokenmill.entrypoints.openai.protocol import listed
 from tokenmill.entrypoints.openai.serving_models import OpenAIServingModels
-from tokenmill.entrypoints.openai.streaming import sse_json
-from tokenmill.errors import EngineDeadError, InvalidRequestError, ServerShuttingDownError
+from tokenmill.entrypoints.openai.streaming import close_quietly, run_unless_disconnected, sse_json
+from tokenmill.entrypoints.openai.structured_outputs import check_structured_outputs
+from tokenmill.entrypoints.openai.tool_choice import ToolCalling
+from tokenmill.tool_parsers import ToolParser
+from tokenmill.errors import EngineDeadError, EngineGenerateError, InvalidRequestError, ServerShuttingDownError
 from tokenmill.metrics.stats import RequestStatsTracker
-from tokenmill.outputs import RequestOutput
-from tokenmill.sampling_params import SamplingParams, SamplingParamsError
+from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+Gen = AsyncGenerator[RequestOutput, None]
 
 
 class EngineClient(Protocol):
@@ -102,28 +111,93 @@ def engine_request_ids(request_id: str, n: int) -> list[str]:
     return [request_id] if n == 1 else [child_request_id(i, request_id) for i in range(n)]
 
 
-class OpenAIServing:
-    """Base of the chat, completion and tokenization handlers.
+@dataclass(frozen=True)
+class ServingContext:
+    """What every handler of one app shares, built once by ``build_app``.
 
-    Args:
+    Attributes:
         engine: the engine (an ``AsyncLLM``).
         models: the served model names.
         tokenization: the shared tokenizer worker.
+        renderer: the chat template (``--chat-template``, else the tokenizer's).
         on_engine_dead: called when a request finds the engine dead (the server then shuts down).
         stats: per-request metrics (``None``: none recorded).
+        tool_parser_cls: the ``--tool-call-parser`` class when ``--enable-auto-tool-choice`` is on, else
+            ``None`` (``tool_choice`` ``auto`` with tools is then refused).
         return_tokens_as_token_ids: the default of the requests' ``return_tokens_as_token_ids``
             (``--return-tokens-as-token-ids``).
     """
 
-    def __init__(self, engine: EngineClient, models: OpenAIServingModels, tokenization: Tokenization,
-                 on_engine_dead: Callable[[], None], stats: RequestStatsTracker | None = None, *,
-                 return_tokens_as_token_ids: bool = False) -> None:
+    engine: EngineClient
+    models: OpenAIServingModels
+    tokenization: Tokenization
+    renderer: ChatRenderer
+    on_engine_dead: Callable[[], None]
+    stats: RequestStatsTracker | None = None
+    tool_parser_cls: type[ToolParser] | None = None
+    return_tokens_as_token_ids: bool = False
+
+
+class GenerateRequest(Protocol):
+    """The fields :meth:`OpenAIServing.admit` reads from a generating request (chat, completion, Responses)."""
+
+    model: str | None
+    priority: int
+
+    def check(self) -> None: ...
+
+
+def output_kind(stream: bool) -> RequestOutputKind:
+    """Deltas for a stream, else only the final output."""
+    return RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+
+
+async def gather_or_cancel(*aws: Awaitable[T]) -> list[T]:
+    """``asyncio.gather`` that cancels the others when one fails (or when the caller is cancelled)."""
+    tasks: list[asyncio.Future[T]] = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def collect_outputs(gen: Gen) -> tuple[RequestOutput | None, dict[int, CompletionOutput]]:
+    """Run ``gen`` to its end: its last output and the last state of each sequence (by ``index``)."""
+    last: RequestOutput | None = None
+    by_index: dict[int, CompletionOutput] = {}
+    async with aclosing(gen):
+        async for out in gen:
+            last = out
+            for o in out.outputs:
+                by_index[o.index] = o
+    return last, by_index
+
+
+class OpenAIServing:
+    """Base of the request handlers: the chat, completion, Responses and tokenization servers (and any other
+    API front end over the same engine).
+
+    It holds the :class:`ServingContext` (its fields are attributes) and the steps every generating request
+    takes: :meth:`admit` (model, fields, priority), :meth:`resolve_structured_outputs` (tool calling and
+    constraints, compile-checked), :meth:`encode_chat` (chat template), :meth:`resolve_max_tokens`,
+    :meth:`make_sampling_params`, :meth:`generate` (with metrics), then :meth:`full_outputs` or
+    :meth:`first_outputs` (both aware of client disconnects) and :meth:`log_stream_error` / :meth:`sse_error`.
+    """
+
+    def __init__(self, context: ServingContext) -> None:
+        self.context = context
+        engine = context.engine
         self.engine = engine
-        self.models = models
-        self.tokenization = tokenization
-        self.on_engine_dead = on_engine_dead
-        self.stats = stats
-        self.return_tokens_as_token_ids = return_tokens_as_token_ids
+        self.models = context.models
+        self.tokenization = context.tokenization
+        self.renderer = context.renderer
+        self.on_engine_dead = context.on_engine_dead
+        self.stats = context.stats
+        self.tool_parser_cls = context.tool_parser_cls
+        self.return_tokens_as_token_ids = context.return_tokens_as_token_ids
         self.max_model_len = int(engine.model_config.max_model_len)
         self.vocab_size = int(engine.model_config.vocab_size)
         # --structured-outputs-backend, used to check constraints before a request is queued.
@@ -131,6 +205,24 @@ class OpenAIServing:
         self.structured_outputs_backend = str(getattr(so_config, "backend", "auto"))
         scheduler_config = getattr(getattr(engine, "engine_config", None), "scheduler_config", None)
         self.scheduling_policy = str(getattr(scheduler_config, "policy", "fcfs"))
+
+    def admit(self, request: GenerateRequest) -> str:
+        """The first checks of a generating request; returns the resolved model name.
+
+        Raises:
+            ModelNotFoundError: unknown ``model``.
+            InvalidRequestError: invalid fields (``request.check()``) or a priority the server does not use.
+        """
+        model_name = self.models.resolve(request.model)
+        request.check()
+        self.check_priority(request.priority)
+        return model_name
+
+    def log_request(self, request_id: str, raw_request: Request, detail: str, *args: Any) -> None:
+        """One info line per request, with the client's ``X-Request-Id``; ``detail % args`` describes it."""
+        logging.getLogger(type(self).__module__).info(
+            "request %s (X-Request-Id %s): " + detail, request_id, getattr(raw_request.state, "request_id", "-"),
+            *args)
 
     def tokens_as_ids(self, requested: bool | None) -> bool:
         """Whether logprobs name tokens ``"token_id:<id>"``: the request's choice, else the server's."""
@@ -199,6 +291,55 @@ class OpenAIServing:
                 raise SamplingParamsError(max_tokens_param, str(exc).split(": ", 1)[-1]) from exc
             raise
 
+    def tool_parser_factory(self) -> Callable[[], ToolParser] | None:
+        """Makes a fresh ``--tool-call-parser`` for one request (``None`` without ``--enable-auto-tool-choice``)."""
+        parser_cls = self.tool_parser_cls
+        if parser_cls is None:
+            return None
+        tokenizer = self.tokenization.tokenizer
+        return lambda: parser_cls(tokenizer)
+
+    async def resolve_structured_outputs(self, constraint: StructuredOutputsParams | None, source: str | None,
+                                         tool_calling: ToolCalling | None = None, conflict_param: str | None = None
+                                         ) -> StructuredOutputsParams | None:
+        """The request's one constraint, compile-checked with the server's backend in the tokenizer thread (the
+        first check imports the grammar library), so that a bad one is a 400 before anything is queued.
+
+        Args:
+            constraint: what the request's own fields ask for (``None``: nothing); ``source`` names that field.
+            tool_calling: the request's tool handling; ``tool_choice`` ``required`` / a named function bring a
+                constraint of their own, which the request's may not be combined with.
+            conflict_param: the field named when both are given (default: ``source`` up to its first dot).
+
+        Raises:
+            InvalidRequestError: two constraints at once, or one that does not compile (``param`` names the
+                field).
+        """
+        if tool_calling is not None and tool_calling.structured_outputs is not None:
+            if source is not None:
+                field = conflict_param or source.split(".", 1)[0]
+                raise InvalidRequestError(
+                    f"{field}: cannot be combined with tool_choice 'required' or a named function", param=field
+                )
+            constraint, source = tool_calling.structured_outputs, "tool_choice"
+        if constraint is None or source is None:
+            return None
+        return await self.tokenization.run(check_structured_outputs, constraint, self.structured_outputs_backend,
+                                           source)
+
+    def encode_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
+                    continue_final_message: bool, template_kwargs: dict[str, Any] | None,
+                    add_special_tokens: bool, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of ``messages`` through the chat template (call through ``self.tokenization.run``).
+
+        Raises:
+            InvalidRequestError: see :meth:`ChatRenderer.render`.
+        """
+        text = self.renderer.render(messages, add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message, template_kwargs=template_kwargs,
+                                    tools=tools)
+        return self.tokenization.encode(text, add_special_tokens=add_special_tokens)
+
     def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str, arrival_time: float,
                  priority: int = 0, *, model_name: str | None = None, cache_salt: str | None = None
                  ) -> AsyncGenerator[RequestOutput, None]:
@@ -243,8 +384,51 @@ class OpenAIServing:
                 else:
                     stats.finish(engine_id, reasons.get(index, default), now)
 
-    def sse_error(self, exc: BaseException, request_id: str) -> str:
-        """The ``data: {"error": ...}`` event for an exception raised inside a stream."""
+    async def full_outputs(self, raw_request: Request, gens: list[Gen], request_id: str
+                           ) -> list[tuple[RequestOutput, dict[int, CompletionOutput]]] | None:
+        """Each generator's last output and the last state of its sequences (see :func:`collect_outputs`), run
+        concurrently; ``None`` when the client disconnected first (the requests are then aborted).
+
+        Raises:
+            EngineGenerateError: a generator ended without output.
+            EngineDeadError, InvalidRequestError, ...: from the engine.
+        """
+        completed, results = await run_unless_disconnected(raw_request,
+                                                           gather_or_cancel(*map(collect_outputs, gens)))
+        if not completed or results is None:
+            logger.info("request %s: client disconnected, aborted", request_id)
+            return None
+        checked = []
+        for last, by_index in results:
+            if last is None:
+                raise EngineGenerateError(f"request {request_id}: the engine returned no output")
+            checked.append((last, by_index))
+        return checked
+
+    async def first_outputs(self, raw_request: Request, gens: list[Gen], request_id: str
+                            ) -> list[RequestOutput | None] | None:
+        """Each generator's first output (``None`` for one that ended at once), awaited before a stream is
+        answered so that a request the engine rejects gets a plain 4xx rather than a stream that starts and
+        then fails; ``None`` when the client disconnected first. The generators are closed when this returns
+        ``None`` or raises.
+        """
+        try:
+            completed, firsts = await run_unless_disconnected(
+                raw_request, gather_or_cancel(*(anext(g, None) for g in gens))
+            )
+        except BaseException:
+            for g in gens:
+                await close_quietly(g)
+            raise
+        if not completed or firsts is None:
+            for g in gens:
+                await close_quietly(g)
+            logger.info("request %s: client disconnected, aborted", request_id)
+            return None
+        return firsts
+
+    def log_stream_error(self, exc: BaseException, request_id: str) -> None:
+        """Log an exception raised inside a stream (an engine found dead also shuts the server down)."""
         if isinstance(exc, EngineDeadError):
             logger.error("request %s: engine core is dead: %s", request_id, exc)
             self.on_engine_dead()
@@ -252,5 +436,9 @@ class OpenAIServing:
             logger.info("request %s stopped: the server is shutting down", request_id)
         elif not isinstance(exc, InvalidRequestError):
             logger.error("request %s failed while streaming", request_id, exc_info=exc)
+
+    def sse_error(self, exc: BaseException, request_id: str) -> str:
+        """The ``data: {"error": ...}`` event for an exception raised inside a stream (logged)."""
+        self.log_stream_error(exc, request_id)
         _, body = error_from_exception(exc)
         return sse_json(body)

@@ -24,14 +24,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
-from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel
-from tokenmill.entrypoints.openai.chat_template import ChatRenderer
 from tokenmill.entrypoints.openai.errors import error_from_exception
 from tokenmill.entrypoints.openai.logprobs import chat_logprobs
 from tokenmill.entrypoints.openai.protocol_responses import (
@@ -63,28 +61,16 @@ from tokenmill.entrypoints.openai.protocol_tools import (
     ChatCompletionToolParam,
     NamedToolChoiceFunction,
 )
-from tokenmill.entrypoints.openai.serving_engine import EngineClient, OpenAIServing, Tokenization
-from tokenmill.entrypoints.openai.serving_models import OpenAIServingModels
-from tokenmill.entrypoints.openai.streaming import (
-    CLIENT_CLOSED_REQUEST,
-    close_quietly,
-    run_unless_disconnected,
-    sse_response,
-)
-from tokenmill.entrypoints.openai.structured_outputs import (
-    check_structured_outputs,
-    json_schema_to_structured_outputs,
-)
+from tokenmill.entrypoints.openai.serving_engine import Gen, OpenAIServing, output_kind
+from tokenmill.entrypoints.openai.streaming import CLIENT_CLOSED_REQUEST, close_quietly, sse_response
+from tokenmill.entrypoints.openai.structured_outputs import json_schema_to_structured_outputs
 from tokenmill.entrypoints.openai.tool_choice import ToolCalling, resolve_tool_calling, template_messages
-from tokenmill.entrypoints.openai.tool_parsers import ToolParser
-from tokenmill.errors import EngineDeadError, EngineGenerateError, InvalidRequestError, ServerShuttingDownError
-from tokenmill.metrics.stats import RequestStatsTracker
+from tokenmill.tool_parsers import ToolParser
+from tokenmill.errors import EngineGenerateError, InvalidRequestError
 from tokenmill.outputs import CompletionOutput, RequestOutput
-from tokenmill.sampling_params import RequestOutputKind, StructuredOutputsParams
+from tokenmill.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
-
-Gen = AsyncGenerator[RequestOutput, None]
 
 
 # ------------------------------------------------------------------------------- tools and text.format
@@ -175,20 +161,9 @@ def _to_delta_logprobs(entries: list[Any]) -> list[DeltaLogprob]:
 
 
 class OpenAIServingResponses(OpenAIServing):
-    """Handles Responses API requests (stateless: nothing is stored, ``store`` is always false).
-
-    Args:
-        renderer: turns the input items into prompt text (the chat template, as for chat completions).
-        tool_parser_cls: the ``--tool-call-parser`` class when ``--enable-auto-tool-choice`` is on, else ``None``
-            (``tool_choice`` ``auto`` with tools is then refused).
-    """
-
-    def __init__(self, engine: EngineClient, models: OpenAIServingModels, tokenization: Tokenization,
-                 on_engine_dead: Any, renderer: ChatRenderer, stats: RequestStatsTracker | None = None,
-                 tool_parser_cls: type[ToolParser] | None = None, **options: Any) -> None:
-        super().__init__(engine, models, tokenization, on_engine_dead, stats, **options)
-        self.renderer = renderer
-        self.tool_parser_cls = tool_parser_cls
+    """Handles Responses API requests (stateless: nothing is stored, ``store`` is always false). The input items
+    go through the chat template, as for chat completions; ``tool_choice`` ``auto`` with tools needs the
+    server's ``--tool-call-parser``."""
 
     async def create_response(self, request: ResponsesRequest, raw_request: Request) -> Response:
         """Run one Responses API request.
@@ -200,15 +175,13 @@ class OpenAIServingResponses(OpenAIServing):
             EngineDeadError, EngineGenerateError: from the engine (non-streaming, or before the first token).
         """
         arrival = time.time()
-        model_name = self.models.resolve(request.model)
-        request.check()
-        self.check_priority(request.priority)
+        model_name = self.admit(request)
         tool_calling, constraint = await self.resolve_constraints(request)
         messages = request.input_messages()
         prompt_ids = await self.tokenization.run(self._render_and_encode, messages, request)
         max_tokens = self.resolve_max_tokens(len(prompt_ids), request.max_output_tokens, "input",
                                              "max_output_tokens")
-        kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+        kind = output_kind(request.stream)
         skip_special = tool_calling.skip_special_tokens if tool_calling is not None else None
         params = self.make_sampling_params(
             lambda: request.to_sampling_params(max_tokens, kind, self.vocab_size, structured_outputs=constraint,
@@ -216,41 +189,38 @@ class OpenAIServingResponses(OpenAIServing):
             "max_output_tokens",
         )
         resp_id = response_id("resp")
-        logger.info("request %s (X-Request-Id %s): %d input tokens, max_output_tokens %s", resp_id,
-                    getattr(raw_request.state, "request_id", "-"), len(prompt_ids), max_tokens)
+        self.log_request(resp_id, raw_request, "%d input tokens, max_output_tokens %s", len(prompt_ids), max_tokens)
         gen = self.generate(prompt_ids, params, resp_id, arrival, request.priority, model_name=model_name,
                             cache_salt=request.cache_salt)
         state = _ResponseState(self, request, resp_id, model_name, len(prompt_ids), tool_calling)
         if request.stream:
-            return await self._stream(raw_request, gen, state)
-        return await self._full(raw_request, gen, state)
+            firsts = await self.first_outputs(raw_request, [gen], resp_id)
+            if firsts is None:
+                return Response(status_code=CLIENT_CLOSED_REQUEST)
+            return sse_response(self._events(gen, firsts[0], state))
+        results = await self.full_outputs(raw_request, [gen], resp_id)
+        if results is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        [(last, _)] = results
+        if not last.outputs:
+            raise EngineGenerateError(f"request {resp_id}: the engine returned no output")
+        state.add(last, last.outputs[0])
+        response = state.final_response()
+        return Response(response.model_dump_json(by_alias=True), media_type="application/json")
 
     async def resolve_constraints(self, request: ResponsesRequest
                                   ) -> tuple[ToolCalling | None, StructuredOutputsParams | None]:
         """The request's tool handling and its constraint (``text.format``, or ``tool_choice`` ``required`` /
-        named), compile-checked in the tokenizer thread before anything is queued.
+        named), compile-checked (see :meth:`resolve_structured_outputs`).
 
         Raises:
             InvalidRequestError: see :func:`check_tool_calling`; ``text.format`` together with a forced tool
                 call; a schema the backend cannot compile (``param="text.format.schema"``).
         """
-        parser_factory = None
-        if self.tool_parser_cls is not None:
-            parser_cls = self.tool_parser_cls
-            parser_factory = lambda: parser_cls(self.tokenization.tokenizer)  # noqa: E731
-        tool_calling = check_tool_calling(request, parser_factory)
+        tool_calling = check_tool_calling(request, self.tool_parser_factory())
         constraint, source = structured_outputs_for(request)
-        if tool_calling is not None and tool_calling.structured_outputs is not None:
-            if source is not None:
-                raise InvalidRequestError(
-                    "text.format: cannot be combined with tool_choice 'required' or a named function",
-                    param="text.format")
-            constraint, source = tool_calling.structured_outputs, "tool_choice"
-        if constraint is None or source is None:
-            return tool_calling, None
-        checked = await self.tokenization.run(check_structured_outputs, constraint, self.structured_outputs_backend,
-                                              source)
-        return tool_calling, checked
+        return tool_calling, await self.resolve_structured_outputs(constraint, source, tool_calling,
+                                                                    conflict_param="text.format")
 
     def _render_and_encode(self, messages: list[dict[str, Any]], request: ResponsesRequest) -> list[int]:
         """Apply the chat template (with the request's function tools) and tokenize (runs in the tokenizer
@@ -261,49 +231,14 @@ class OpenAIServingResponses(OpenAIServing):
         """
         tools = [t.to_chat_tool() for t in request.tools] if request.tools else None
         try:
-            text = self.renderer.render(template_messages(messages), add_generation_prompt=True,
-                                        continue_final_message=False, template_kwargs=request.chat_template_kwargs,
-                                        tools=tools)
+            return self.encode_chat(template_messages(messages), add_generation_prompt=True,
+                                    continue_final_message=False, template_kwargs=request.chat_template_kwargs,
+                                    tools=tools, add_special_tokens=False)
         except InvalidRequestError as exc:
             if exc.param != "messages":
                 raise
             message = str(exc).removeprefix("messages: ")
             raise InvalidRequestError(f"input: {message}", param="input") from exc
-        return self.tokenization.encode(text, add_special_tokens=False)
-
-    async def _full(self, raw_request: Request, gen: Gen, state: _ResponseState) -> Response:
-        async def collect() -> RequestOutput | None:
-            last = None
-            async with aclosing(gen):
-                async for out in gen:
-                    last = out
-            return last
-
-        completed, last = await run_unless_disconnected(raw_request, collect())
-        if not completed:
-            logger.info("request %s: client disconnected, aborted", state.resp_id)
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        if last is None or not last.outputs:
-            raise EngineGenerateError(f"request {state.resp_id}: the engine returned no output")
-        state.add(last, last.outputs[0])
-        response = state.final_response()
-        return Response(response.model_dump_json(by_alias=True), media_type="application/json")
-
-    async def _stream(self, raw_request: Request, gen: Gen, state: _ResponseState) -> Response:
-        # The first output is awaited before answering, so that a request the engine rejects gets a plain 400.
-        async def first_output() -> RequestOutput | None:
-            return await anext(gen, None)
-
-        try:
-            completed, first = await run_unless_disconnected(raw_request, first_output())
-        except BaseException:
-            await close_quietly(gen)
-            raise
-        if not completed:
-            await close_quietly(gen)
-            logger.info("request %s: client disconnected, aborted", state.resp_id)
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return sse_response(self._events(gen, first, state))
 
     async def _events(self, gen: Gen, first: RequestOutput | None, state: _ResponseState
                       ) -> AsyncGenerator[str, None]:
@@ -337,7 +272,7 @@ class OpenAIServingResponses(OpenAIServing):
                 kind = "response.incomplete" if final.status == "incomplete" else "response.completed"
                 yield event(ResponseLifecycleEvent, type=kind, response=final)
             except Exception as exc:  # noqa: BLE001 - any failure must reach the client as error events
-                self._log_stream_error(exc, state.resp_id)
+                self.log_stream_error(exc, state.resp_id)
                 _, body = error_from_exception(exc)
                 info = body["error"]
                 yield event(ErrorEvent, code=info.get("code") or info.get("type"), message=info["message"],
@@ -347,15 +282,6 @@ class OpenAIServingResponses(OpenAIServing):
                 yield event(ResponseLifecycleEvent, type="response.failed", response=failed)
         finally:
             await close_quietly(gen)
-
-    def _log_stream_error(self, exc: BaseException, request_id: str) -> None:
-        if isinstance(exc, EngineDeadError):
-            logger.error("request %s: engine core is dead: %s", request_id, exc)
-            self.on_engine_dead()
-        elif isinstance(exc, ServerShuttingDownError):
-            logger.info("request %s stopped: the server is shutting down", request_id)
-        elif not isinstance(exc, InvalidRequestError):
-            logger.error("request %s failed while streaming", request_id, exc_info=exc)
 
 
 class _ResponseState:

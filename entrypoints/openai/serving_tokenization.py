@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenmill.entrypoints.openai.chat_template import ChatRenderer
 from tokenmill.entrypoints.openai.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 from tokenmill.entrypoints.openai.responses import DetokenizeResponse, TokenizeResponse
 from tokenmill.entrypoints.openai.serving_engine import OpenAIServing
@@ -29,15 +28,8 @@ def parse_tokenize_request(data: dict[str, Any]) -> TokenizeCompletionRequest | 
 
 
 class OpenAIServingTokenization(OpenAIServing):
-    """Handles ``/tokenize`` and ``/detokenize``.
-
-    Args:
-        renderer: renders chat messages (the same chat template as chat completions).
-    """
-
-    def __init__(self, *args: Any, renderer: ChatRenderer, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.renderer = renderer
+    """Handles ``/tokenize`` and ``/detokenize`` (chat messages go through the same chat template as chat
+    completions)."""
 
     async def tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
         """Raises ModelNotFoundError (unknown model) or InvalidRequestError (template failure)."""
@@ -51,15 +43,15 @@ class OpenAIServingTokenization(OpenAIServing):
     def _tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest
                   ) -> tuple[list[int], list[str] | None]:
         if isinstance(request, TokenizeChatRequest):
-            text = self.renderer.render(
+            tokens = self.encode_chat(
                 [m.to_template_dict() for m in request.messages],
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
                 template_kwargs=request.chat_template_kwargs,
+                add_special_tokens=request.add_special_tokens,
             )
         else:
-            text = request.prompt
-        tokens = self.tokenization.encode(text, add_special_tokens=request.add_special_tokens)
+            tokens = self.tokenization.encode(request.prompt, add_special_tokens=request.add_special_tokens)
         return tokens, self.tokenization.token_strs(tokens) if request.return_token_strs else None
 
     async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:

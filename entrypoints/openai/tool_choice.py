@@ -22,18 +22,13 @@ from typing import Any
 
 from tokenmill.entrypoints.openai.protocol_tools import ChatCompletionNamedToolChoiceParam, ChatCompletionToolParam
 from tokenmill.entrypoints.openai.structured_outputs import json_schema_to_structured_outputs
-from tokenmill.entrypoints.openai.tool_parsers import (
-    ExtractedToolCalls,
-    PartialParse,
-    PartialToolCall,
-    ToolCallStreamer,
-    ToolParser,
-)
-from tokenmill.entrypoints.openai.tool_parsers.abstract_tool_parser import arguments_text
+from tokenmill.entrypoints.openai.tool_parsers import ToolCallStreamer
 from tokenmill.entrypoints.openai.tool_parsers.hermes_tool_parser import is_valid_call, string_member
-from tokenmill.entrypoints.openai.tool_parsers.json_scan import JSONScanError, scan_array_of_objects, skip_ws
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.tool_parsers import ExtractedToolCalls, PartialParse, PartialToolCall, ToolParser
+from tokenmill.tool_parsers.abstract_tool_parser import arguments_text
+from tokenmill.tool_parsers.json_scan import JSONScanError, scan_array_of_objects, skip_ws
 
 AUTO_FLAGS_MESSAGE = (
     'tool_choice: "auto" needs a tool parser: start the server with --enable-auto-tool-choice '
@@ -225,7 +220,7 @@ def resolve_tool_parser(args: Any) -> type[ToolParser] | None:
         ValueError: ``--enable-auto-tool-choice`` without ``--tool-call-parser``, or an unknown parser name
             (the message lists the registered ones).
     """
-    from tokenmill.entrypoints.openai.tool_parsers import ToolParserManager
+    from tokenmill.tool_parsers import ToolParserManager
 
     name = getattr(args, "tool_call_parser", None)
     if not getattr(args, "enable_auto_tool_choice", False):

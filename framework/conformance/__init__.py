@@ -11,15 +11,13 @@ from __future__ import annotations
 from tokenmill.conformance.kit import (
     CONTRACT_ITEMS,
     ConformanceReport,
-    ConformanceTarget,
-    ContractFailure,
     ItemResult,
-    ItemSkipped,
     contract_items,
     resolve_target,
     run_conformance,
     run_item,
 )
+from tokenmill.conformance.target import ConformanceTarget, ContractFailure, ItemSkipped
 
 __all__ = [
     "CONTRACT_ITEMS",

@@ -9,9 +9,9 @@ import torch
 
 from tokenmill.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadata
 from tokenmill.conformance import reference as ref
-from tokenmill.conformance.kit import ConformanceTarget, ContractFailure
+from tokenmill.conformance.target import ConformanceTarget, ContractFailure
+from tokenmill.dtypes import TORCH_DTYPES
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BLOCK_SIZES = (4, 16)
 GARBAGE = 8.0  # unwritten slots of used blocks hold uniform(-8, 8): finite, and wrong if ever attended to
 
@@ -81,7 +81,7 @@ def _dtypes(t: ConformanceTarget) -> list[torch.dtype]:
     names = ["float32"] if "float32" in t.run_cls.supported_dtypes else []
     if t.run_cls.default_dtype not in names:
         names.append(t.run_cls.default_dtype)
-    return [DTYPES[n] for n in names]
+    return [TORCH_DTYPES[n] for n in names]
 
 
 def _new_cache(backend: type[AttentionBackend], num_blocks: int, block_size: int, variant: ref.Variant,
@@ -154,7 +154,7 @@ def _check_reference(t: ConformanceTarget) -> None:
     # every reduced cache dtype the platform supports (--kv-cache-dtype), within the cache dtype's tolerance.
     runs = [(dtype, dtype, BLOCK_SIZES) for dtype in _dtypes(t)]
     if torch.float32 in _dtypes(t):
-        runs += [(torch.float32, DTYPES[n], BLOCK_SIZES[-1:]) for n in ("bfloat16", "float16")
+        runs += [(torch.float32, TORCH_DTYPES[n], BLOCK_SIZES[-1:]) for n in ("bfloat16", "float16")
                  if n in t.run_cls.supported_dtypes]
     with torch.inference_mode():
         for dtype, cache_dtype, block_sizes in runs:
@@ -224,7 +224,8 @@ def _check_kv_cache(t: ConformanceTarget) -> None:
     layout = probe_layout(backend)
     variant = ref.Variant("GQA 4/2 heads, D 32", 4, 2, 32)
     bs, num_blocks = 4, 12
-    dtype = DTYPES["float32"] if "float32" in t.run_cls.supported_dtypes else DTYPES[t.run_cls.default_dtype]
+    name = "float32" if "float32" in t.run_cls.supported_dtypes else t.run_cls.default_dtype
+    dtype = TORCH_DTYPES[name]
     blocks = [5, 9, 10, 2]  # 9 -> 10: a write one slot too far leaves block 9 for block 10
     seq = 15  # ends inside the last block
     g = torch.Generator().manual_seed(7)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from tokenmill.conformance.kit import ConformanceTarget, ContractFailure, ItemSkipped
+from tokenmill.conformance.target import ConformanceTarget, ContractFailure, ItemSkipped
 
 PROMPTS = [[1, 5, 9, 33, 44, 100, 7, 8, 9, 10], [7] * 9, [3, 4, 5], [1, 5, 9, 33, 44, 100, 7, 8, 60, 61, 62],
            [40, 41]]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.conformance.kit import ConformanceTarget, ContractFailure, ItemSkipped
+from tokenmill.conformance.target import ConformanceTarget, ContractFailure, ItemSkipped
 
 LAYER_OPS = ("rms_norm", "rotary_embedding", "silu_and_mul", "gelu_and_mul")
 

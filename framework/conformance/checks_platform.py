@@ -10,9 +10,9 @@ import textwrap
 
 import torch
 
-from tokenmill.conformance.kit import ConformanceTarget, ContractFailure, ItemSkipped
+from tokenmill.conformance.target import ConformanceTarget, ContractFailure, ItemSkipped
+from tokenmill.dtypes import TORCH_DTYPES
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DIST_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl", "hccl", "cncl", "mccl")
 FIRST_DETECT_LIMIT_S = 20.0  # includes importing torch in a fresh process
 REPEAT_DETECT_LIMIT_S = 0.5
@@ -95,9 +95,10 @@ def check_platform_class(t: ConformanceTarget) -> None:
         problems.append(f"device_type {cls.device_type!r} is not a torch device type ({exc})")
     if cls.dist_backend not in DIST_BACKENDS:
         problems.append(f"dist_backend {cls.dist_backend!r} is not a torch.distributed backend ({', '.join(DIST_BACKENDS)})")
-    bad = [d for d in cls.supported_dtypes if d not in DTYPES]
+    bad = [d for d in cls.supported_dtypes if d not in TORCH_DTYPES]
     if not cls.supported_dtypes or bad:
-        problems.append(f"supported_dtypes {cls.supported_dtypes!r} must be a non-empty subset of {tuple(DTYPES)}")
+        problems.append(f"supported_dtypes {cls.supported_dtypes!r} must be a non-empty subset of "
+                        f"{tuple(TORCH_DTYPES)}")
     if cls.default_dtype not in cls.supported_dtypes:
         problems.append(f"default_dtype {cls.default_dtype!r} is not in supported_dtypes")
     if cls.memory_accounting not in ("total", "available"):
@@ -133,7 +134,7 @@ def check_dtypes(t: ConformanceTarget) -> None:
                               f"{config.device_config.platform!r}, not {cls.name!r}")
     for name in cls.supported_dtypes:
         cls.check_and_update_config(t.engine_config(name))
-    unsupported = next((d for d in DTYPES if d not in cls.supported_dtypes), "float64")
+    unsupported = next((d for d in TORCH_DTYPES if d not in cls.supported_dtypes), "float64")
     try:
         cls.check_and_update_config(t.engine_config(unsupported))
     except ValueError as exc:
@@ -145,7 +146,7 @@ def check_dtypes(t: ConformanceTarget) -> None:
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(64, 96, generator=g), torch.randn(96, 48, generator=g)
     for name in cls.supported_dtypes:
-        dtype = DTYPES[name]
+        dtype = TORCH_DTYPES[name]
         ad, bd = a.to(dtype), b.to(dtype)
         got = (ad.to(t.device) @ bd.to(t.device)).cpu().double()
         ref = ad.double() @ bd.double()
@@ -215,8 +216,8 @@ def check_memory(t: ConformanceTarget) -> None:
            + (f", cap {cls.kv_cache_cap_bytes / 2**30:.1f} GiB" if cls.kv_cache_cap_bytes else "") + ")")
     shape = (2, 8, 16, 2, 64)  # the CPU/torch paged layout of 8 blocks; any backend's shape is just a shape here
     for dtype_name in cls.supported_dtypes:
-        cache = cls.allocate_kv_cache(shape, DTYPES[dtype_name], t.device)
-        if tuple(cache.shape) != shape or cache.dtype != DTYPES[dtype_name] or not cache.is_contiguous():
+        cache = cls.allocate_kv_cache(shape, TORCH_DTYPES[dtype_name], t.device)
+        if tuple(cache.shape) != shape or cache.dtype != TORCH_DTYPES[dtype_name] or not cache.is_contiguous():
             raise ContractFailure(f"allocate_kv_cache({shape}, {dtype_name}) gave a {cache.dtype} tensor of shape "
                                   f"{tuple(cache.shape)} (contiguous: {cache.is_contiguous()})")
         if cache.device.type != t.device.type:

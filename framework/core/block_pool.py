@@ -85,9 +85,6 @@ class FreeKVCacheBlockQueue:
         self._tail.prev_free = block
         self.num_free_blocks += 1
 
-    def contains(self, block: KVCacheBlock) -> bool:
-        return block.prev_free is not None
-
     def __iter__(self):
         node = self._head.next_free
         while node is not None and node is not self._tail:

@@ -330,9 +330,6 @@ class Scheduler:
             return ids, None
         return ids, self.structured_output_manager.grammar_bitmask(requests)
 
-    def has_requests_waiting_for_grammar(self) -> bool:
-        return any(r.status == RequestStatus.WAITING_FOR_GRAMMAR for r in self.waiting)
-
     def requests_waiting_for_grammar(self) -> list[Request]:
         return [r for r in self.waiting if r.status == RequestStatus.WAITING_FOR_GRAMMAR]
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core_client import AsyncMPClient
-from tokenmill.engine.input_processor import InputProcessor
+from tokenmill.engine.input_processor import InputProcessor, RequestInput
 from tokenmill.engine.messages import EngineCoreOutputs, SchedulerStats, merge_scheduler_stats
 from tokenmill.engine.output_processor import OutputProcessor, RequestOutputCollector
 from tokenmill.engine_args import EngineArgs
@@ -93,18 +93,14 @@ class AsyncLLM:
         prompt: str | Sequence[int],
         sampling_params: SamplingParams,
         request_id: str,
-        *,
-        arrival_time: float | None = None,
-        priority: int = 0,
-        add_special_tokens: bool = True,
-        prompt_param: str = "prompt",
-        lora_request: LoRARequest | None = None,
-        cache_salt: str | None = None,
+        **options: Any,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Run one request; yields RequestOutputs per ``sampling_params.output_kind``, the last finished.
 
-        ``lora_request`` names the LoRA adapter to use (``None``: the base model); ``cache_salt`` is mixed into
-        the prefix-cache hashes of the request's blocks (only requests with the same salt share cached blocks).
+        ``options``: the keyword fields of :class:`~tokenmill.engine.input_processor.RequestInput`
+        (``arrival_time``, ``priority``, ``add_special_tokens``, ``prompt_param``, ``lora_request``: the LoRA
+        adapter to use, ``None`` for the base model; ``cache_salt``: only requests with the same salt share
+        prefix-cache blocks).
 
         Stopping the iteration early (``aclose``, cancellation, a client disconnect) aborts the request.
 
@@ -115,15 +111,7 @@ class AsyncLLM:
         """
         self._check_alive()
         processed = self.input_processor.process(
-            request_id,
-            prompt,
-            sampling_params,
-            arrival_time=arrival_time,
-            priority=priority,
-            add_special_tokens=add_special_tokens,
-            prompt_param=prompt_param,
-            lora_request=lora_request,
-            cache_salt=cache_salt,
+            RequestInput(request_id=request_id, prompt=prompt, params=sampling_params, **options)
         )
         collector = RequestOutputCollector(sampling_params.output_kind)
         self.output_processor.add_request(processed, collector)

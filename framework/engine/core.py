@@ -25,6 +25,7 @@ from tokenmill.errors import InvalidRequestError
 from tokenmill.lora.request import LoRALoadError, LoRARequest
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.executor.base import Executor, FutureOutput
+from tokenmill.executor.selector import get_executor_class
 from tokenmill.structured_output.manager import StructuredOutputManager
 from tokenmill.structured_output.validation import resolve_structured_outputs
 
@@ -39,7 +40,7 @@ class EngineCore:
 
     Args:
         config: the engine configuration; ``cache_config.num_gpu_blocks`` is filled in here.
-        executor_class: defaults to :meth:`Executor.get_class`.
+        executor_class: defaults to :func:`~tokenmill.executor.selector.get_executor_class`.
     """
 
     def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
@@ -48,7 +49,7 @@ class EngineCore:
         load_general_plugins("engine_core")  # no-op when this process already ran it (offline LLM, server)
         start = time.perf_counter()
         self.config = config
-        self.executor = (executor_class or Executor.get_class(config))(config)
+        self.executor = (executor_class or get_executor_class(config))(config)
         num_blocks = self.executor.determine_num_available_blocks()
         self.executor.initialize_cache(num_blocks)
         config.cache_config.num_gpu_blocks = num_blocks

@@ -35,6 +35,13 @@ from typing import Any
 import msgspec
 
 from tokenmill.config import EngineConfig
+from tokenmill.engine.core_wire import (
+    DEAD_FRAME,
+    DEFAULT_ENGINE_CORE_CLS,
+    READY_FRAME,
+    ReadyMessage,
+    resolve_engine_core_cls,
+)
 from tokenmill.engine.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -46,26 +53,8 @@ from tokenmill.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_ENGINE_CORE_CLS = "tokenmill.engine.core:EngineCore"
-
 # Seconds between checks that the engine-core process is still alive while no output arrives.
 _LIVENESS_POLL_S = 0.2
-
-
-def resolve_engine_core_cls(spec: str | type | None) -> type:
-    """The EngineCore class: ``None`` is the default, a string is a ``"module:Class"`` path.
-
-    Raises:
-        ImportError / ValueError: the path cannot be imported.
-    """
-    if spec is None:
-        spec = DEFAULT_ENGINE_CORE_CLS
-    if isinstance(spec, str):
-        from tokenmill.plugins.qualname import resolve_qualname
-
-        return resolve_qualname(spec)
-    return spec
-
 
 
 class EngineCoreStartError(RuntimeError):
@@ -318,8 +307,6 @@ class AsyncMPClient(EngineCoreClient):
             RuntimeError: an engine core failed to start (the message carries its error), exited without
                 a word, or did not answer within ``timeout_s``. Every engine core is stopped first.
         """
-        from tokenmill.engine.core_proc import READY_FRAME, ReadyMessage
-
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         index = {f"engine-core-{i}".encode(): i for i in range(self.num_engines)}
         blocks: list[int] = []
@@ -483,8 +470,6 @@ class AsyncMPClient(EngineCoreClient):
             self._reader = asyncio.get_running_loop().create_task(self._read_outputs(), name="engine-core-outputs")
 
     async def _read_outputs(self) -> None:
-        from tokenmill.engine.core_proc import DEAD_FRAME
-
         decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         try:
             while True:

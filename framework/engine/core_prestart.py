@@ -1,9 +1,9 @@
 """Start the engine-core process before its configuration exists, so its imports overlap the front end's.
 
 A spawned engine core spends seconds importing torch, transformers' config classes and tokenmill's engine
-before it can read its configuration (on a Zen 4 core its first log line came 4.5 s after it was spawned,
-``python benchmarks/startup.py``, most of it imports in a py-spy profile), and the front end spends about as
-long importing its own modules and reading the model's config first. ``tokenmill
+before it can read its configuration (on a Zen 4 core its first log line came 4.5 s after it was spawned, most
+of it imports in a py-spy profile; docs/benchmarks-history.md, "2026-12-02 Zen 4 (46f8ad6)"), and the front
+end spends about as long importing its own modules and reading the model's config first. ``tokenmill
 serve`` therefore calls :func:`prestart_engine_core` as its first step: a ``spawn`` process imports those
 modules, then waits on a pipe. :class:`~tokenmill.engine.core_client.AsyncMPClient` takes it with
 :func:`take_prestarted_engine_core` and sends the arguments of

@@ -27,7 +27,14 @@ from typing import Any
 import msgspec
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.core_client import DEFAULT_ENGINE_CORE_CLS, resolve_engine_core_cls
+from tokenmill.engine.core_wire import (
+    DEAD_FRAME,
+    DEFAULT_ENGINE_CORE_CLS,
+    OUTPUTS_FRAME,
+    READY_FRAME,
+    ReadyMessage,
+    resolve_engine_core_cls,
+)
 from tokenmill.engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -40,27 +47,9 @@ from tokenmill.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
-READY_FRAME = b"READY"
-OUTPUTS_FRAME = b"\x00"
-DEAD_FRAME = b"\x01"
-
 # Seconds the idle loop waits for input before re-checking signals and the parent process.
 _IDLE_POLL_S = 0.2
 _IO_POLL_MS = 200
-
-
-class ReadyMessage(msgspec.Struct, omit_defaults=True):
-    """The engine core's handshake: resolved facts, or why startup failed.
-
-    Attributes:
-        num_gpu_blocks: KV-cache blocks the engine core allocated.
-        max_model_len: the context length in force.
-        error: startup error (``"ExcType: message"``); the other fields are then meaningless.
-    """
-
-    num_gpu_blocks: int | None = None
-    max_model_len: int = 0
-    error: str | None = None
 
 
 class _Fatal:

@@ -21,6 +21,35 @@ def child_request_id(index: int, parent_id: str) -> str:
     return f"{index}_{parent_id}"
 
 
+@dataclass(frozen=True, kw_only=True)
+class RequestInput:
+    """One request as a front end (``LLMEngine.add_request``, ``AsyncLLM.generate``) hands it to the
+    :class:`InputProcessor`.
+
+    Attributes:
+        request_id: unique among requests in flight.
+        prompt: text, or token ids.
+        params: sampling parameters (not modified; a resolved copy is used).
+        arrival_time: ``time.time()`` of arrival (default: when it is processed).
+        priority: for the ``priority`` scheduling policy (lower runs first).
+        add_special_tokens: let the tokenizer add BOS etc. (``False`` for rendered chat templates).
+        prompt_param: the name errors give the prompt (``"messages"`` for chat requests).
+        lora_request: the LoRA adapter to use (``None``: the base model).
+        cache_salt: mixed into the prefix-cache hashes of the request's blocks, so that only requests with the
+            same salt share cached blocks (``None``: no salt).
+    """
+
+    request_id: str
+    prompt: str | Sequence[int]
+    params: SamplingParams
+    arrival_time: float | None = None
+    priority: int = 0
+    add_special_tokens: bool = True
+    prompt_param: str = "prompt"
+    lora_request: LoRARequest | None = None
+    cache_salt: str | None = None
+
+
 @dataclass
 class ProcessedRequest:
     """A validated request, ready for the output processor and the engine core.
@@ -72,32 +101,8 @@ class InputProcessor:
         vocab = model_config.vocab_size
         self._extra_eos_ids = [t for t in model_eos if t != self.eos_token_id and 0 <= t < vocab]
 
-    def process(
-        self,
-        request_id: str,
-        prompt: str | Sequence[int],
-        params: SamplingParams,
-        *,
-        arrival_time: float | None = None,
-        priority: int = 0,
-        add_special_tokens: bool = True,
-        prompt_param: str = "prompt",
-        lora_request: LoRARequest | None = None,
-        cache_salt: str | None = None,
-    ) -> ProcessedRequest:
-        """Tokenize (when ``prompt`` is text), validate and build the engine-core request(s).
-
-        Args:
-            request_id: unique among requests in flight.
-            prompt: text, or token ids.
-            params: sampling parameters (not modified; a resolved copy is used).
-            arrival_time: ``time.time()`` of arrival (default: now).
-            priority: for the ``priority`` scheduling policy.
-            add_special_tokens: let the tokenizer add BOS etc. (``False`` for rendered chat templates).
-            prompt_param: the name errors give the prompt (``"messages"`` for chat requests).
-            lora_request: the LoRA adapter to use (``None``: the base model).
-            cache_salt: mixed into the prefix-cache hashes of the request's blocks, so that only requests with
-                the same salt share cached blocks (``None``: no salt).
+    def process(self, request: RequestInput) -> ProcessedRequest:
+        """Tokenize (when the prompt is text), validate and build the engine-core request(s).
 
         Raises:
             InvalidRequestError: empty prompt, token id outside the vocabulary (in the prompt, ``logit_bias``,
@@ -106,11 +111,14 @@ class InputProcessor:
                 without detokenization, an invalid structured-output constraint, per-request logits processors
                 that are not allowed or cannot be built (``param`` names the field).
         """
-        arrival = time.time() if arrival_time is None else arrival_time
+        request_id, prompt, params, prompt_param = request.request_id, request.prompt, request.params, \
+            request.prompt_param
+        arrival = time.time() if request.arrival_time is None else request.arrival_time
         if isinstance(prompt, str):
             _check_encodable(prompt, prompt_param)
             prompt_text: str | None = prompt
-            token_ids = list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)) if prompt else []
+            token_ids = (list(self.tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens))
+                         if prompt else [])
         else:
             prompt_text = None
             token_ids = list(prompt)
@@ -127,8 +135,8 @@ class InputProcessor:
             prompt_token_ids=token_ids,
             params=params,
             arrival_time=arrival,
-            engine_requests=self._engine_requests(request_id, token_ids, params, arrival, priority, lora_request,
-                                                  cache_salt),
+            engine_requests=self._engine_requests(request_id, token_ids, params, arrival, request.priority,
+                                                  request.lora_request, request.cache_salt),
         )
 
     def _check_prompt(self, token_ids: list[int], prompt_param: str) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core_client import InprocClient, SyncMPClient
-from tokenmill.engine.input_processor import InputProcessor
+from tokenmill.engine.input_processor import InputProcessor, RequestInput
 from tokenmill.engine.messages import SchedulerStats
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine_args import EngineArgs
@@ -72,16 +72,14 @@ class LLMEngine:
         request_id: str,
         prompt: str | Sequence[int],
         params: SamplingParams,
-        *,
-        arrival_time: float | None = None,
-        priority: int = 0,
-        add_special_tokens: bool = True,
-        prompt_param: str = "prompt",
-        lora_request: LoRARequest | None = None,
-        cache_salt: str | None = None,
+        **options: Any,
     ) -> None:
-        """Validate and queue a request (``lora_request``: its LoRA adapter, ``None`` for the base model;
-        ``cache_salt``: mixed into its prefix-cache block hashes, ``None`` for none).
+        """Validate and queue a request.
+
+        ``options``: the keyword fields of :class:`~tokenmill.engine.input_processor.RequestInput`
+        (``arrival_time``, ``priority``, ``add_special_tokens``, ``prompt_param``, ``lora_request``: its LoRA
+        adapter, ``None`` for the base model; ``cache_salt``: only requests with the same salt share
+        prefix-cache blocks).
 
         Raises:
             InvalidRequestError: bad prompt or parameters, a duplicate id, or the engine core rejected it (with
@@ -89,15 +87,7 @@ class LLMEngine:
                 request finishes with ``finish_reason == "error"``).
         """
         processed = self.input_processor.process(
-            request_id,
-            prompt,
-            params,
-            arrival_time=arrival_time,
-            priority=priority,
-            add_special_tokens=add_special_tokens,
-            prompt_param=prompt_param,
-            lora_request=lora_request,
-            cache_salt=cache_salt,
+            RequestInput(request_id=request_id, prompt=prompt, params=params, **options)
         )
         self.output_processor.add_request(processed)
         added: list[str] = []

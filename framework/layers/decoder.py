@@ -225,7 +225,6 @@ class DecoderForCausalLM(nn.Module):
             ``tokenmill.model_loader.weight_utils``).
         expert_weight_names: per-expert checkpoint projection -> FusedMoE shard, for MoE families.
         checkpoint_name_remap: substring replacements on checkpoint names.
-        logits_multiplier: logits are multiplied by it (Granite: ``1 / logits_scaling``).
         final_logit_softcap: ``c * tanh(logits / c)`` (Gemma 2's ``final_logit_softcapping``).
 
     Args:
@@ -252,7 +251,6 @@ class DecoderForCausalLM(nn.Module):
         if self._tied_here:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
-        self.logits_multiplier: float | None = None
         self.final_logit_softcap: float | None = None
 
     def model_kwargs(self, hf_config: Any) -> dict[str, Any]:
@@ -272,8 +270,6 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> ``[N, vocab]`` logits (the weights' dtype; the sampler widens to float32 as needed)."""
         logits = self.lm_head.compute_logits(hidden_states)
-        if self.logits_multiplier is not None:
-            logits = logits * self.logits_multiplier
         if self.final_logit_softcap is not None:
             cap = self.final_logit_softcap
             logits = (torch.tanh(logits.float() / cap) * cap).to(logits.dtype)

@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from tokenmill.cache_dir import cache_root
+
 logger = logging.getLogger(__name__)
 
 _TABLE_VERSION = 1
@@ -56,8 +58,6 @@ def gguf_cache_key(path: str) -> str | None:
 
 def gguf_cache_dir(path: str) -> Path | None:
     """``$TOKENMILL_CACHE_DIR/gguf/<key>`` for ``path`` (not created here); ``None`` if the file is missing."""
-    from tokenmill.worker.compile_cache import cache_root
-
     key = gguf_cache_key(path)
     return None if key is None else cache_root() / "gguf" / key
 

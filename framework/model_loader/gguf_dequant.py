@@ -1,10 +1,9 @@
 """GGUF tensor data to float32 torch tensors, with torch doing the arithmetic for the common block types.
 
 ``gguf.quants.dequantize`` runs on one core through numpy temporaries: the embedded SmolLM2 file (210 ``Q4_1``
-tensors, one ``Q8_0``) took it 0.76-1.62 s, and torch 0.36-0.57 s (2 cores, two runs each, 2026-12-01). The
-block layouts below are GGML's
-(llama.cpp ``ggml-common.h``; the ``gguf`` package implements the same ones): each block covers 32 consecutive
-values of a row and starts with a float16 scale ``d``.
+tensors, one ``Q8_0``) took it 0.76-1.62 s, and torch 0.36-0.57 s (docs/benchmarks-history.md, "2026-12-01 Xeon
+(1dff90a)"). The block layouts below are GGML's (llama.cpp ``ggml-common.h``; the ``gguf`` package implements the
+same ones): each block covers 32 consecutive values of a row and starts with a float16 scale ``d``.
 
 * ``Q4_0`` (18 bytes): ``d``, then 16 bytes of 4-bit codes; value ``j`` is ``d * (code_j - 8)``.
 * ``Q4_1`` (20 bytes): ``d``, a float16 minimum ``m``, then 16 bytes of codes; value ``j`` is ``d * code_j + m``.

@@ -132,6 +132,16 @@ def load_hf_config(directory: str, gguf_file: str | None, *, trust_remote_code: 
     return config
 
 
+def derived_max_model_len(hf_config: Any) -> int:
+    """The context length (tokens) a transformers config declares: the first positive integer of
+    ``max_position_embeddings``, ``n_positions``, ``max_seq_len``, ``seq_length``; 2048 when it names none."""
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048
+
+
 def _prepare_tokenizer(directory: str, gguf_file: str, trust_remote_code: bool) -> None:
     from tokenmill.tokenizer import load_tokenizer
 

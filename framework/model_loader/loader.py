@@ -8,22 +8,10 @@ import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig
+from tokenmill.dtypes import str_to_dtype
 from tokenmill.model_loader.registry import ModelRegistry
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def str_to_dtype(name: str) -> torch.dtype:
-    """Raises:
-    ValueError: unknown dtype name.
-    """
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"dtype: unknown dtype {name!r} (choose from {', '.join(_DTYPES)})") from None
-
 
 def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     """Instantiate the architecture named in the config and load its weights on ``device``.

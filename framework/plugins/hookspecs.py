@@ -62,9 +62,9 @@ def tokenmill_add_cli_args(parser: argparse.ArgumentParser) -> None:
 def tokenmill_register_tool_parsers(registry: Any) -> None:
     """Register tool-call parsers (for ``--enable-auto-tool-choice --tool-call-parser NAME``): call
     ``registry.register_tool_parser(name, "module:Class")`` with a subclass of
-    :class:`tokenmill.entrypoints.openai.tool_parsers.ToolParser`.
+    :class:`tokenmill.tool_parsers.ToolParser`.
 
-    ``registry`` is :class:`tokenmill.entrypoints.openai.tool_parsers.ToolParserManager`.
+    ``registry`` is :class:`tokenmill.tool_parsers.ToolParserManager`.
     """
 
 

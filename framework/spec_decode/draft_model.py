@@ -28,7 +28,9 @@ from tokenmill.forward_context import set_forward_context
 from tokenmill.attention.paged_cache import allocate_kv_caches, kv_cache_bytes_per_block
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.linear_method import attach_linear_method
-from tokenmill.model_loader.loader import get_model, str_to_dtype
+from tokenmill.dtypes import str_to_dtype
+from tokenmill.model_loader.loader import get_model
+from tokenmill.sampling_params import SAMPLING_EPS
 from tokenmill.worker.input_batch import CachedRequestState, build_batch_inputs
 from tokenmill.worker.sampler import _mix_seed
 
@@ -176,16 +178,16 @@ class DraftModelProposer:
         """One draft token per row: argmax for greedy requests, else a sample of ``softmax(logits / T)``."""
         greedy = logits.argmax(dim=-1)
         temps = [s.sampling_params.temperature for s in states]
-        if all(t < 1e-5 for t in temps):
+        if all(s.sampling_params.is_greedy for s in states):
             return greedy.tolist(), None
-        temp = torch.tensor([max(t, 1e-5) for t in temps], dtype=torch.float32, device=logits.device)
+        temp = torch.tensor([max(t, SAMPLING_EPS) for t in temps], dtype=torch.float32, device=logits.device)
         probs = torch.softmax(logits / temp.unsqueeze(1), dim=-1)
         noise = torch.empty_like(probs).exponential_()
         for row, s in enumerate(states):
             seed = s.sampling_params.seed
-            if seed is not None and temps[row] >= 1e-5:
+            if seed is not None and not s.sampling_params.is_greedy:
                 gen = torch.Generator(device=logits.device)
                 gen.manual_seed(_mix_seed(seed ^ _DRAFT_STREAM, s.num_output_tokens + step))
                 noise[row].exponential_(generator=gen)
-        sampled = torch.where(temp < 1e-5, greedy, (probs / noise).argmax(dim=-1)).tolist()
-        return sampled, [None if t < 1e-5 else probs[row] for row, t in enumerate(temps)]
+        sampled = torch.where(temp < SAMPLING_EPS, greedy, (probs / noise).argmax(dim=-1)).tolist()
+        return sampled, [None if s.sampling_params.is_greedy else probs[row] for row, s in enumerate(states)]

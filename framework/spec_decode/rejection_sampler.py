@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.sampling_params import SAMPLING_EPS
 from tokenmill.worker.sampler import (
     SamplingMetadata,
     _mix_seed,
@@ -97,14 +98,14 @@ class RejectionSampler:
         else:
             probs = target_probs(x, md)
             noise = exponential_noise(probs, md)
-            sampled = torch.where(md.temperature < 1e-5, greedy_tok, (probs / noise).argmax(dim=-1))
+            sampled = torch.where(md.temperature < SAMPLING_EPS, greedy_tok, (probs / noise).argmax(dim=-1))
         sampled_l = sampled.tolist()
         temps = md.temperature.tolist()
 
         # requests verified against a real draft distribution (random sampling on both sides)
         prob_reqs = [
             i for i, q in enumerate(draft_probs or [])
-            if q is not None and draft_token_ids[i] and temps[starts[i]] >= 1e-5
+            if q is not None and draft_token_ids[i] and temps[starts[i]] >= SAMPLING_EPS
         ]
         accept_l: dict[int, list[bool]] = {}
         resid_l: dict[int, list[int]] = {}

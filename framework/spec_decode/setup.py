@@ -37,8 +37,7 @@ def create_speculative_config(value: SpeculativeConfig | dict[str, Any] | str, c
 
 
 def _draft_model_config(path: str, target: ModelConfig) -> ModelConfig:
-    from tokenmill.engine_args import _derived_max_model_len
-    from tokenmill.model_loader.hf_config import load_hf_config, resolve_model_location
+    from tokenmill.model_loader.hf_config import derived_max_model_len, load_hf_config, resolve_model_location
 
     loc = resolve_model_location(path)
     hf_config = load_hf_config(loc.directory, loc.gguf_file, trust_remote_code=target.trust_remote_code)
@@ -59,7 +58,7 @@ def _draft_model_config(path: str, target: ModelConfig) -> ModelConfig:
             f"the target model {target.model!r} has {target.vocab_size}; the draft must use the target's "
             "tokenizer (same vocabulary)"
         )
-    draft_len = _derived_max_model_len(hf_config)
+    draft_len = derived_max_model_len(hf_config)
     if draft_len < target.max_model_len:
         raise ValueError(
             f"speculative_config.model: the draft model {path!r} supports {draft_len} positions, fewer than "

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform
 import sys
 from collections.abc import Iterable
@@ -25,17 +24,10 @@ from typing import Any
 
 import torch
 
+from tokenmill.cache_dir import cache_root
+
 _SOURCE_SUFFIXES = (".py", ".cpp", ".h", ".cu", ".hpp")
 _source_digests: dict[str, str] = {}
-
-
-def cache_root() -> Path:
-    """``$TOKENMILL_CACHE_DIR``, else ``$XDG_CACHE_HOME/tokenmill``, else ``~/.cache/tokenmill``."""
-    explicit = os.environ.get("TOKENMILL_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return Path(xdg) / "tokenmill" if xdg else Path.home() / ".cache" / "tokenmill"
 
 
 def source_digest(module_names: Iterable[str]) -> str:

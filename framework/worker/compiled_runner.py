@@ -5,7 +5,8 @@ launching several hundred small eager operators (norms, rotary, the cache write,
 ``torch.compile`` (TorchInductor) fuses the pointwise and reduction work of the whole forward pass into a few
 generated C++ loops and calls the matmul kernels directly, which removes most of that overhead. Large decode
 steps gain too: the fused loops make one pass over activations where eager makes one per operator (256
-requests, SmolLM2-135M, bfloat16: 518 ms per step eager, 361 ms compiled, attention included).
+requests, SmolLM2-135M, bfloat16: 518 ms per step eager, 361 ms compiled, attention included;
+docs/benchmarks-history.md, "2026-11-30 Zen 4: offline throughput against transformers").
 
 How it runs:
 
@@ -62,7 +63,7 @@ from tokenmill.worker.compile_cache import CompileCache
 
 if TYPE_CHECKING:
     from tokenmill.worker.input_batch import BatchInputs
-    from tokenmill.worker.model_runner import ModelRunner
+    from tokenmill.worker.runner_view import ModelRunnerView
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +136,7 @@ class CompiledRunner:
         self._is_loading = threading.Event()
 
     @classmethod
-    def create_if_enabled(cls, runner: ModelRunner) -> CompiledRunner | None:
+    def create_if_enabled(cls, runner: ModelRunnerView) -> CompiledRunner | None:
         """A runner for ``runner``'s model, or ``None`` when compilation is off.
 
         Off with ``enforce_eager`` or ``TOKENMILL_COMPILE=0``, on platforms without ``supports_compile``, with
@@ -161,7 +162,7 @@ class CompiledRunner:
             compiled.prepare_blocking(runner, cache)
         return compiled
 
-    def cache_for(self, runner: ModelRunner) -> CompileCache:
+    def cache_for(self, runner: ModelRunnerView) -> CompileCache:
         """The on-disk cache whose key fits this model, engine configuration and source code."""
         from tokenmill.plugins import get_plugin_status
 
@@ -242,10 +243,10 @@ class CompiledRunner:
 
         Loading a graph is mostly Python (the first load imports Dynamo and Inductor: about 3.5 s on a Zen 4
         core) and keeps a core busy. An eager step on two intra-op threads then waits at each of its several
-        hundred parallel operators for the worker thread that the loader has pushed off its core. On 2 Zen 4
-        cores a first request's 8 tokens were answered 3.2-3.6 s after the server was ready, as the loading
-        ended; with this and the imports done ahead (``tokenmill.engine.core_prestart``), 1.1-2.0 s after
-        (``python benchmarks/startup.py``, docs/benchmarks.md).
+        hundred parallel operators for the worker thread that the loader has pushed off its core, and a first
+        request is answered only as the loading ends. This and the imports done ahead
+        (``tokenmill.engine.core_prestart``) halved a warm start's first answer on Zen 4 (``python
+        benchmarks/startup.py``; docs/benchmarks-history.md, "2026-12-02 Zen 4 (46f8ad6)").
         """
         if not self._is_loading.is_set():
             yield
@@ -281,7 +282,7 @@ class CompiledRunner:
 
     # ------------------------------------------------------------------------------------------- preparing
 
-    def prepare_blocking(self, runner: ModelRunner, cache: CompileCache) -> None:
+    def prepare_blocking(self, runner: ModelRunnerView, cache: CompileCache) -> None:
         """Load or compile (and save) every kind now, in this thread."""
         start = time.perf_counter()
         runner.attn_backend.wait_until_ready()
@@ -300,7 +301,7 @@ class CompiledRunner:
         logger.info("compiled forward passes ready in %.1f s: %s (cache %s; --enforce-eager skips this)",
                     time.perf_counter() - start, ", ".join(self.compiled) or "none", cache.directory)
 
-    def start_background(self, runner: ModelRunner, cache: CompileCache) -> None:
+    def start_background(self, runner: ModelRunnerView, cache: CompileCache) -> None:
         """Serve eagerly now; load cached kinds and compile missing ones (child process) in a daemon thread."""
         missing = [k for k in self.kinds if not cache.has(k)]
         if missing:
@@ -338,7 +339,7 @@ class CompiledRunner:
             with contextlib.suppress(Exception):
                 child.wait(5)
 
-    def _background(self, runner: ModelRunner, cache: CompileCache, missing: list[str]) -> None:
+    def _background(self, runner: ModelRunnerView, cache: CompileCache, missing: list[str]) -> None:
         start = time.perf_counter()
         try:
             runner.attn_backend.wait_until_ready()
@@ -359,7 +360,7 @@ class CompiledRunner:
                         time.perf_counter() - start, ", ".join(self.compiled) or "none",
                         ", ".join(k for k in self.kinds if k not in self.compiled) or "none")
 
-    def _compile_in_child(self, runner: ModelRunner, cache: CompileCache, missing: list[str]) -> None:
+    def _compile_in_child(self, runner: ModelRunnerView, cache: CompileCache, missing: list[str]) -> None:
         cache.prepare()
         spec = {"config": runner.config, "kinds": missing, "cache_dir": str(cache.directory),
                 "parent_pid": os.getpid()}
@@ -428,7 +429,7 @@ def _aot_settings() -> Iterator[None]:
         yield
 
 
-def kv_block_dim(model_runner: ModelRunner) -> int:
+def kv_block_dim(model_runner: ModelRunnerView) -> int:
     """Which dimension of the backend's KV cache layout counts blocks."""
     one = model_runner.attn_backend.get_kv_cache_shape(1, model_runner.block_size, 1, 8)
     two = model_runner.attn_backend.get_kv_cache_shape(2, model_runner.block_size, 1, 8)
@@ -436,7 +437,7 @@ def kv_block_dim(model_runner: ModelRunner) -> int:
 
 
 def compile_kind(
-    runner: CompiledRunner, kind: str, model_runner: ModelRunner, cache: CompileCache | None
+    runner: CompiledRunner, kind: str, model_runner: ModelRunnerView, cache: CompileCache | None
 ) -> Callable[..., torch.Tensor]:
     """Compile ``kind`` ahead of time for ``runner``'s model (nothing runs) and save it in ``cache``.
 

@@ -47,7 +47,7 @@ from tokenmill.forward_context import set_forward_context
 
 if TYPE_CHECKING:
     from tokenmill.worker.input_batch import BatchInputs
-    from tokenmill.worker.model_runner import ModelRunner
+    from tokenmill.worker.runner_view import ModelRunnerView
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class GraphRunner:
         self.replays: Counter[int] = Counter()
 
     @classmethod
-    def create_if_enabled(cls, runner: ModelRunner) -> GraphRunner | None:
+    def create_if_enabled(cls, runner: ModelRunnerView) -> GraphRunner | None:
         """A GraphRunner with every bucket captured for ``runner``, or ``None`` when graphs are off.
 
         Off when ``enforce_eager`` is set, when the platform has no graph capture

@@ -9,37 +9,25 @@ import numpy as np
 import torch
 
 from tokenmill.attention.backend import AttentionMetadata
-from tokenmill.lora.request import LoRARequest
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.core.sched_output import NewRequestData
 from tokenmill.worker.sampler import SamplingMetadata
 
 
 @dataclass
-class CachedRequestState:
-    """What the worker knows of a request.
+class CachedRequestState(NewRequestData):
+    """What the worker knows of a request: the fields it arrived with (:class:`NewRequestData`), kept up to
+    date step by step (``token_ids`` gains every sampled token, ``block_ids`` new blocks, ``num_computed_tokens``
+    the tokens whose KV is in the cache)."""
 
-    Attributes:
-        req_id: the request.
-        token_ids: prompt + every output token sampled so far.
-        num_prompt_tokens: prompt length.
-        sampling_params: its SamplingParams.
-        block_ids: its KV blocks in order.
-        num_computed_tokens: tokens whose KV is in the cache.
-        eos_token_id: EOS id masked until ``min_tokens`` outputs (``None``: none or ``ignore_eos``).
-        lora_request: its LoRA adapter (``None``: the base model).
-        request_processors: its per-request logits processors once built
-            (:class:`~tokenmill.worker.request_logits_processors.RequestProcessors`; ``None``: none yet).
-    """
-
-    req_id: str
-    token_ids: list[int]
-    num_prompt_tokens: int
-    sampling_params: SamplingParams
-    block_ids: list[int]
-    num_computed_tokens: int
-    eos_token_id: int | None = None
-    lora_request: LoRARequest | None = None
+    # Its per-request logits processors once built (tokenmill.worker.request_logits_processors.RequestProcessors;
+    # None: none yet).
     request_processors: Any = None
+
+    @classmethod
+    def from_new(cls, new: NewRequestData) -> CachedRequestState:
+        """The worker's own copy of a scheduled new request (its lists are copied: they grow here)."""
+        return cls(new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
+                   list(new.block_ids), new.num_computed_tokens, new.eos_token_id, new.lora_request)
 
     @property
     def num_output_tokens(self) -> int:
@@ -128,7 +116,7 @@ def build_sampling_metadata(states: list[CachedRequestState], vocab_size: int, d
     params = [s.sampling_params for s in states]
     num_rows = len(states)
     temps = [p.temperature for p in params]
-    all_greedy = all(t < 1e-5 for t in temps)
+    all_greedy = all(p.is_greedy for p in params)
     top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
     top_p = [p.top_p for p in params]
     min_p = [p.min_p for p in params]
@@ -182,7 +170,7 @@ def build_sampling_metadata(states: list[CachedRequestState], vocab_size: int, d
         top_k=None if all(k >= vocab_size for k in top_k) else torch.tensor(top_k, dtype=torch.int64, device=device),
         top_p=None if all(p >= 1.0 for p in top_p) else torch.tensor(top_p, dtype=torch.float32, device=device),
         min_p=None if all(p <= 0.0 for p in min_p) else torch.tensor(min_p, dtype=torch.float32, device=device),
-        seeds={i: p.seed for i, p in enumerate(params) if p.seed is not None and p.temperature >= 1e-5},
+        seeds={i: p.seed for i, p in enumerate(params) if p.seed is not None and not p.is_greedy},
         output_positions=[s.num_output_tokens for s in states],
         max_num_logprobs=max(logprobs) if logprobs else None,
         presence_penalties=presence,

@@ -17,7 +17,8 @@ from tokenmill.attention.paged_cache import allocate_kv_caches, kv_cache_bytes_p
 from tokenmill.layers.linear_method import attach_linear_method
 from tokenmill.layers.quantization import quantize_model
 from tokenmill.lora.manager import LoRAModelManager
-from tokenmill.model_loader.loader import get_model, str_to_dtype
+from tokenmill.dtypes import str_to_dtype
+from tokenmill.model_loader.loader import get_model
 from tokenmill.worker.compiled_runner import CompiledRunner
 from tokenmill.worker.grammar_bitmask import apply_grammar_bitmask
 from tokenmill.worker.graph_runner import GraphRunner
@@ -165,16 +166,7 @@ class ModelRunner:
             self.spec_decoder.remove_requests(new.req_id for new in so.scheduled_new_reqs)
         for new in so.scheduled_new_reqs:
             self.prompt_logprobs.pop(new.req_id, None)
-            self.requests[new.req_id] = CachedRequestState(
-                req_id=new.req_id,
-                token_ids=list(new.token_ids),
-                num_prompt_tokens=new.num_prompt_tokens,
-                sampling_params=new.sampling_params,
-                block_ids=list(new.block_ids),
-                num_computed_tokens=new.num_computed_tokens,
-                eos_token_id=new.eos_token_id,
-                lora_request=new.lora_request,
-            )
+            self.requests[new.req_id] = CachedRequestState.from_new(new)
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]
@@ -305,7 +297,7 @@ class ModelRunner:
             prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] for s in states],
             output_token_ids=[s.token_ids[s.num_prompt_tokens :] for s in states],
         )
-        all_greedy = all(s.sampling_params.temperature < 1e-5 for s in states)
+        all_greedy = all(s.sampling_params.is_greedy for s in states)
         logits = apply_logits_processors(self.logits_processors, logits, batch, all_greedy)
         if self.logits_processor_pattern is not None:
             logits = apply_request_processors(logits, states, self.logits_processor_pattern)

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.sampling_params import SAMPLING_EPS
+
 _NEG_INF = float("-inf")
 
 
@@ -109,9 +111,9 @@ def first_max_index(logits: torch.Tensor) -> torch.Tensor:
 
     Two passes: the maxima of chunks of up to 1,024 columns (a plain reduction), then the first chunk holding the
     row's maximum and the first maximal index within it. torch's CPU ``max(dim)`` / ``argmax`` track an index for
-    every element and are several times slower: B=256, V=49,152, float32, 2 cores of an AMD EPYC: 10.4 ms against
-    1.9 ms; B=32: 1.23 against 0.15 ms. Rows whose length no power of two from 64 to 1,024 divides take
-    ``max(dim)``.
+    every element and are several times slower (B=256, V=49,152, float32: 10.4 ms against 1.9 ms;
+    docs/benchmarks-history.md, "2026-12-02 Zen 4 (c3bc8e1)"). Rows whose length no power of two from 64 to 1,024
+    divides take ``max(dim)``.
     """
     rows, width = logits.shape
     chunk = next((c for c in (1024, 512, 256, 128, 64) if width % c == 0 and width > c), 0)
@@ -147,7 +149,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, md: SamplingMetadata, greedy: torch.Tensor) -> torch.Tensor:
         probs = sampling_probs(logits, md)
         sampled = (probs / exponential_noise(probs, md)).argmax(dim=-1)
-        return torch.where(md.temperature < 1e-5, greedy, sampled)
+        return torch.where(md.temperature < SAMPLING_EPS, greedy, sampled)
 
     @staticmethod
     def _gather_logprobs(raw: torch.Tensor, sampled: torch.Tensor, k: int, out: SamplerOutput) -> None:
@@ -159,7 +161,7 @@ def sampling_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """``[R, V]`` float32 weights the sampler draws each row from: processed ``logits`` / temperature, then
     top-k, top-p, softmax and min-p. Rows sum to 1 except after min-p (the exponential race needs no
     normalisation; the rejection sampler renormalises)."""
-    x = logits / md.temperature.clamp(min=1e-5).unsqueeze(1)
+    x = logits / md.temperature.clamp(min=SAMPLING_EPS).unsqueeze(1)
     if md.top_k is not None:
         x = apply_top_k(x, md.top_k)
     if md.top_p is not None:

@@ -234,7 +234,8 @@ def test_engine_core_exits_when_its_parent_is_gone() -> None:
     """parent_pid that is not the real parent: the busy loop sees a dead parent and exits with 0."""
     import zmq
 
-    from tokenmill.engine.core_proc import READY_FRAME, run_engine_core
+    from tokenmill.engine.core_proc import run_engine_core
+    from tokenmill.engine.core_wire import READY_FRAME
 
     with tempfile.TemporaryDirectory(prefix="tm-") as tmp:
         ctx = zmq.Context()

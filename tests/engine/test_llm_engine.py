@@ -9,11 +9,17 @@ import pytest
 
 from tests.engine.engine_fakes import REJECT_TOKEN, EchoEngineCore, byte_level_tokenizer, make_config
 from tokenmill.config import CacheConfig
-from tokenmill.engine.input_processor import InputProcessor
+from tokenmill.engine.input_processor import InputProcessor, ProcessedRequest, RequestInput
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
+
+
+def _process(ip: InputProcessor, request_id: str, prompt: Any, params: SamplingParams, **options: Any
+             ) -> ProcessedRequest:
+    return ip.process(RequestInput(request_id=request_id, prompt=prompt, params=params, **options))
+
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
@@ -51,13 +57,13 @@ def test_input_validation(tok: Any) -> None:
     ]
     for prompt, params, param in cases:
         with pytest.raises(InvalidRequestError) as info:
-            ip.process("r", prompt, params)
+            _process(ip, "r", prompt, params)
         assert info.value.param == param, prompt
     with pytest.raises(InvalidRequestError) as info:
-        ip.process("r", "", SamplingParams(), prompt_param="messages")
+        _process(ip, "r", "", SamplingParams(), prompt_param="messages")
     assert info.value.param == "messages"
     with pytest.raises(InvalidRequestError) as info:
-        ip.process("r", [5], SamplingParams(stop=["x"], detokenize=False))
+        _process(ip, "r", [5], SamplingParams(stop=["x"], detokenize=False))
     assert info.value.param == "stop"
 
 
@@ -65,26 +71,26 @@ def test_input_resolution(tok: Any) -> None:
     config = make_config(max_model_len=32)
     config.model_config.hf_config = SimpleNamespace(vocab_size=400, eos_token_id=[2, 3])
     ip = InputProcessor(config.model_config, tok)
-    processed = ip.process("r", [5] * 10, SamplingParams(max_tokens=None, n=3, seed=10), arrival_time=1.5)
+    processed = _process(ip, "r", [5] * 10, SamplingParams(max_tokens=None, n=3, seed=10), arrival_time=1.5)
     assert processed.params.max_tokens == 22
     assert [r.request_id for r in processed.engine_requests] == ["0_r", "1_r", "2_r"]
     assert [r.sampling_params.seed for r in processed.engine_requests] == [10, 11, 12]
     assert all(r.sampling_params.n == 1 for r in processed.engine_requests)
     first = processed.engine_requests[0]
     assert first.eos_token_id == 2 and first.sampling_params.stop_token_ids == [3] and first.arrival_time == 1.5
-    single = ip.process("s", [5], SamplingParams(ignore_eos=True)).engine_requests
+    single = _process(ip, "s", [5], SamplingParams(ignore_eos=True)).engine_requests
     assert [r.request_id for r in single] == ["s"] and single[0].sampling_params.stop_token_ids == []
 
 
 def test_kv_cache_capacity(tok: Any) -> None:
     config = make_config(max_model_len=256)
     ip = InputProcessor(config.model_config, tok, CacheConfig(block_size=16, num_gpu_blocks=4))  # 64 tokens
-    assert ip.process("r", [5] * 10, SamplingParams(max_tokens=None)).params.max_tokens == 54
+    assert _process(ip, "r", [5] * 10, SamplingParams(max_tokens=None)).params.max_tokens == 54
     with pytest.raises(InvalidRequestError) as info:
-        ip.process("r", [5] * 10, SamplingParams(max_tokens=60))
+        _process(ip, "r", [5] * 10, SamplingParams(max_tokens=60))
     assert info.value.param == "max_tokens"
     with pytest.raises(InvalidRequestError) as info:
-        ip.process("r", [5] * 64, SamplingParams(max_tokens=None))
+        _process(ip, "r", [5] * 64, SamplingParams(max_tokens=None))
     assert info.value.param == "prompt"
 
 
@@ -166,7 +172,7 @@ def test_unknown_llm_kwargs() -> None:
 
 def test_bad_words_are_tokenized(tok: Any) -> None:
     ip = InputProcessor(make_config().model_config, tok)
-    params = ip.process("r", [5], SamplingParams(bad_words=["fox"], bad_words_token_ids=[[7]])).params
+    params = _process(ip, "r", [5], SamplingParams(bad_words=["fox"], bad_words_token_ids=[[7]])).params
     fox, space_fox = tok.encode("fox", add_special_tokens=False), tok.encode(" fox", add_special_tokens=False)
     assert params.bad_words_token_ids == [[7], fox, space_fox]
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from tests.engine.engine_fakes import byte_level_tokenizer, make_config
-from tokenmill.engine.input_processor import InputProcessor
+from tokenmill.engine.input_processor import InputProcessor, RequestInput
 from tokenmill.engine.messages import EngineCoreOutput, FinishReason
 from tokenmill.engine.output_processor import (
     OutputProcessor,
@@ -31,7 +31,8 @@ def tok() -> Any:
 def add(tok: Any, params: SamplingParams, request_id: str = "r", queue: RequestOutputCollector | None = None,
         prompt: str = "Hello") -> tuple[OutputProcessor, list[str]]:
     processor = OutputProcessor(tok)
-    processed = InputProcessor(make_config().model_config, tok).process(request_id, prompt, params)
+    processed = InputProcessor(make_config().model_config, tok).process(
+        RequestInput(request_id=request_id, prompt=prompt, params=params))
     processor.add_request(processed, queue)
     return processor, [r.request_id for r in processed.engine_requests]
 
@@ -194,7 +195,8 @@ def test_engine_error_and_dead_engine_raise_in_consumer(tok: Any) -> None:
             await queue.get()
         queue = RequestOutputCollector(CUM)
         processor.add_request(
-            InputProcessor(make_config().model_config, tok).process("x", "Hi", SamplingParams()), queue
+            InputProcessor(make_config().model_config, tok).process(
+                RequestInput(request_id="x", prompt="Hi", params=SamplingParams())), queue
         )
         processor.propagate_error(EngineDeadError("dead"))
         with pytest.raises(EngineDeadError):
@@ -252,7 +254,8 @@ def test_metrics_and_cached_tokens(tok: Any) -> None:
 
 def test_duplicate_request_id_rejected(tok: Any) -> None:
     processor, _ = add(tok, SamplingParams(), "dup")
-    processed = InputProcessor(make_config().model_config, tok).process("dup", "Hi", SamplingParams())
+    processed = InputProcessor(make_config().model_config, tok).process(
+        RequestInput(request_id="dup", prompt="Hi", params=SamplingParams()))
     with pytest.raises(ValueError, match="already in flight"):
         processor.add_request(processed)
 

@@ -10,7 +10,7 @@ import pytest
 from tests.engine.engine_fakes import byte_level_tokenizer, make_config
 from tests.engine.tiny_model import tiny_llama_with_tokenizer
 from tokenmill.engine.core import EngineCore
-from tokenmill.engine.input_processor import InputProcessor
+from tokenmill.engine.input_processor import InputProcessor, RequestInput
 from tokenmill.engine.messages import EngineCoreRequest
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.errors import InvalidRequestError
@@ -85,7 +85,7 @@ OUT_OF_VOCAB = [
 def test_input_processor_rejects_token_ids_outside_the_vocabulary(tok: Any, kwargs: dict[str, Any], param: str) -> None:
     ip = InputProcessor(make_config().model_config, tok)
     with pytest.raises(SamplingParamsError) as info:
-        ip.process("r", [5, 6], SamplingParams(**kwargs))
+        ip.process(RequestInput(request_id="r", prompt=[5, 6], params=SamplingParams(**kwargs)))
     assert isinstance(info.value, InvalidRequestError)
     assert info.value.param == param
     assert str(info.value).startswith(f"{param}: token id ") and "0..399" in str(info.value)
@@ -96,7 +96,7 @@ def test_input_processor_accepts_the_last_token_id(tok: Any) -> None:
     params = SamplingParams(
         logit_bias={399: 1.0}, allowed_token_ids=[0, 399], stop_token_ids=[399], bad_words_token_ids=[[399]]
     )
-    processed = ip.process("r", [5, 6], params)
+    processed = ip.process(RequestInput(request_id="r", prompt=[5, 6], params=params))
     assert processed.params.allowed_token_ids == [0, 399]
 
 
@@ -143,5 +143,5 @@ def test_tokenized_bad_words_outside_the_model_vocabulary(tok: Any) -> None:
     word = next(w for w in words if w and max(tok.encode(w, add_special_tokens=False)) >= 300)
     ip = InputProcessor(small, tok)
     with pytest.raises(SamplingParamsError) as info:
-        ip.process("r", [5, 6], SamplingParams(bad_words=[word]))
+        ip.process(RequestInput(request_id="r", prompt=[5, 6], params=SamplingParams(bad_words=[word])))
     assert info.value.param == "bad_words"

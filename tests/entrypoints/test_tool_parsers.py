@@ -8,12 +8,8 @@ import json
 
 import pytest
 
-from tokenmill.entrypoints.openai.tool_parsers import (
-    ToolCallStreamer,
-    ToolParser,
-    ToolParserManager,
-    UnknownToolParserError,
-)
+from tokenmill.entrypoints.openai.tool_parsers import ToolCallStreamer
+from tokenmill.tool_parsers import ToolParser, ToolParserManager, UnknownToolParserError
 
 HERMES_TWO = (
     'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>\n'

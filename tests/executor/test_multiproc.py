@@ -19,7 +19,6 @@ from tests.models.test_llama_correctness import PROMPTS, run_engine
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.messages import EngineCoreRequest
 from tokenmill.engine_args import EngineArgs
-from tokenmill.executor.base import Executor
 from tokenmill.executor.multiproc import (
     MultiprocExecutor,
     WorkerDiedError,
@@ -27,6 +26,7 @@ from tokenmill.executor.multiproc import (
     available_cpu_cores,
     threads_per_worker,
 )
+from tokenmill.executor.selector import get_executor_class
 from tokenmill.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(300)
@@ -86,23 +86,23 @@ def _parallel(tp: int, backend: str | None) -> SimpleNamespace:
     return SimpleNamespace(parallel_config=parallel)
 
 
-def test_get_class_chooses_backend(monkeypatch):
+def test_get_executor_class_chooses_backend(monkeypatch):
     from tokenmill.executor.uniproc import UniProcExecutor
 
-    assert Executor.get_class(_parallel(1, None)) is UniProcExecutor
-    assert Executor.get_class(_parallel(1, "uni")) is UniProcExecutor
-    assert Executor.get_class(_parallel(2, None)) is MultiprocExecutor
-    assert Executor.get_class(_parallel(1, "mp")) is MultiprocExecutor
+    assert get_executor_class(_parallel(1, None)) is UniProcExecutor
+    assert get_executor_class(_parallel(1, "uni")) is UniProcExecutor
+    assert get_executor_class(_parallel(2, None)) is MultiprocExecutor
+    assert get_executor_class(_parallel(1, "mp")) is MultiprocExecutor
     with pytest.raises(ValueError, match="'uni' runs one rank"):
-        Executor.get_class(_parallel(2, "uni"))
+        get_executor_class(_parallel(2, "uni"))
     with pytest.raises(ValueError, match="unknown backend 'dask'"):
-        Executor.get_class(_parallel(2, "dask"))
+        get_executor_class(_parallel(2, "dask"))
     import importlib.util
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
     with pytest.raises(ValueError, match=r"pip install .tokenmill\[ray\]"):
-        Executor.get_class(_parallel(2, "ray"))
+        get_executor_class(_parallel(2, "ray"))
 
 
 def test_threads_per_worker(monkeypatch):

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 
 from tokenmill.attention.registry import AttentionBackendRegistry
-from tokenmill.entrypoints.openai.tool_parsers import ToolParserManager
 from tokenmill.layers.custom_op import CustomOpRegistry
 from tokenmill.model_loader import ModelRegistry
 from tokenmill.platforms import reset_current_platform
 from tokenmill.plugins import reset_for_tests
+from tokenmill.tool_parsers import ToolParserManager
 
 _counter = itertools.count()
 

@@ -85,7 +85,7 @@ def overrides(fake_site: FakeSite) -> object:
 def test_plugin_overrides_the_platforms_backend_and_a_layer(overrides, tiny_llama_dir: str,
                                                             caplog: pytest.LogCaptureFixture) -> None:
     from tokenmill.layers import RMSNorm
-    from tokenmill.plugins.diagnosis import collect_diagnosis
+    from tokenmill.entrypoints.plugins_diagnosis import collect_diagnosis
 
     args = EngineArgs(model=tiny_llama_dir, dtype="float32", block_size=4, num_gpu_blocks_override=64)
     with caplog.at_level(logging.INFO):
@@ -220,7 +220,7 @@ def test_logits_processor_plugin_acts_on_the_requests_that_ask(fake_site: FakeSi
     import sys
 
     from tokenmill.engine.messages import EngineCoreRequest
-    from tokenmill.plugins.diagnosis import collect_diagnosis
+    from tokenmill.entrypoints.plugins_diagnosis import collect_diagnosis
     from tokenmill.sampling_params import SamplingParams
 
     module = fake_site.unique_module("processors")

@@ -10,13 +10,13 @@ from fastapi.testclient import TestClient
 
 from tests.entrypoints.fake_engine import SERVED_NAME, FakeAsyncLLM, server_args
 from tokenmill.entrypoints.openai.api_server import build_app
-from tokenmill.entrypoints.openai.tool_parsers import ToolParserManager, UnknownToolParserError
+from tokenmill.tool_parsers import ToolParserManager, UnknownToolParserError
 
 if TYPE_CHECKING:
     from conftest import FakeSite
 
 PARSER_MODULE = """
-from tokenmill.entrypoints.openai.tool_parsers import PartialParse, PartialToolCall, ToolParser
+from tokenmill.plugin_api import PartialParse, PartialToolCall, ToolParser
 from tokenmill.plugins import hookimpl
 
 

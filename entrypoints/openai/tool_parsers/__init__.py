@@ -1,31 +1,11 @@
-"""Tool parsers: reading tool calls out of generated text for ``tool_choice="auto"`` (see docs/tool_calling.md).
+"""The OpenAI server's tool parsers (``hermes``, ``llama3_json``, ``mistral``, ``pythonic``, registered by the
+entry point ``builtin_tool_parsers``) and the streaming of tool calls as deltas (:class:`ToolCallStreamer`).
 
-Public surface: :class:`ToolParser` (subclass it), :class:`ToolParserManager` (the registry the
-``tokenmill_register_tool_parsers`` hook fills), :class:`ToolCallStreamer` (streaming deltas from any parse
-function), and the result types.
+The parser interface and the registry are :mod:`tokenmill.tool_parsers` (see docs/tool_calling.md).
 """
 
 from __future__ import annotations
 
-from tokenmill.entrypoints.openai.tool_parsers.abstract_tool_parser import (
-    ExtractedToolCalls,
-    PartialParse,
-    PartialToolCall,
-    ToolCallInfo,
-    ToolParser,
-)
 from tokenmill.entrypoints.openai.tool_parsers.streaming import ToolCallDelta, ToolCallStreamer, random_tool_call_id
-from tokenmill.entrypoints.openai.tool_parsers.tool_parser_manager import ToolParserManager, UnknownToolParserError
 
-__all__ = [
-    "ExtractedToolCalls",
-    "PartialParse",
-    "PartialToolCall",
-    "ToolCallDelta",
-    "ToolCallInfo",
-    "ToolCallStreamer",
-    "ToolParser",
-    "ToolParserManager",
-    "UnknownToolParserError",
-    "random_tool_call_id",
-]
+__all__ = ["ToolCallDelta", "ToolCallStreamer", "random_tool_call_id"]

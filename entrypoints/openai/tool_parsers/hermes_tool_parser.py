@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import json
 
-from tokenmill.entrypoints.openai.tool_parsers.abstract_tool_parser import (
+from tokenmill.tool_parsers.abstract_tool_parser import (
     PartialParse,
     PartialToolCall,
     ToolParser,
     arguments_text,
     held_back,
 )
-from tokenmill.entrypoints.openai.tool_parsers.json_scan import JSONScanError, ObjectScan, scan_object, skip_ws
+from tokenmill.tool_parsers.json_scan import JSONScanError, ObjectScan, scan_object, skip_ws
 
 
 def string_member(text: str, obj: ObjectScan, key: str) -> str | None:

@@ -8,14 +8,14 @@ A message that does not start with ``{`` (or the tag) is plain content.
 
 from __future__ import annotations
 
-from tokenmill.entrypoints.openai.tool_parsers.abstract_tool_parser import (
+from tokenmill.entrypoints.openai.tool_parsers.hermes_tool_parser import is_valid_call, string_member
+from tokenmill.tool_parsers.abstract_tool_parser import (
     PartialParse,
     PartialToolCall,
     ToolParser,
     arguments_text,
 )
-from tokenmill.entrypoints.openai.tool_parsers.hermes_tool_parser import is_valid_call, string_member
-from tokenmill.entrypoints.openai.tool_parsers.json_scan import JSONScanError, scan_object, skip_ws
+from tokenmill.tool_parsers.json_scan import JSONScanError, scan_object, skip_ws
 
 
 class Llama3JsonToolParser(ToolParser):

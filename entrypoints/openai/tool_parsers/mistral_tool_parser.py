@@ -8,15 +8,15 @@ text before the first marker. The markers are special tokens, so special tokens 
 
 from __future__ import annotations
 
-from tokenmill.entrypoints.openai.tool_parsers.abstract_tool_parser import (
+from tokenmill.entrypoints.openai.tool_parsers.hermes_tool_parser import is_valid_call, string_member
+from tokenmill.tool_parsers.abstract_tool_parser import (
     PartialParse,
     PartialToolCall,
     ToolParser,
     arguments_text,
     held_back,
 )
-from tokenmill.entrypoints.openai.tool_parsers.hermes_tool_parser import is_valid_call, string_member
-from tokenmill.entrypoints.openai.tool_parsers.json_scan import (
+from tokenmill.tool_parsers.json_scan import (
     JSONScanError,
     scan_array_of_objects,
     skip_ws,

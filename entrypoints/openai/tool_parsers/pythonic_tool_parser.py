@@ -13,12 +13,12 @@ from __future__ import annotations
 import ast
 import json
 
-from tokenmill.entrypoints.openai.tool_parsers.abstract_tool_parser import (
+from tokenmill.tool_parsers.abstract_tool_parser import (
     PartialParse,
     PartialToolCall,
     ToolParser,
 )
-from tokenmill.entrypoints.openai.tool_parsers.json_scan import skip_ws
+from tokenmill.tool_parsers.json_scan import skip_ws
 
 
 def _call_of(source: str) -> PartialToolCall | None:

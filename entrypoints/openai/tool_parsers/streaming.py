@@ -11,7 +11,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tokenmill.entrypoints.openai.tool_parsers.abstract_tool_parser import PartialParse, ToolCallInfo
+from tokenmill.tool_parsers.abstract_tool_parser import PartialParse, ToolCallInfo
 
 
 def random_tool_call_id() -> str:

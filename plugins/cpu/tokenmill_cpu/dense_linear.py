@@ -6,8 +6,9 @@ decode step that repacking costs as much as the multiplication. Weights are pack
 
 * float32, where tokenmill-cpu's kernels have an AVX-512 or AVX2 build: panels for its own matmul
   (``torch.ops.tokenmill_cpu.dense_gemm``, ``csrc/dense_gemm.cpp``), which prefetches the next panel while it
-  multiplies the current one; at 4 to 256 rows it beats MKL's packed GEMM by 10-20% on AVX-512 and draws level
-  with it on AVX2 (second table).
+  multiplies the current one. It takes the least time of the four paths (``F.linear``, oneDNN packed, MKL packed,
+  panel) at every row count from 1 to 2,048 on Zen 3 (AVX2) and Zen 4 (``python benchmarks/packed_linear.py``;
+  docs/benchmarks.md, "Dense matmuls").
   Until the kernels are loaded (their first build runs in the background while an engine serves) these
   weights use ``F.linear``.
   If the build fails, each such weight is repacked for MKL's packed GEMM (below) when it is first used.
@@ -24,92 +25,19 @@ decode step that repacking costs as much as the multiplication. Weights are pack
 * bfloat16 on a CPU with AVX-512 BF16, at 1 to :data:`BF16_PANEL_MAX_ROWS` rows (a decode step of a few
   requests): a second copy in panels for tokenmill-cpu's bfloat16 matmul (``torch.ops.tokenmill_cpu.dense_gemm_bf16``,
   the float32 panel loops with the BF16 pair dot product), which keeps more of the weights in flight than
-  oneDNN at those rows; above them oneDNN's copy (AMX tiles where the CPU has them) is faster. On 2 vCPUs of a
-  Xeon with AMX (2026-12-03, ``python benchmarks/packed_linear.py --dtype bfloat16 --rows 1,2,4,8,16,32``, ms per
-  step, panel kernel / oneDNN; ``benchmarks/results/packed_linear_cpu_bf16_panel_l2_intel_amx_fifteenth.json``):
-  1 row 5.8 / 9.4, 2 rows 5.7 / 9.0, 4 rows 6.6 / 9.1, 8 rows 11.1 / 9.5, 16 rows 20.9 / 9.3, 32 rows
-  41.1 / 11.9 (with weights that, unlike a model's in a serving step, stay in this CPU's 480 MiB L3 between
-  products; inside decode steps of one request the matmuls took 11.6 ms against 14.8). The copy doubles a
-  bfloat16 weight's packed memory; :class:`CpuUnquantizedLinearMethod` makes such copies only from the first half
-  of its budget. ``TOKENMILL_CPU_BF16_PANEL_MAX_ROWS=0`` turns it off.
-
-``python benchmarks/packed_linear.py`` (SmolLM2-135M's shapes, distinct weights for each of the 30 layers so
-that they stream from memory as in the model, plus the LM head; 2 cores of an AVX-512 Xeon, 2026-12-01;
-milliseconds per step; results in ``benchmarks/results/packed_linear_cpu_*_streaming.json``):
-
-=====  =====================  =====================  ===================
-rows   float32 F.linear /     AVX2 proxy, float32    bfloat16 F.linear /
-       oneDNN / MKL packed    (same three)           oneDNN packed
-=====  =====================  =====================  ===================
-1      15.7 / 19.5 / 16.1     21.0 / 26.1 / 20.8     30.6 / 21.5
-4      26.9 / 21.2 / 18.5     51.9 / 41.8 / 28.7     25.5 / 20.5
-32     61.5 / 54.6 / 47.6     126.9 / 115.4 / 97.4   32.2 / 20.3
-64     102.6 / 96.2 / 99.0    172.4 / 184.7 / 175.9
-256    389.5 / 364.6 / 443.9  595.5 / 595.2 / 637.8  110.0 / 76.9
-=====  =====================  =====================  ===================
-
-(AVX2 proxy: ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2``. Runs vary by
-about 10% on this shared machine.) The same script on 2026-12-02 with the panel kernel (float32, milliseconds,
-``benchmarks/results/packed_linear_cpu_fp32_panel*_tenth.json``):
-
-=====  ======================================  ======================================
-rows   AVX-512: F.linear / MKL packed / panel  AVX2 proxy: F.linear / MKL packed / panel
-=====  ======================================  ======================================
-1      19.1 / 18.5 / 19.9                      19.8 / 20.4 / 19.3
-4      33.0 / 22.3 / 19.5                      43.6 / 26.1 / 21.9
-8      43.9 / 28.7 / 24.5                      51.9 / 30.1 / 28.4
-32     66.3 / 51.3 / 43.0                      86.7 / 65.4 / 67.4
-64     95.5 / 82.1 / 66.8                      113.2 / 115.7 / 110.1
-128    143.6 / 150.6 / 128.0                   198.1 / 214.9 / 208.3
-256    285.6 / 307.3 / 252.3                   397.6 / 434.3 / 422.5
-=====  ======================================  ======================================
-
-On 2 cores of an AMD EPYC (Zen 4, AVX-512, no AMX; 2026-12-02, ``packed_linear_cpu_fp32_eleventh.json``) the
-same script gave (F.linear / oneDNN / MKL packed / panel, ms):
-
-=====  ==================================
-rows   AVX-512 (Zen 4)
-=====  ==================================
-1      48.3 / 28.2 / 35.0 / 18.6
-32     93.8 / 55.4 / 105.4 / 44.3
-256    484.9 / 345.8 / 476.6 / 345.1
-512    846.3 / 675.6 / 888.3 / 655.8
-2048   3,352.4 / 2,845.1 / 3,576.6 / 2,827.0
-=====  ==================================
-
-On 2 cores of an AMD EPYC (Zen 3, AVX2 only: the CPU issue 16 was filed on; 2026-12-02,
-``packed_linear_cpu_fp32_zen3_before_twelfth.json`` / ``..._after_twelfth.json``), before and after the kernel took
-its rows in L2-sized blocks and checked its prefetcher once per 8 input channels (same four paths, ms):
-
-=====  ========================================  ========================================
-rows   AVX2 (Zen 3), before                      after
-=====  ========================================  ========================================
-1      63.3 / 47.9 / 53.1 / 31.5                 86.3 / 65.2 / 72.3 / 40.6
-4      121.1 / 59.4 / 128.0 / 30.8               164.7 / 73.3 / 164.3 / 42.7
-8      110.7 / 82.4 / 119.9 / 35.8               174.5 / 84.7 / 181.8 / 44.2
-32     190.4 / 106.0 / 192.3 / 98.1              260.0 / 131.3 / 253.2 / 93.2
-64     321.9 / 190.6 / 264.2 / 171.0             429.2 / 252.9 / 360.4 / 174.0
-128    415.4 / 295.3 / 399.3 / 304.6             538.9 / 345.8 / 484.6 / 304.5
-256    697.5 / 589.1 / 691.7 / 607.2             958.0 / 649.9 / 892.9 / 621.0
-512    1,172.0 / 1,040.2 / 1,136.4 / 1,213.7     1,640.7 / 1,210.9 / 1,506.5 / 1,037.6
-2048   5,318.9 / 4,615.2 / 5,080.7 / 5,881.2     6,489.9 / 5,381.9 / 6,270.9 / 4,959.5
-=====  ========================================  ========================================
-
-The second run came in a slower period of the shared machine (every torch path took 10-40% longer), so compare
-within a column. MKL's two paths (``F.linear`` and MKL's packed GEMM) are the two slowest at every row count on
-this AMD CPU.
+  oneDNN at those rows; above them oneDNN's copy (AMX tiles where the CPU has them) is faster (on a Xeon with AMX:
+  5.8 against 9.4 ms per SmolLM2-135M step at 1 row, 11.1 against 9.5 at 8; docs/benchmarks.md, "Dense
+  matmuls"). The copy doubles a bfloat16 weight's packed memory; :class:`CpuUnquantizedLinearMethod` makes such
+  copies only from the first half of its budget. ``TOKENMILL_CPU_BF16_PANEL_MAX_ROWS=0`` turns it off.
 
 Hence :func:`packed_rows`: float32 on the panel copy at 1 to :data:`PANEL_MAX_ROWS` rows (256, on AVX-512 and
-AVX2). Above that the CPUs have disagreed: on the Xeon of the tenth session ``F.linear`` was as fast or faster
-(``--rows 512,2048`` gave 558 / 2,295 ms for the panel kernel against ``F.linear``'s 538 / 2,067,
-``packed_linear_cpu_fp32_panel_large_tenth.json``, before the row blocks), on the EPYCs the panel kernel takes
-16-23% less time. So the first
-larger product of a process measures both on its layer's weight (:func:`_panel_for_rows`) and the faster serves
-every larger count from then on; ``TOKENMILL_CPU_PANEL_MAX_ROWS`` fixes the bound instead. Where the panel kernel
-is not built,
-on MKL's copy at 1 to :data:`MKL_MAX_ROWS` rows (above that MKL's copy packed for 32 rows is slower than
-``F.linear``); bfloat16 on oneDNN's at every count. oneDNN cannot pack bfloat16 without AVX-512 BW/VL/DQ or
-AVX-NE-CONVERT: such weights stay on ``F.linear``.
+AVX2). Above that CPUs have disagreed (an Intel Xeon measured ``F.linear`` as fast or faster, the EPYCs the panel
+kernel in 14-37% less time), so the first larger product of a process measures both on its layer's weight
+(:func:`_panel_for_rows`) and the faster serves every larger count from then on; ``TOKENMILL_CPU_PANEL_MAX_ROWS``
+fixes the bound instead. Where the panel kernel is not built, float32 runs on MKL's copy at 1 to
+:data:`MKL_MAX_ROWS` rows (above that MKL's copy packed for 32 rows is slower than ``F.linear``); bfloat16 on
+oneDNN's at every count. oneDNN cannot pack bfloat16 without AVX-512 BW/VL/DQ or AVX-NE-CONVERT: such weights
+stay on ``F.linear``.
 
 How the graphs reach the packed copy: a packed copy is an opaque (MKLDNN-layout) tensor that torch.compile cannot
 take as a graph input, so it stays out of the graph. ``torch.ops.tokenmill_cpu.dense_linear(x, weight)`` receives
@@ -148,8 +76,8 @@ MIN_ONEDNN_ROWS_FLOAT32 = 4  # float32 without MKL: fewer rows are faster on F.l
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 MEMORY_FRACTION = 0.5  # packed copies may take at most this share of the RAM available when packing starts
 MKL_PACK_ROWS = 32  # the row count MKL is told at packing (its packed layout serves every count: see below)
-MKL_MAX_ROWS = 64  # more rows: F.linear is as fast or faster than the copy packed for 32 rows (table below)
-# Up to this many rows the panel kernel is used without a measurement (table above), per ATen capability; above
+MKL_MAX_ROWS = 64  # more rows: F.linear is as fast or faster than the copy packed for 32 rows (module docstring)
+# Up to this many rows the panel kernel is used without a measurement (module docstring), per ATen capability; above
 # it, whichever of the panel kernel and F.linear was faster in this process's first such product (_panel_for_rows).
 _PANEL_MAX_ROWS = {"AVX512": 256, "AVX2": 256}
 PANEL_ROWS_ENV = "TOKENMILL_CPU_PANEL_MAX_ROWS"  # an explicit bound: no measurement
@@ -309,10 +237,9 @@ def _panel_for_rows(entry: _Packed, weight: torch.Tensor) -> bool:
     process, at the first such product, on its weight and a random input of :data:`CALIBRATION_ROWS` rows: each
     path runs :data:`CALIBRATION_REPEATS` times, alternating, and the fastest of each are compared.
 
-    Why measured: the crossover depends on the CPU and on the BLAS torch brought. On 2 cores of an AVX-512 Xeon
-    ``F.linear`` (MKL) was 4-10% faster from 512 rows up; on 2 cores of an AVX-512 AMD EPYC (Zen 4), where MKL's
-    sgemm reached about 165 GFLOP/s against the panel kernel's 195, the panel kernel took 16-23% less time at 512
-    and 2,048 rows (``python benchmarks/packed_linear.py --rows 512,2048``, docs/benchmarks.md). The measurement
+    Why measured: the crossover depends on the CPU and on the BLAS torch brought: an Intel Xeon measured
+    ``F.linear`` (MKL) as fast or faster from 512 rows up, the AMD EPYCs the panel kernel faster
+    (``python benchmarks/packed_linear.py --rows 512,2048``; docs/benchmarks.md, "Dense matmuls"). The measurement
     takes about 0.2 s on SmolLM2-135M's first weight (:func:`_time_large_rows`: at least six products of each path,
     so about twelve times one product on a larger weight) and is logged."""
     global _panel_large
@@ -331,13 +258,9 @@ def _time_large_rows(entry: _Packed, weight: torch.Tensor) -> tuple[float, float
     on a random ``[CALIBRATION_ROWS, K]`` input, after alternating untimed products for
     :data:`CALIBRATION_WARMUP_S` seconds.
 
-    Why the warm-up: in an engine's first prefill step the first products of a process are slow for a while. On 2
-    cores of a Zen 4 EPYC (AVX2 paths, ``[960, 576]`` weight, 1,024 rows) the first four or five of each path took
-    6.2-7.0 ms and the later ones 5.0-5.1 (panel kernel) and 5.5-5.6 ms (``F.linear``), and the slow period hurts the
-    panel kernel more. With one untimed and three timed products the measurement picked ``F.linear`` in every
-    ``python benchmarks/profile_decode.py --batch 64 --prefill`` run there (6.5 vs 6.4 ms), whose five prefill steps
-    then took 10.41 s against 9.17 s on the panel kernel, and in 7 of the 57 benchmark runs in benchmarks/results
-    that record the measurement.
+    Why the warm-up: the first products of a process run slower for a while (about 1.3x for the first four or five
+    on Zen 4), and the slow period hurts the panel kernel more, so a measurement without it picked the slower
+    ``F.linear`` in some runs, which then lost 3.5-5.9% of their throughput (docs/benchmarks.md, "Dense matmuls").
     """
     x = torch.randn(CALIBRATION_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0))
     paths = (lambda: F.linear(x, weight),
@@ -513,10 +436,9 @@ def has_amx_bf16() -> bool:
 @functools.cache
 def _log_amx_hint() -> None:
     """Once per process, where float32 weights are packed on a CPU with AMX: say that ``--dtype bfloat16`` is
-    several times faster here. On 2 vCPUs of such a Xeon (2026-12-03), ``tokenmill bench throughput --num-prompts 256
-    --input-len 128 --output-len 128``: 505.8 output tok/s in float32, 1,359.7 in bfloat16 (oneDNN's packed bfloat16
-    matmuls at 1,854-2,753 GFLOP/s against 332-393 for float32; docs/benchmarks.md, "Issue 16, fourteenth
-    session"). float32 stays the default: outputs differ from it at bfloat16 precision."""
+    several times faster here (2.7x the offline throughput of float32 on a Xeon with AMX; docs/benchmarks.md,
+    "Offline throughput against the matmul ceiling"). float32 stays the default: outputs differ from it at
+    bfloat16 precision."""
     if has_amx_bf16():
         logger.info("this CPU has AMX for bfloat16 matmuls: --dtype bfloat16 runs them several times faster than "
                     "float32 (outputs then differ from float32's at bfloat16 precision)")

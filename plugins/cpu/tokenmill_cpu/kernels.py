@@ -9,9 +9,9 @@ every request. Neither eager torch (gather the blocks, then two batched matmuls 
 TorchInductor's code for the same computation (index arithmetic and a horizontal sum per key row) comes near
 the memory floor. ``csrc/paged_attention.cpp`` reads each block in place once, shares every key/value row
 among the query heads of its KV head, keeps accumulators in registers and, for bfloat16, uses the AVX-512 BF16
-pair dot product. ``python benchmarks/attention_kernel.py`` (256 requests x 192 tokens, SmolLM2-135M's 9 query
-/ 3 KV heads, bfloat16, 2 cores, 2026-11-30): eager 10.0 ms, torch.compile 8.9 ms, this kernel 2.7 ms, memory
-floor 1.2 ms.
+pair dot product: a third or less of eager torch's or Inductor's time (``python benchmarks/attention_kernel.py``;
+docs/benchmarks-history.md, "2026-11-30 Zen 4: decode attention kernel"; the current figures are in
+docs/benchmarks.md, "Decode attention kernel").
 
 The build (about 10 to 30 s, once per machine, torch version, instruction-set level and checkout; cached
 under torch's extension directory, ``TORCH_EXTENSIONS_DIR``) needs a C++ compiler and ``ninja``. Without them,
@@ -97,8 +97,9 @@ BUILD_NICENESS = 10  # nice increment of the background build thread and the com
 def _load_at_low_priority() -> None:
     """:func:`load` from a thread whose nice value is raised by :data:`BUILD_NICENESS` (Linux keeps nice values
     per thread, and the compiler processes ninja starts inherit it), so that a cold start's eager steps keep the
-    CPU while the kernels compile. Measured on 2 cores (docs/benchmarks.md): at equal priority the two compiler
-    processes and the step's two OpenMP threads shared the cores and an 8-token first answer took 15.7 s."""
+    CPU while the kernels compile: at equal priority the two compiler processes and a step's two OpenMP threads
+    share the cores, and an 8-token first answer took 15.7 s on 2 cores (docs/benchmarks-history.md,
+    "2026-12-01 Xeon (1dff90a)")."""
     try:
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + BUILD_NICENESS)
@@ -328,10 +329,9 @@ def prefill_attention(
 
     Why not torch's ``scaled_dot_product_attention``: its CPU flash kernel spends about as long on a 128-token
     prompt with grouped-query heads as on the full square of scores, and a chunk after a cached prefix needs an
-    explicit mask, which takes its slower path. ``python benchmarks/prefill_attention.py --lengths 128x15`` (one
-    layer of SmolLM2-135M: 9 query / 3 KV heads of 64, float32, 2 cores of an AMD EPYC Zen 4, same run): 2.6-3.6
-    ms against 8.2-12.8 ms for SDPA once per prompt; ``--lengths 4096x1``: 133-177 ms against 900-1,180 ms (AVX-512
-    and AVX2 builds; ``benchmarks/results/prefill_tiles_zen4_twentyfirst``).
+    explicit mask, which takes its slower path. Per layer of SmolLM2-135M (``python
+    benchmarks/prefill_attention.py``): 15 prompts of 128 tokens 2.5-3.7 ms against SDPA's 8.2-12.8 ms, one of
+    4,096 tokens 135-177 ms against 900-1,180 ms (docs/benchmarks.md, "Prefill attention kernel").
 
     Args:
         q: ``[L, Hq, D]`` float32, bfloat16 or float16, rows contiguous (any row and head stride), already rotated.
@@ -355,9 +355,9 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slo
 
     Why not torch's indexed assignment: it stacks the keys and values first, and under torch.compile becomes a
     serial copy and a scatter split between two threads at most; this kernel copies each row once, straight from
-    the projection output. For a 1,968-token mixed step of SmolLM2-135M on 2 cores of an Intel Xeon: 0.28-0.32 ms
-    per layer against 0.65-0.76 ms compiled and 1.13-1.25 ms eager (``python benchmarks/prefill_attention.py``,
-    AVX-512 and AVX2 builds); no measurable difference in the engine's 256-request decode steps.
+    the projection output: 0.28-0.32 ms per layer of a 1,968-token mixed step of SmolLM2-135M against 0.65-0.76 ms
+    compiled and 1.13-1.25 ms eager (``python benchmarks/prefill_attention.py``; docs/benchmarks-history.md,
+    "2026-12-03 Xeon (89db59a)"); no measurable difference in the engine's 256-request decode steps.
 
     Args:
         k: ``[T, Hkv, D]`` float32, bfloat16 or float16, rows contiguous (any row and head stride).

@@ -90,17 +90,16 @@ def cpu_model_name() -> str:
 def lazily_zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero-filled host tensor whose pages are zeroed by the OS on first touch, not at allocation.
 
-    ``torch.zeros`` writes every page when it allocates: 5.1 s of a warm start-up for the default 4 GiB float32
-    KV cache (cProfile of the engine core, docs/benchmarks.md). A private anonymous mapping costs neither time
-    nor resident memory until a page is written, and reads as zeros before that (POSIX ``mmap`` with
-    ``MAP_ANONYMOUS``), so the KV cache has the same contents either way.
+    ``torch.zeros`` writes every page when it allocates: 5.1 s of a warm start-up for the default 4 GiB float32 KV
+    cache (cProfile of the engine core; docs/benchmarks-history.md, "2026-12-01 Xeon (1dff90a)"). A private
+    anonymous mapping costs neither time nor resident memory until a page is written, and reads as zeros before that
+    (POSIX ``mmap`` with ``MAP_ANONYMOUS``), so the KV cache has the same contents either way.
 
     The mapping asks for transparent huge pages (``madvise(MADV_HUGEPAGE)``, Linux; where THP is off it is a
     no-op). Decode attention reads each request's blocks from scattered places of the cache, one 4 KiB-page
     TLB miss per block with ordinary pages: 2 MiB pages made the paged decode kernel 1.1-1.3x faster over float32
-    and bfloat16 caches (256 requests of 192 tokens, 30 layers, two cores of an AVX-512 Xeon;
-    ``python benchmarks/attention_kernel.py --dtype float32 --layers 30 [--no-huge-pages]``; docs/benchmarks.md,
-    "Issue 16, ninth session").
+    and bfloat16 caches (``python benchmarks/attention_kernel.py --dtype float32 --layers 30 [--no-huge-pages]``;
+    docs/benchmarks-history.md, "2026-12-02 Xeon (bcbd1f9)").
 
     Args:
         shape: the tensor's shape.
@@ -153,26 +152,23 @@ def prefault_async(tensor: torch.Tensor, regions: int = 1) -> bool:
     :data:`PREFAULT_CHUNK_BYTES` of every range (the pages that the first requests write; one or two chunks, as
     the range starts on a chunk boundary or not) at normal priority; then it drops to ``SCHED_IDLE`` for the rest.
     It cannot rise again: ranges queued after that, while it still runs (a second engine in the process), start
-    at ``SCHED_IDLE`` too. Before, the whole walk ran idle from the start, in address order: a server's first
-    request, arriving while the engine was still loading saved graphs, wrote its first token of every layer and KV
-    head into untouched huge pages, and on one 2-vCPU Intel VM (first write of a huge page 4-8 ms there) a warm
-    start's 5-token prefill took 2.2 s, 1.6 s of it in those page faults (py-spy). On another of that kind, four
-    interleaved warm starts each: that first step 833-1,471 ms before, 80-220 ms with the first chunk of each range
-    urgent; first answer 5.6-6.3 s before, 4.9-5.1 s after; widening that to the first 2 MiB made no difference
-    visible in a noisier A/B (``benchmarks/startup.py``; docs/benchmarks.md, "Issue 16, fourteenth session").
+    at ``SCHED_IDLE`` too. Why the start of every range first: a server's first request, arriving while the engine
+    still loads saved graphs, writes its first token of every layer and KV head, and the first write of a huge
+    page costs milliseconds; with the walk idle from the start in address order, those faults made a warm start's
+    first step take 0.8-1.5 s instead of 0.08-0.22 s, about 1 s of its first answer (``benchmarks/startup.py``;
+    docs/benchmarks-history.md, "2026-12-03 Xeon (da0fb6b)").
 
-    Why: a lazily zeroed KV cache is faulted in by the engine itself, block by block, the first time each block
-    is written, and a fresh server keeps meeting untouched blocks until it has used every block once (freed
-    blocks go to the back of the free queue). On the 2-vCPU VM of docs/benchmarks.md the first write of a 2 MiB
-    page costs about 2.7 ms (4 GiB took 5.6 s): about 1 s of every 64-prompt concurrency-32 run of a fresh
-    server, and 12% of a prefill profile. ``madvise(MADV_POPULATE_WRITE)`` faults pages in writable as a write
-    would, but never writes them (Linux ``madvise(2)``), so it is safe while the engine writes the same cache;
-    ctypes releases the GIL for the call. After the first pages the thread runs under ``SCHED_IDLE``
+    Why: a lazily zeroed KV cache is faulted in by the engine itself, block by block, the first time each block is
+    written, and a fresh server keeps meeting untouched blocks until it has used every block once (freed blocks go
+    to the back of the free queue). Where the first write of a 2 MiB page costs about 2.7 ms (4 GiB in 5.6 s), that
+    is about 1 s of every 64-prompt concurrency-32 run of a fresh server and 12% of a prefill profile
+    (docs/benchmarks-history.md, "2026-12-02 Xeon (538f577)"). ``madvise(MADV_POPULATE_WRITE)`` faults pages in
+    writable as a write would, but never writes them (Linux ``madvise(2)``), so it is safe while the engine writes
+    the same cache; ctypes releases the GIL for the call. After the first pages the thread runs under ``SCHED_IDLE``
     (:func:`_lower_thread_priority`), so it fills idle time and gives way to the engine's steps; it drops a tensor
-    that was freed.
-    The steps are one 2 MiB huge page each: with 16 MiB calls a warm start's first answer took 20.6-22.4 s instead
-    of 11.9 s (probably the low-priority thread, preempted inside a long call, held up the engine's page faults); with
-    2 MiB, 10.7-11.6 s (docs/benchmarks.md, "Issue 16, tenth session").
+    that was freed. The steps are one 2 MiB huge page each: 16 MiB calls nearly doubled a warm start's first answer
+    (probably the low-priority thread, preempted inside a long call, held up the engine's own page faults; same
+    section).
     """
     if os.environ.get("TOKENMILL_CPU_PREFAULT", "1") == "0" or platform.system() != "Linux" or tensor.numel() == 0 \
             or _prefault_failed:
@@ -301,9 +297,8 @@ def _lower_thread_priority() -> str:
     raise its nice value by :data:`PREFAULT_NICENESS`; returns which, for the log.
 
     Why idle rather than nice: a step's OpenMP threads wait for each other, so a nice +10 thread that takes a
-    core from one of them for a moment holds up the whole step. With nice +10 the prefault took 43 s instead of
-    10 s and slowed the prefill steps of an offline run it overlapped by about 20% (2.9-3.2 s instead of
-    2.5-2.6 s per 2,048-token step on 2 cores of an AMD EPYC, docs/benchmarks.md, eleventh session)."""
+    core from one of them for a moment holds up the whole step: at nice +10 the prefault slowed the prefill steps
+    of an offline run it overlapped by about 20% (docs/benchmarks-history.md, "2026-12-02 Zen 4 (c3bc8e1)")."""
     tid = threading.get_native_id()
     try:
         os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))

@@ -127,9 +127,9 @@ class CpuPlatform(Platform):
     @classmethod
     def finish_kv_cache_allocation(cls) -> None:
         """Wait for the background prefault of the KV caches (``memory.wait_for_prefault``), so that an engine
-        prepared in blocking mode (``LLM``, the benchmarks) never pays for first writes in its steps: on 2 cores
-        of an AMD EPYC the prefill profile's cache writes took 2.5 ms per layer call on fresh pages against
-        0.24 ms on faulted ones, 4-6% of a 2,048-token step (docs/benchmarks.md)."""
+        prepared in blocking mode (``LLM``, the benchmarks) never pays for first writes in its steps: a prefill
+        profile's cache writes took 2.69 ms per call on fresh pages against 0.24 ms on faulted ones, 882 against
+        998 prompt tok/s (docs/benchmarks-history.md, "2026-12-02 Xeon (538f577)")."""
         memory.wait_for_prefault()
 
     @classmethod

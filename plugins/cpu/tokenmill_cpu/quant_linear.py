@@ -2,10 +2,11 @@
 
 Why a custom kernel: a decode step of one request reads every weight once, so its matmuls run at the speed
 weights stream from memory. torch's packed-weight CPU ops convert every weight to bfloat16 before multiplying
-(``aten._weight_int8pack_mm`` streams the int8 LM head at about 13 GB/s here, ``_weight_int4pack_mm_for_cpu``
-the int4 layers at about 16 GB/s); these kernels quantize the few activation rows to 14-bit integers instead
-and multiply integers with the AVX-512 VNNI dot product (``vpdpbusd``), or on AVX2 CPUs with ``vpmaddubsw`` /
-``vpmaddwd`` (exact 16-bit pair sums), with no per-weight conversion (``tokenmill_cpu.kernels.isa()`` says which).
+(``aten._weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``: at one row they streamed the weights at 13-15
+GB/s, these kernels at 26-30 GB/s; docs/benchmarks.md, "Quantized matmul kernels"); these kernels quantize the
+few activation rows to 14-bit integers instead and multiply integers with the AVX-512 VNNI dot product
+(``vpdpbusd``), or on AVX2 CPUs with ``vpmaddubsw`` / ``vpmaddwd`` (exact 16-bit pair sums), with no per-weight
+conversion (``tokenmill_cpu.kernels.isa()`` says which).
 ``python benchmarks/quant_linear.py`` measures both against torch on SmolLM2-135M's shapes.
 
 Formats, per block of 32 input channels of one output row (GGUF's, so a GGUF checkpoint's codes come back):

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from tokenmill.plugin_api import EngineConfig
 
 
+# Mirrors tokenmill_cuda's CudaPlatform field by field on purpose: the plugins may not import each other.
 class RocmPlatform(Platform):
     name: ClassVar[str] = "rocm"
     device_type: ClassVar[str] = "cuda"

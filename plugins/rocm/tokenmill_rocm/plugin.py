@@ -23,6 +23,8 @@ def detect() -> tuple[bool, str]:
     return True, f"{count} AMD GPU(s) visible, HIP {torch.version.hip}"
 
 
+# Written out like tokenmill_cuda's and tokenmill_cpu's hooks on purpose: platform plugins ship as separate
+# distributions and import only tokenmill.plugin_api, never each other.
 @hookimpl
 def tokenmill_platform() -> PlatformSpec:
     return PlatformSpec(

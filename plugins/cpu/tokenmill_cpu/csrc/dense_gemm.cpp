@@ -1,15 +1,13 @@
 // Float32 linear layers: y[M, N] = x[M, K] @ W^T, W prepacked in panels.
 //
-// Why not torch's op: F.linear (MKL sgemm) re-lays out the whole weight on every call, and MKL's own packed
-// GEMM (torch.ops.mkl._mkl_linear), which does not, reaches about 180 GFLOP/s at 32 rows on 2 AVX-512 cores
-// where these loops reach about 220 (python benchmarks/packed_linear.py: 51.3 vs 43.0 ms for one SmolLM2-135M step
-// at 32 rows). A decode step's weights stream from memory once
+// Why not torch's op: F.linear (MKL sgemm) re-lays out the whole weight on every call, and MKL's and oneDNN's
+// packed GEMMs, which do not, take more time than these loops at every row count measured (python
+// benchmarks/packed_linear.py; docs/benchmarks.md, "Dense matmuls"). A decode step's weights stream from memory once
 // per step; at a few dozen rows the multiply-adds per weight byte are just above what the cores can do per byte
 // of memory bandwidth, so the product is only fast when the next weights are already in flight while the
 // current ones are multiplied. These loops prefetch the next panel while they multiply the current one.
-// At prefill row counts the loops stay ahead as well: on 2 cores of an AMD EPYC (Zen 3, AVX2), one SmolLM2-135M
-// step's matmuls took 1,038 ms at 512 rows and 4,960 ms at 2,048, against 1,211 / 5,382 ms for oneDNN's packed
-// sgemm and more for MKL's paths (python benchmarks/packed_linear.py; docs/benchmarks.md).
+// At prefill row counts the loops stay ahead as well (Zen 3, one SmolLM2-135M step's matmuls at 2,048 rows: 4,960
+// ms against oneDNN's 5,382; same section).
 //
 // Layout (tokenmill_cpu/dense_linear.py packs it): panels of kPanel output rows, panel p = W[p * kPanel :
 // (p + 1) * kPanel, :] transposed to [K][kPanel], zero rows past N; packed [P, K, kPanel] with P = ceil(N / kPanel).
@@ -54,11 +52,10 @@ constexpr int kRows = 4;
 #endif
 
 // Where the next panel is prefetched to: L2 (PREFETCHT1) on Intel CPUs, L1 (PREFETCHT0) elsewhere;
-// TOKENMILL_CPU_GEMM_PREFETCH=l1|l2 overrides (read once per process). On 2 vCPUs of an Intel Xeon with AMX (2026-12-03, python
-// benchmarks/packed_linear.py, alternating builds, relative to MKL's packed GEMM in the same run) L2 took 5-20%
-// less time at 4-16 rows in the AVX-512 build and 5-25% at 1-8 rows in the AVX2 build, the same at 32 and 256
-// rows: a software prefetch into L1 holds one of the core's few L1 miss buffers until its line arrives, and a
-// panel is too large for L1 anyway. On AMD the L1 prefetch was tuned (Zen 4, thirteenth session) and is kept.
+// TOKENMILL_CPU_GEMM_PREFETCH=l1|l2 overrides (read once per process). On a Xeon with AMX, L2 took 5-25% less time
+// at 1-16 rows and the same at 32 and 256 (docs/benchmarks-history.md, "2026-12-03 Xeon (910cad0)"): a software
+// prefetch into L1 holds one of the core's few L1 miss buffers until its line arrives, and a panel is too large
+// for L1 anyway. AMD CPUs keep the L1 prefetch, which was tuned on Zen 4 ("2026-12-02 Zen 4 (46f8ad6)", same file).
 bool prefetch_to_l2() {
   static const bool to_l2 = [] {
     const char* env = std::getenv("TOKENMILL_CPU_GEMM_PREFETCH");
@@ -93,20 +90,21 @@ struct Prefetcher {
 };
 
 // Input channels between two prefetch steps: checking the prefetcher at every k cost about a fifth of the
-// micro-kernel's rate on Zen 3 (its branch and loads sit in the multiply-add loop).
+// micro-kernel's rate on Zen 3 (its branch and loads sit in the multiply-add loop; docs/benchmarks-history.md,
+// "2026-12-02 Zen 3 (e02e8db)").
 constexpr int64_t kKBlock = 8;
 
 // Activation bytes per row block: a large product (a prefill step's thousands of rows) takes its rows in blocks of
 // about this size, so that each block stays in L2 while every panel of the thread passes over it. Unblocked, all
 // rows were read again for each panel, from L3 or memory once they outgrew L2 (on Zen 3 the panel kernel was the
-// slowest path at 512 and 2,048 rows before the blocks and the fastest after; docs/benchmarks.md).
+// slowest path at 512 and 2,048 rows before the blocks and the fastest after; docs/benchmarks-history.md,
+// "2026-12-02 Zen 3 (e02e8db)").
 constexpr int64_t kBlockBytes = 256 * 1024;
 
 // Calls step(k) for k = 0 .. K - 1 in order, stepping the prefetcher after every kKBlock of them. Where a block
 // needs a cache line or more per k (few rows: one row group per panel), AVX-512 spreads the lines over the block's
-// k iterations: with 24 prefetches at once after 8 iterations, 8 rows took 21.9-24.6 ms per SmolLM2-135M step on
-// Zen 4, with 3 lines after each iteration 18.5-20.6 ms (1, 32 and 256 rows: no difference beyond the noise;
-// benchmarks/results/packed_linear_cpu_fp32_zen4_prefetch_thirteenth.txt).
+// k iterations: at 8 rows that took about 15% less time than 24 prefetches at once after 8 iterations on Zen 4,
+// and made no difference at 1, 32 and 256 rows (docs/benchmarks-history.md, "2026-12-02 Zen 4 (46f8ad6)").
 template <int kLocality, typename Step>
 __attribute__((always_inline)) inline void for_each_k(int64_t K, Prefetcher<kLocality>& pf, Step&& step) {
   int64_t k = 0;
@@ -282,12 +280,12 @@ at::Tensor dense_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n) 
 //
 // Why not oneDNN (what bfloat16 linear layers run otherwise): at the few rows of a decode step with one or a few
 // requests, the product is a pass over the weights, and oneDNN's packed bfloat16 matmul does not keep enough of
-// them in flight: on 2 vCPUs of a Xeon with AMX, one SmolLM2-135M step's matmuls at 1 row took 14.8-15.2 ms inside a
-// decode step (python benchmarks/profile_decode.py --batch 1 --dtype bfloat16) for 270 MB of weights. These loops
+// them in flight (on a Xeon with AMX it streamed a step's 270 MB of weights in 14.8-15.2 ms inside a one-request
+// decode step; docs/benchmarks-history.md, "2026-12-03 Xeon (910cad0)"). These loops
 // are the float32 panel loops above with the AVX-512 BF16 pair dot product (vdpbf16ps: exact bfloat16 products,
 // float32 sums) in place of the multiply-add; at a few dozen rows and more the pair dot product is the limit and
 // oneDNN (AMX tiles where the CPU has them) is faster, so tokenmill_cpu/dense_linear.py uses this kernel only up to
-// a measured row count (docs/benchmarks.md).
+// a measured row count (docs/benchmarks.md, "Dense matmuls").
 //
 // Layout: panels of kPanelBf16 output rows over K / 2 input-channel pairs, packed [P, K / 2, 2 * kPanelBf16]:
 // element (p, c, 2 j + t) = W[p * kPanelBf16 + j, 2 c + t] (zero rows past N), so that one 32-bit lane holds the

@@ -5,9 +5,9 @@
 // one indexed assignment of the stacked keys and values; under torch.compile that becomes a serial copy of the
 // stack followed by a scatter parallel over the two halves only, and eagerly a stack plus index_put_. Here every
 // (token, K or V, head) row is one copy, read from q/k/v's projection output in place (any row and head stride),
-// split between threads by token. For a 1,968-token mixed step of SmolLM2-135M on 2 cores: 0.28-0.32 ms per layer
-// against 0.65-0.76 compiled and 1.13-1.25 eager (python benchmarks/prefill_attention.py); 256-request decode steps
-// in the engine showed no measurable difference (docs/benchmarks.md, issue 16, sixteenth session).
+// split between threads by token: about half the compiled copy's time in a 1,968-token mixed step, no measurable
+// difference in 256-request decode steps (python benchmarks/prefill_attention.py; docs/benchmarks-history.md,
+// "2026-12-03 Xeon (89db59a)").
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

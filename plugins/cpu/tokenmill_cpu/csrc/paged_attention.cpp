@@ -13,11 +13,9 @@
 // hardware prefetchers do not see coming. So each thread lists the blocks it will read, in reading order (per work
 // item its key blocks, then its value blocks), and while it reads one block it asks for the block 32 KiB further
 // down that list into L2 and for the next one into L1, a share of each before every step of rows it reads (1 KiB
-// of rows, rounded up to four; ReadAhead). On 2 cores of an AMD EPYC (Zen 4), 256 requests x 192 tokens x 30
-// layers of SmolLM2-135M in float32 with the engine's block layout: 190 ms per step with only a next-block
-// prefetch (eleventh session), 103-109 ms with a whole block asked for at a time (the next key block into L1, this
-// block's values into L2, the next item's keys during the value pass), 76-80 ms with the read-ahead, against a
-// floor of 72-80 ms for reading K and V once (docs/benchmarks.md, nineteenth session).
+// of rows, rounded up to four; ReadAhead). That brings a decode step of 256 requests x 192 tokens near the floor
+// of reading K and V once (Zen 4: 76-80 ms against a floor of 72-80 ms, where asking for whole blocks at a time
+// took 103-109 ms; docs/benchmarks.md, "Decode attention kernel").
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -136,10 +134,9 @@ constexpr int kHeadChunk = 4;  // query heads scored together (4 x 4 accumulator
 #else
 constexpr int kAccRegs = 12;  // of 16 vector registers
 // Three heads per pass (12 accumulators besides the key and query vectors): SmolLM2-135M's 3 query heads per KV
-// head in one pass over the keys instead of two (2 + 1). 256 requests x 192 tokens x 30 layers with the blocks in
-// cache (the kernel's own work): 47.5 -> 43.4 ms (python benchmarks/attention_kernel.py --dtype float32 --layers 30
-// --blocks shared --kernel-only, Xeon, ATEN_CPU_CAPABILITY=avx2); with the engine's block layout, where memory is
-// the limit, 107.7-110.3 ms against 109.2.
+// head in one pass over the keys instead of two (2 + 1): about 9% less of the kernel's own work with the blocks in
+// cache (python benchmarks/attention_kernel.py --blocks shared --kernel-only, AVX2 build); no change where memory
+// is the limit (docs/benchmarks-history.md, "2026-12-04 Xeon (05568d9)").
 constexpr int kHeadChunk = 3;
 #endif
 constexpr int kMaxChunk = 8;  // vectors of D per value loop
@@ -316,9 +313,9 @@ inline void with_group(int64_t n, Fn&& fn) {
 }
 
 // How far ahead of its reads a thread asks for cache blocks, and how much it asks for at a time (bytes). On Zen 4
-// (float32, 256 x 192 tokens, python benchmarks/attention_kernel.py --blocks engine): 16 or 64 KiB ahead measured
-// the same as 32; 2 KiB steps the same as 1 KiB; a whole 4 KiB block per step about 20% slower; without the L1
-// prefetch of the next block about 4% slower.
+// (python benchmarks/attention_kernel.py --blocks engine) 16 or 64 KiB ahead measured the same as 32 and 2 KiB
+// steps the same as 1 KiB; a whole 4 KiB block per step was about 20% slower, no L1 prefetch of the next block
+// about 4% (docs/benchmarks-history.md, "2026-12-06 Zen 4 (2556c4c)").
 constexpr int64_t kAheadBytes = 32 * 1024;
 constexpr int64_t kStepBytes = 1024;
 
@@ -532,8 +529,8 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
 // over the context's keys and values in blocks of kKeyBlock rows, with a running softmax (a running
 // maximum and sum per query vector, the partial sums rescaled when the maximum grows; Milakov and Gimelshein,
 // "Online normalizer calculation for softmax", 2018, as FlashAttention uses it). Each key and value block is read
-// from memory once per tile and then used from L1 by every query vector of the tile. Before (one query row at a
-// time, the whole softmax at once) every query row read all of its context again from L2 or L3.
+// from memory once per tile and then used from L1 by every query vector of the tile, where one query row at a time
+// (the whole softmax at once) reads all of its context again from L2 or L3 for every row.
 //
 // Key blocks lie on a fixed grid (multiples of kKeyBlock from row 0), and within a block the scoring loop's groups
 // of four keys are aligned to multiples of four, so a query row's result depends only on its own context: the same
@@ -714,9 +711,9 @@ inline void prefill_row(const PrefillChunk<T>& c, int64_t t, int64_t h, int64_t 
 // Tiles (prefill_tile) when a head's key or value rows lie apart (views of the fused QKV projection: a fresh
 // prompt's), single rows (prefill_row) when they are contiguous (a context gathered from the cache, head-major):
 // the hardware prefetchers stream contiguous rows, and re-reading them per query row measured faster than tiles
-// (one layer of SmolLM2-135M, 1,952 queries after 2,048 cached tokens: 97-102 against 106-120 ms in a scratch
-// timing of tiles on every layout; fresh 2,048-token prompt, strided rows: 45-49 ms per row against 33-38 ms in
-// tiles, python benchmarks/prefill_attention.py; docs/benchmarks.md, twenty-first session).
+// there (97-102 against 106-120 ms per layer), while on strided rows tiles took a fresh 2,048-token prompt from
+// 45-49 to 33-38 ms per layer (python benchmarks/prefill_attention.py; docs/benchmarks.md, "Prefill attention
+// kernel").
 template <typename T>
 void prefill_chunks(const std::vector<PrefillChunk<T>>& chunks, int64_t num_heads, int64_t num_kv_heads,
                     int64_t head_size, double scale, int64_t sliding_window) {

@@ -11,7 +11,8 @@
 // Q8_1, one vpdpbusd): on SmolLM2-135M the greedy answers then left the float32 reference after 10-16 tokens
 // on average instead of about 37 (likely activation outliers, such as the MLP down projection's inputs, that
 // coarsen their whole block). Why not int16 activations with vpdpwssd (two products per lane): the same
-// accuracy, but widening the weights to 16 bits made a one-request step compute-bound (docs/benchmarks.md).
+// accuracy, but widening the weights to 16 bits made a one-request step compute-bound (docs/benchmarks.md,
+// "Quantized matmul kernels").
 //
 // Weight layout: panels of 16 output rows. Within a panel, every 64 bytes feed one 16-lane vpdpbusd: lane r
 // holds row r's four consecutive input channels, so a broadcast of four activation bytes serves all 16 rows,
