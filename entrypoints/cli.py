@@ -1,5 +1,5 @@
-"""The ``tokenmill`` command: ``tokenmill serve [MODEL] [flags]``, ``tokenmill plugins [check NAME]``,
-``tokenmill bench ...``, ``tokenmill --version``.
+"""The ``tokenmill`` command: ``tokenmill serve [MODEL] [flags]``, ``tokenmill run-batch -i IN -o OUT [MODEL]``,
+``tokenmill plugins [check NAME]``, ``tokenmill bench ...``, ``tokenmill --version``.
 
 A platform or plugin problem (no platform, two active ones, a detector that raised, a plugin that fails to load)
 ends any sub-command with ``tokenmill: error: <what and how to fix it>`` and exit status 1, not a traceback
@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenmill.entrypoints.plugins_cli import add_plugins_parser
 
     add_bench_parser(subparsers, _add_plugin_cli_args)
+    from tokenmill.entrypoints.openai.run_batch import add_run_batch_parser
+
+    add_run_batch_parser(subparsers, _add_plugin_cli_args)
     add_plugins_parser(subparsers)
     return parser
 

@@ -223,6 +223,9 @@ class EngineConfig:
             ``None``: the platform chooses (see :mod:`tokenmill.attention.selector`).
         logits_processors: ``"module:Class"`` paths (or classes, in-process) of logits processors run besides
             the ones plugins register (see :mod:`tokenmill.worker.logits_processor`).
+        logits_processor_pattern: a regular expression; requests may name per-request logits processors whose
+            qualified name it matches in full (see :mod:`tokenmill.worker.request_logits_processors`); ``None``:
+            requests may name none.
     """
 
     model_config: ModelConfig
@@ -234,6 +237,7 @@ class EngineConfig:
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     attention_backend: str | None = None
     logits_processors: list[Any] = field(default_factory=list)
+    logits_processor_pattern: str | None = None
     # "blocking": compile before serving; "background": serve eagerly and swap compiled graphs in when ready.
     compile_mode: str = "blocking"
     lora_config: LoRAConfig | None = None  # None: LoRA adapters are off

@@ -90,6 +90,7 @@ class EngineArgs:
     platform: str | None = None
     attention_backend: str | None = None
     logits_processors: list[Any] | None = None
+    logits_processor_pattern: str | None = None
     trust_remote_code: bool = False
     quantization: str | None = None
     enable_lora: bool = False
@@ -166,6 +167,10 @@ class EngineArgs:
                             "TORCH_PAGED); also TOKENMILL_ATTENTION_BACKEND. `tokenmill plugins` lists them.")
         g.add_argument("--logits-processors", nargs="+", default=d.logits_processors, metavar="MODULE:CLASS",
                        help="Logits processors to run besides those plugins register (see docs/plugins.md).")
+        g.add_argument("--logits-processor-pattern", default=d.logits_processor_pattern, metavar="REGEX",
+                       help="Let requests name their own logits processors (the logits_processors request field) "
+                            "whose qualified name this regular expression matches in full (vLLM's flag; default: "
+                            "requests may name none). Only allow code you trust: it runs in the workers.")
         g.add_argument("--trust-remote-code", action="store_true", default=d.trust_remote_code)
         g.add_argument("--quantization", "-q", default=d.quantization, choices=list(QUANTIZATION_METHODS),
                        help="Quantized weights used for small batches (faster decode): int8 or int4 (CPU: GGUF Q8_0 / "
@@ -318,6 +323,7 @@ class EngineArgs:
             structured_outputs_config=StructuredOutputsConfig(backend=self.structured_outputs_backend),
             attention_backend=attention_backend,
             logits_processors=list(self.logits_processors or []),
+            logits_processor_pattern=_checked_pattern(self.logits_processor_pattern),
             compile_mode=self.compile_mode or "blocking",
             lora_config=self._create_lora_config(),
         )
@@ -389,3 +395,17 @@ class EngineArgs:
 
     def replace(self, **changes: Any) -> EngineArgs:
         return dataclasses.replace(self, **changes)
+
+
+def _checked_pattern(pattern: str | None) -> str | None:
+    """``--logits-processor-pattern`` after checking that it compiles.
+
+    Raises:
+        ValueError: not a valid regular expression.
+    """
+    if pattern is not None:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(f"logits_processor_pattern: not a valid regular expression: {exc}") from exc
+    return pattern

@@ -144,6 +144,21 @@ class ReasoningParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             _check_int("thinking_token_budget", self.thinking_token_budget, lo=0)
 
 
+class LogitsProcessorSpec(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """A per-request logits processor named by its qualified name (vLLM's ``logits_processors`` request field).
+
+    Attributes:
+        qualname: ``"package.module:Name"`` or ``"package.module.Name"``; allowed only when it matches the
+            engine's ``--logits-processor-pattern`` (see :mod:`tokenmill.worker.request_logits_processors`).
+        args, kwargs: when either is given, ``Name`` is a factory called with them and its result is the
+            processor; otherwise ``Name`` itself is the processor.
+    """
+
+    qualname: str
+    args: list[Any] | None = None
+    kwargs: dict[str, Any] | None = None
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Parameters of one request's generation.
 
@@ -183,6 +198,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             :class:`StructuredOutputsParams`; ``None``: unconstrained.
         reasoning: the thinking of a reasoning model (its end marker and budget), see :class:`ReasoningParams`;
             ``None``: the output has no thinking (a grammar applies from the first token).
+        logits_processors: per-request logits processors, see :class:`LogitsProcessorSpec` (refused unless the
+            engine runs with ``--logits-processor-pattern``).
     """
 
     n: int = 1
@@ -213,6 +230,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     bad_words_token_ids: list[list[int]] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     reasoning: ReasoningParams | None = None
+    logits_processors: list[LogitsProcessorSpec] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

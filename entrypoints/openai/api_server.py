@@ -1,11 +1,14 @@
 """The OpenAI-compatible HTTP app: FastAPI routes over an ``AsyncLLM`` (see docs/serving.md).
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``, ``GET /v1/models``,
-``GET /v1/models/{model}``, ``POST /v1/load_lora_adapter``, ``POST /v1/unload_lora_adapter`` (docs/lora.md), ``POST /tokenize``, ``POST /detokenize``, the pooling routes (``/v1/embeddings``, ``/classify``, ``/score``,
-``/rerank``; docs/pooling.md), ``GET /health`` (200, or 503 once
+``GET /v1/models/{model}``, ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` (Anthropic's Messages
+API over the chat path, see :mod:`tokenmill.entrypoints.anthropic`), ``POST /v1/load_lora_adapter``,
+``POST /v1/unload_lora_adapter`` (docs/lora.md), ``POST /tokenize``, ``POST /detokenize``, the pooling routes
+(``/v1/embeddings``, ``/classify``, ``/score``, ``/rerank``; docs/pooling.md), ``GET /health`` (200, or 503 once
 the engine is dead), ``GET /version``, ``GET /metrics`` (Prometheus). With an API key (``--api-key`` or
 ``TOKENMILL_API_KEY``) the ``/v1`` routes and ``/tokenize`` / ``/detokenize`` need
-``Authorization: Bearer <key>``; ``/health``, ``/version`` and ``/metrics`` stay open for probes and scrapers.
+``Authorization: Bearer <key>`` (the Messages routes also take ``x-api-key: <key>``); ``/health``, ``/version``
+and ``/metrics`` stay open for probes and scrapers.
 Running the app (uvicorn, signals, engine death) is :mod:`tokenmill.entrypoints.openai.launcher`.
 """
 
@@ -23,6 +26,8 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import PlainTextResponse, Response
 from tokenmill import __version__
+from tokenmill.entrypoints.anthropic.api_router import REQUEST_MODELS as ANTHROPIC_REQUEST_MODELS
+from tokenmill.entrypoints.anthropic.api_router import add_messages_routes
 from tokenmill.entrypoints.openai.chat_template import ChatRenderer, load_chat_template
 from tokenmill.entrypoints.openai.errors import (
     SERVER_ERROR,
@@ -99,15 +104,21 @@ class ServerState:
             listener()
 
 
-def _api_key_dependency(api_key: str | None) -> Callable[[Request], None]:
+def _api_key_dependency(api_key: str | None, x_api_key: bool = False) -> Callable[[Request], None]:
+    """Checks ``Authorization: Bearer <key>`` (also Anthropic's ``x-api-key: <key>`` header when
+    ``x_api_key``)."""
     expected = api_key.encode("utf-8") if api_key else None
 
     def require_api_key(request: Request) -> None:
         if expected is None:
             return
+        given = request.headers.get("x-api-key") if x_api_key else None
+        if given is not None and hmac.compare_digest(given.strip().encode("utf-8"), expected):
+            return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode("utf-8"), expected):
-            raise AuthenticationError("Invalid or missing API key. Send the header 'Authorization: Bearer <key>'.")
+            raise AuthenticationError("Invalid or missing API key. Send the header 'Authorization: Bearer <key>'"
+                                      + (" or 'x-api-key: <key>'." if x_api_key else "."))
 
     return require_api_key
 
@@ -191,6 +202,10 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
     app.state.models = models
     app.state.stats = stats
     app.state.stat_logger = stat_logger
+    # The handlers, also used without HTTP (tokenmill run-batch).
+    app.state.tokenization = tokenization
+    app.state.serving_chat = serving_chat
+    app.state.serving_completion = serving_completion
     install_exception_handlers(app, state.mark_engine_dead)
     app.add_middleware(BodySizeLimitMiddleware,
                        max_bytes=int(getattr(args, "max_request_body_bytes", None) or DEFAULT_MAX_BODY_BYTES))
@@ -256,6 +271,7 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
 
     app.include_router(tok)
     app.include_router(pooling_router(context, auth))
+    add_messages_routes(app, serving_chat, _api_key_dependency(api_key, x_api_key=True))
 
     @app.get("/health", responses={503: {"model": ERROR_RESPONSES[500]["model"],
                                          "description": "The engine is dead"}})
@@ -287,5 +303,5 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
 
     install_openapi(app, [ChatCompletionRequest, CompletionRequest, ResponsesRequest, TokenizeCompletionRequest,
                           TokenizeChatRequest, DetokenizeRequest, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest,
-                          *POOLING_REQUEST_MODELS])
+                          *POOLING_REQUEST_MODELS, *ANTHROPIC_REQUEST_MODELS])
     return app

@@ -23,7 +23,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from tokenmill.entrypoints.openai.request_fields import FieldPolicy, Refused, check_request_fields
 from tokenmill.entrypoints.openai.protocol_tools import ChatCompletionToolParam, StructuredOutputsField, ToolChoice
 from tokenmill.errors import InvalidRequestError
-from tokenmill.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from tokenmill.sampling_params import (
+    LogitsProcessorSpec,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 # Defaults applied when a request leaves a sampling field out (vLLM's, which are OpenAI's where both exist).
 DEFAULT_TEMPERATURE = 1.0
@@ -93,8 +98,6 @@ _NOT_IMPLEMENTED = "not supported by this server"
 _VLLM_REFUSED = {
     "use_beam_search": Refused("beam search is " + _NOT_IMPLEMENTED, (False,)),
     "length_penalty": Refused("only used by beam search, which is " + _NOT_IMPLEMENTED, (1.0, 1)),
-    "logits_processors": Refused("custom logits processors are " + _NOT_IMPLEMENTED, ([],)),
-    "cache_salt": Refused("prefix-cache salting is " + _NOT_IMPLEMENTED),
     "kv_transfer_params": Refused("KV transfer (disaggregated prefill) is " + _NOT_IMPLEMENTED),
     "vllm_xargs": Refused(_NOT_IMPLEMENTED),
     "request_id": Refused("send the X-Request-Id header instead (echoed in the response headers and logged)"),
@@ -147,6 +150,14 @@ class UsageInfo(OpenAIBaseModel):
         )
 
 
+class LogitsProcessorConstructor(OpenAIBaseModel):
+    """vLLM's ``{"qualname": ..., "args": [...], "kwargs": {...}}``: a factory of a per-request logits processor."""
+
+    qualname: str = Field(min_length=1)
+    args: list[Any] | None = None
+    kwargs: dict[str, Any] | None = None
+
+
 class StreamOptions(OpenAIBaseModel):
     """``include_usage``: one last chunk with the usage; ``continuous_usage_stats`` (vLLM): usage so far in
     every chunk."""
@@ -190,6 +201,10 @@ class _SamplingRequest(RequestModel):
     return_tokens_as_token_ids: bool | None = None
     truncate_prompt_tokens: int | None = None
     priority: int = 0
+    # Mixed into the prefix-cache hashes: only requests with the same salt share cached prompt blocks.
+    cache_salt: str | None = Field(default=None, min_length=1)
+    # Per-request logits processors by qualified name (allowed by --logits-processor-pattern)
+    logits_processors: list[str | LogitsProcessorConstructor] | None = None
     # structured outputs (see structured_outputs.py): OpenAI's response_format, vLLM's structured_outputs and
     # its older guided_* fields
     response_format: dict[str, Any] | None = None
@@ -305,7 +320,14 @@ class _SamplingRequest(RequestModel):
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
             bad_words=list(self.bad_words) if self.bad_words else None,
+            logits_processors=[_logits_processor_spec(p) for p in self.logits_processors or []] or None,
         )
+
+
+def _logits_processor_spec(entry: str | LogitsProcessorConstructor) -> LogitsProcessorSpec:
+    if isinstance(entry, str):
+        return LogitsProcessorSpec(qualname=entry)
+    return LogitsProcessorSpec(qualname=entry.qualname, args=entry.args, kwargs=entry.kwargs)
 
 
 def check_api_temperature(temperature: float | None) -> None:

@@ -118,7 +118,8 @@ class ResponsesRequest(RequestModel):
     parts), ``function_call`` items (an earlier turn's tool calls) and ``function_call_output`` items (their
     results). ``instructions`` becomes a leading system message. ``max_output_tokens`` left out means "up
     to the context length". vLLM-style sampling extras (``top_k``, ``min_p``, ``repetition_penalty``,
-    ``seed``, ``stop``, ``ignore_eos``, ``priority``, ``chat_template_kwargs``) are accepted as in chat.
+    ``seed``, ``stop``, ``ignore_eos``, ``priority``, ``chat_template_kwargs``, ``cache_salt``) are accepted as in
+    chat.
     """
 
     field_policy: ClassVar[FieldPolicy] = FieldPolicy(
@@ -172,6 +173,7 @@ class ResponsesRequest(RequestModel):
     priority: int = 0
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning: ReasoningOptions | None = None
+    cache_salt: str | None = Field(default=None, min_length=1)
 
     @field_validator("tools", mode="before")
     @classmethod

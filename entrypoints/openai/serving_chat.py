@@ -84,7 +84,8 @@ class OpenAIServingChat(OpenAIServing):
         request_id = random_id("chatcmpl")
         echo = request.messages[-1].text() if request.echo and request.messages[-1].role == "assistant" else ""
         self.log_request(request_id, raw_request, "%d prompt tokens, max_tokens %s", len(prompt_ids), max_tokens)
-        gen = self.generate(prompt_ids, params, request_id, arrival, request.priority, model_name=model_name)
+        gen = self.generate(prompt_ids, params, request_id, arrival, request.priority, model_name=model_name,
+                            cache_salt=request.cache_salt)
         if request.stream:
             return await self._stream(request, raw_request, gen, request_id, model_name, len(prompt_ids), echo,
                                       tool_calling, reasoning)

@@ -93,7 +93,7 @@ class OpenAIServingCompletion(OpenAIServing):
                          sum(map(len, prompt_ids)))
         gens = [
             self.generate(ids, p, request_id if len(prompt_ids) == 1 else f"{request_id}-{i}", arrival,
-                          request.priority, model_name=model_name)
+                          request.priority, model_name=model_name, cache_salt=request.cache_salt)
             for i, (ids, p) in enumerate(zip(prompt_ids, params))
         ]
         if request.stream:

@@ -345,10 +345,14 @@ class OpenAIServing:
         return self.tokenization.encode(text, add_special_tokens=add_special_tokens)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str, arrival_time: float,
-                 priority: int = 0, *, model_name: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+                 priority: int = 0, *, model_name: str | None = None, cache_salt: str | None = None
+                 ) -> AsyncGenerator[RequestOutput, None]:
         """``engine.generate``, with the request's metrics recorded from its start to its end; ``model_name``
-        (resolved) picks the LoRA adapter of that name, if it is one."""
+        (resolved) picks the LoRA adapter of that name, if it is one; ``cache_salt`` (the request's field)
+        isolates its prefix-cache blocks."""
         extra: dict[str, Any] = {"priority": priority} if priority else {}
+        if cache_salt is not None:
+            extra["cache_salt"] = cache_salt
         lora_request = self.models.lora_request(model_name)
         if lora_request is not None:
             extra["lora_request"] = lora_request

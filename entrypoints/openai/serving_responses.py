@@ -203,7 +203,8 @@ class OpenAIServingResponses(OpenAIServing):
             params = msgspec.structs.replace(params, **reasoning.sampling_changes())
         resp_id = response_id("resp")
         self.log_request(resp_id, raw_request, "%d input tokens, max_output_tokens %s", len(prompt_ids), max_tokens)
-        gen = self.generate(prompt_ids, params, resp_id, arrival, request.priority, model_name=model_name)
+        gen = self.generate(prompt_ids, params, resp_id, arrival, request.priority, model_name=model_name,
+                            cache_salt=request.cache_salt)
         state = _ResponseState(self, request, resp_id, model_name, len(prompt_ids), tool_calling, reasoning)
         if request.stream:
             firsts = await self.first_outputs(raw_request, [gen], resp_id)

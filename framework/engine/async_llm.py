@@ -66,7 +66,9 @@ class AsyncLLM:
             raise
         self.tokenizer = tokenizer
         self.input_processor = InputProcessor(
-            self.model_config, tokenizer, engine_config.cache_config, engine_config.structured_outputs_config
+            self.model_config, tokenizer, engine_config.cache_config, engine_config.structured_outputs_config,
+            logits_processor_pattern=engine_config.logits_processor_pattern,
+            speculative=engine_config.speculative_config is not None,
         )
         self.output_processor = OutputProcessor(tokenizer)
         self._output_handler: asyncio.Task[None] | None = None
@@ -98,7 +100,8 @@ class AsyncLLM:
 
         ``options``: the keyword fields of :class:`~tokenmill.engine.input_processor.RequestInput`
         (``arrival_time``, ``priority``, ``add_special_tokens``, ``prompt_param``, ``lora_request``: the LoRA
-        adapter to use, ``None`` for the base model).
+        adapter to use, ``None`` for the base model; ``cache_salt``: only requests with the same salt share
+        prefix-cache blocks).
 
         Stopping the iteration early (``aclose``, cancellation, a client disconnect) aborts the request.
 

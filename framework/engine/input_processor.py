@@ -38,6 +38,8 @@ class RequestInput:
         add_special_tokens: let the tokenizer add BOS etc. (``False`` for rendered chat templates).
         prompt_param: the name errors give the prompt (``"messages"`` for chat requests).
         lora_request: the LoRA adapter to use (``None``: the base model).
+        cache_salt: mixed into the prefix-cache hashes of the request's blocks, so that only requests with the
+            same salt share cached blocks (``None``: no salt).
     """
 
     request_id: str
@@ -48,6 +50,7 @@ class RequestInput:
     add_special_tokens: bool = True
     prompt_param: str = "prompt"
     lora_request: LoRARequest | None = None
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -84,11 +87,16 @@ class InputProcessor:
             up front instead of failing inside the engine core.
         structured_outputs_config: the engine's structured-output backend (constraints are checked, and
             ``auto`` resolved, here; default ``auto``).
+        logits_processor_pattern: which per-request logits processors requests may name (``None``: none).
+        speculative: the engine decodes speculatively (per-request logits processors are then refused).
     """
 
     def __init__(self, model_config: ModelConfig, tokenizer: Any, cache_config: CacheConfig | None = None,
-                 structured_outputs_config: StructuredOutputsConfig | None = None) -> None:
+                 structured_outputs_config: StructuredOutputsConfig | None = None, *,
+                 logits_processor_pattern: str | None = None, speculative: bool = False) -> None:
         self.model_config = model_config
+        self.logits_processor_pattern = logits_processor_pattern
+        self.speculative = speculative
         self.structured_outputs_backend = (structured_outputs_config or StructuredOutputsConfig()).backend
         self.tokenizer = tokenizer
         self.cache_config = cache_config
@@ -105,7 +113,8 @@ class InputProcessor:
             InvalidRequestError: empty prompt, token id outside the vocabulary (in the prompt, ``logit_bias``,
                 ``allowed_token_ids``, ``stop_token_ids``, ``bad_words_token_ids`` or tokenized ``bad_words``),
                 prompt + ``max_tokens`` longer than the context or than the whole KV cache, stop strings
-                without detokenization, an invalid structured-output constraint (``param`` names the field).
+                without detokenization, an invalid structured-output constraint, per-request logits processors
+                that are not allowed or cannot be built (``param`` names the field).
         """
         if isinstance(request.params, PoolingParams):
             return self.process_pooling(request)
@@ -122,6 +131,10 @@ class InputProcessor:
         prompt_text, token_ids = self._tokenize(prompt, request.add_special_tokens, prompt_param)
         self._check_prompt(token_ids, prompt_param)
         check_token_ids_in_vocab(params, self.model_config.vocab_size)
+        if params.logits_processors:
+            from tokenmill.worker.request_logits_processors import check_request_processors
+
+            check_request_processors(params.logits_processors, self.logits_processor_pattern, self.speculative)
         params = self._resolve_params(params, len(token_ids), prompt_param)
         return ProcessedRequest(
             request_id=request_id,
@@ -130,7 +143,7 @@ class InputProcessor:
             params=params,
             arrival_time=arrival,
             engine_requests=self._engine_requests(request_id, token_ids, params, arrival, request.priority,
-                                                  request.lora_request),
+                                                  request.lora_request, request.cache_salt),
         )
 
     def process_pooling(self, request: RequestInput) -> ProcessedRequest:
@@ -281,7 +294,7 @@ class InputProcessor:
 
     def _engine_requests(
         self, request_id: str, token_ids: list[int], params: SamplingParams, arrival: float, priority: int,
-        lora_request: LoRARequest | None = None,
+        lora_request: LoRARequest | None = None, cache_salt: str | None = None,
     ) -> list[EngineCoreRequest]:
         base = params
         if self._extra_eos_ids and not params.ignore_eos:
@@ -306,6 +319,7 @@ class InputProcessor:
                 arrival_time=arrival,
                 priority=priority,
                 lora_request=lora_request,
+                cache_salt=cache_salt,
             )
             for rid, p in ids_and_params
         ]

@@ -51,7 +51,9 @@ class LLMEngine:
         else:
             self.engine_core = InprocClient(engine_config, engine_core_cls)
         self.input_processor = InputProcessor(
-            self.model_config, tokenizer, engine_config.cache_config, engine_config.structured_outputs_config
+            self.model_config, tokenizer, engine_config.cache_config, engine_config.structured_outputs_config,
+            logits_processor_pattern=engine_config.logits_processor_pattern,
+            speculative=engine_config.speculative_config is not None,
         )
         self.output_processor = OutputProcessor(tokenizer)
         spec = engine_config.speculative_config
@@ -78,7 +80,8 @@ class LLMEngine:
 
         ``options``: the keyword fields of :class:`~tokenmill.engine.input_processor.RequestInput`
         (``arrival_time``, ``priority``, ``add_special_tokens``, ``prompt_param``, ``lora_request``: its LoRA
-        adapter, ``None`` for the base model).
+        adapter, ``None`` for the base model; ``cache_salt``: only requests with the same salt share
+        prefix-cache blocks).
 
         Raises:
             InvalidRequestError: bad prompt or parameters, a duplicate id, or the engine core rejected it (with

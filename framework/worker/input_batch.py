@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -17,6 +18,10 @@ class CachedRequestState(NewRequestData):
     """What the worker knows of a request: the fields it arrived with (:class:`NewRequestData`), kept up to
     date step by step (``token_ids`` gains every sampled token, ``block_ids`` new blocks, ``num_computed_tokens``
     the tokens whose KV is in the cache)."""
+
+    # Its per-request logits processors once built (tokenmill.worker.request_logits_processors.RequestProcessors;
+    # None: none yet).
+    request_processors: Any = None
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> CachedRequestState:

@@ -26,6 +26,7 @@ from tokenmill.worker.graph_runner import GraphRunner
 from tokenmill.worker.input_batch import CachedRequestState, build_batch_inputs, build_sampling_metadata
 from tokenmill.worker.pooling_collector import PoolingCollector
 from tokenmill.worker.logits_processor import LogitsProcessorBatch, apply_logits_processors, build_logits_processors
+from tokenmill.worker.request_logits_processors import apply_request_processors
 from tokenmill.worker.sampler import Sampler, gather_logprobs
 
 LogprobEntry = tuple[list[int], list[float], int]
@@ -68,6 +69,9 @@ class ModelRunner:
             self.spec_decoder = SpecDecoder(spec_config, self.block_size, device, self.attn_backend,
                                             config.model_config.max_model_len, self.kv_cache_dtype)
         self.logits_processors = build_logits_processors(config, device)  # plugins' and --logits-processors
+        # --logits-processor-pattern: requests may name their own (tokenmill.worker.request_logits_processors)
+        self.logits_processor_pattern: str | None = getattr(config, "logits_processor_pattern", None)
+        self.process_logits = bool(self.logits_processors) or self.logits_processor_pattern is not None
         self.process_weights = True  # False in the compile worker: it traces, never runs, so nothing is prepacked
         self.pooling_collector: PoolingCollector | None = None  # with the pooling runner (docs/pooling.md)
 
@@ -246,10 +250,10 @@ class ModelRunner:
         if sample_rows and drafts is not None:
             assert self.spec_decoder is not None
             constrain = None
-            if so.grammar_bitmask is not None or self.logits_processors:
+            if so.grammar_bitmask is not None or self.process_logits:
                 def constrain(logits: torch.Tensor, batch_rows: list[int],
                               row_states: list[CachedRequestState]) -> torch.Tensor:
-                    if self.logits_processors:
+                    if self.process_logits:
                         logits = self._process_logits(logits, row_states)
                     if so.grammar_bitmask is not None:
                         logits = apply_grammar_bitmask(logits, [req_ids[i] for i in batch_rows],
@@ -270,7 +274,7 @@ class ModelRunner:
         elif sample_rows:
             rows = torch.tensor(sample_rows, device=self.device)
             logits = self.model.compute_logits(hidden[batch.logits_indices[rows]])
-            if self.logits_processors:
+            if self.process_logits:
                 logits = self._process_logits(logits, [states[i] for i in sample_rows])
             if so.grammar_bitmask is not None:
                 logits = apply_grammar_bitmask(
@@ -311,7 +315,10 @@ class ModelRunner:
             output_token_ids=[s.token_ids[s.num_prompt_tokens :] for s in states],
         )
         all_greedy = all(s.sampling_params.is_greedy for s in states)
-        return apply_logits_processors(self.logits_processors, logits, batch, all_greedy)
+        logits = apply_logits_processors(self.logits_processors, logits, batch, all_greedy)
+        if self.logits_processor_pattern is not None:
+            logits = apply_request_processors(logits, states, self.logits_processor_pattern)
+        return logits
 
     def _accumulate_prompt_logprobs(
         self,

@@ -32,6 +32,7 @@ from tokenmill.engine.messages import (
 from tokenmill.errors import EngineDeadError, InvalidRequestError
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.worker.request_logits_processors import check_request_processors
 
 REPLY = "Paris is the capital of France."
 VOCAB_SIZE = 1000
@@ -88,6 +89,7 @@ class Call:
     prompt: str | list[int]
     params: SamplingParams
     priority: int = 0
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -95,7 +97,8 @@ class FakeAsyncLLM:
     """Same interface as ``tokenmill.engine.async_llm.AsyncLLM``.
 
     Knobs: ``delay_s`` between tokens; ``fail_with`` raised before the first output; ``die_after`` tokens
-    after which ``EngineDeadError`` is raised (and ``errored`` turns true); ``cached_tokens`` reported.
+    after which ``EngineDeadError`` is raised (and ``errored`` turns true); ``cached_tokens`` reported;
+    ``logits_processor_pattern`` checks per-request logits processors as the engine's front end does.
     """
 
     max_model_len: int = 128
@@ -103,6 +106,7 @@ class FakeAsyncLLM:
     fail_with: BaseException | None = None
     die_after: int | None = None
     cached_tokens: int = 0
+    logits_processor_pattern: str | None = None  # the engine's --logits-processor-pattern
     reply: str = REPLY
     dead: bool = False
     stop_error: BaseException | None = None
@@ -159,14 +163,15 @@ class FakeAsyncLLM:
         self.stop_error = error
 
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str, *,
-                       priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
-        self.calls.append(Call(request_id, prompt, sampling_params, priority))
+                       priority: int = 0, cache_salt: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+        self.calls.append(Call(request_id, prompt, sampling_params, priority, cache_salt))
         msgspec.msgpack.encode(sampling_params)  # what the real engine sends over ZMQ must encode
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise InvalidRequestError("prompt: must not be empty", param="prompt")
         if any(not 0 <= t < VOCAB_SIZE for t in ids):
             raise InvalidRequestError("prompt: token id out of vocabulary", param="prompt")
+        check_request_processors(sampling_params.logits_processors, self.logits_processor_pattern)
         max_tokens = sampling_params.max_tokens or (self.max_model_len - len(ids))
         if len(ids) + max_tokens > self.max_model_len:
             raise InvalidRequestError("max_tokens: too long", param="max_tokens")

@@ -72,12 +72,55 @@ def test_every_offending_field_is_named(client: TestClient, fake_engine: FakeAsy
 
 @pytest.mark.parametrize(("field", "value"), [
     ("audio", {"voice": "alloy", "format": "mp3"}), ("reasoning_effort", "low"), ("verbosity", "low"),
-    ("web_search_options", {}), ("functions", [{"name": "f"}]), ("request_id", "abc"), ("cache_salt", "s"),
+    ("web_search_options", {}), ("functions", [{"name": "f"}]), ("request_id", "abc"),
     ("chat_template", "{{ 1 }}"), ("documents", [{"text": "x"}]), ("kv_transfer_params", {}),
 ])
 def test_chat_fields_that_change_the_meaning_are_refused(client: TestClient, field: str, value: Any) -> None:
     error = assert_error(client.post(CHAT, json=chat(**{field: value})), 400, field)
     assert error["message"].startswith(f"{field}: ")
+
+
+def test_cache_salt_reaches_the_engine(client: TestClient, fake_engine: FakeAsyncLLM) -> None:
+    assert client.post(CHAT, json=chat(cache_salt="tenant-a")).status_code == 200
+    assert client.post(COMPLETIONS, json=cmpl(cache_salt="tenant-b")).status_code == 200
+    assert client.post("/v1/responses", json={"input": "Hi", "cache_salt": "tenant-c"}).status_code == 200
+    assert client.post(CHAT, json=chat()).status_code == 200
+    assert [call.cache_salt for call in fake_engine.calls] == ["tenant-a", "tenant-b", "tenant-c", None]
+    for path, body in ((CHAT, chat(cache_salt="")), (COMPLETIONS, cmpl(cache_salt=5)),
+                       ("/v1/responses", {"input": "Hi", "cache_salt": ""})):
+        assert_error(client.post(path, json=body), 400, "cache_salt")
+    assert len(fake_engine.calls) == 4
+
+
+PROCESSOR = "tests.entrypoints.logits_processor_fixtures:only_token"
+
+
+def test_logits_processors_need_the_server_pattern(client: TestClient) -> None:
+    error = assert_error(client.post(CHAT, json=chat(logits_processors=[PROCESSOR])), 400, "logits_processors")
+    assert "--logits-processor-pattern" in error["message"]
+
+
+def test_logits_processors_allowed_by_pattern() -> None:
+    engine = FakeAsyncLLM(logits_processor_pattern=r"tests\.entrypoints\.logits_processor_fixtures[:.].*")
+    with TestClient(build_app(engine, server_args())) as c:
+        constructor = {"qualname": PROCESSOR, "args": [65]}
+        assert c.post(CHAT, json=chat(logits_processors=[constructor])).status_code == 200
+        dotted = "tests.entrypoints.logits_processor_fixtures.after_prompt"
+        assert c.post(COMPLETIONS, json=cmpl(logits_processors=[dotted])).status_code == 200
+        specs = [call.params.logits_processors for call in engine.calls]
+        assert [[(s.qualname, s.args) for s in spec or []] for spec in specs] == [[(PROCESSOR, [65])],
+                                                                               [(dotted, None)]]
+        for processors, words in (
+            (["os:system"], "not allowed"),
+            (["tests.entrypoints.logits_processor_fixtures:nope"], "could not be imported"),
+            ([{"qualname": "tests.entrypoints.logits_processor_fixtures:failing_factory", "args": ["boom"]}],
+             "boom"),
+            ([PROCESSOR], "positional arguments"),  # the factory itself takes one argument
+            ([{"qualname": ""}], None),
+        ):
+            error = assert_error(c.post(CHAT, json=chat(logits_processors=processors)), 400,
+                                 "logits_processors" if words else "logits_processors.[0]")
+            assert words is None or words in error["message"], error
 
 
 def test_structured_output_fields_are_used_not_ignored(client: TestClient, fake_engine: FakeAsyncLLM) -> None:
