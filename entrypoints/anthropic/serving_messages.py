@@ -33,7 +33,8 @@ class AnthropicServingMessages:
             ModelNotFoundError, InvalidRequestError, EngineDeadError, EngineGenerateError: as the chat handler
                 (the Anthropic error middleware gives them Anthropic's shape).
         """
-        response = await self.chat.create_chat_completion(to_chat_request(request), raw_request)
+        response = await self.chat.create_chat_completion(
+            to_chat_request(request, self.chat.reasoning_parser_cls is not None), raw_request)
         if response.status_code != 200:  # the client went away (499): nobody reads the body
             return response
         if isinstance(response, StreamingResponse):
@@ -52,7 +53,7 @@ class AnthropicServingMessages:
         """
         chat = self.chat
         chat.models.resolve(request.model)
-        chat_request = to_chat_request(request)
+        chat_request = to_chat_request(request, self.chat.reasoning_parser_cls is not None)
         chat_request.check()
         prompt_ids = await chat.tokenization.run(chat._render_and_encode, chat_request)
         return CountTokensResponse(input_tokens=len(prompt_ids))

@@ -135,39 +135,51 @@ def _tools_and_choice(request: CountTokensRequest) -> dict[str, Any]:
     return fields
 
 
-def _output_format(request: CountTokensRequest) -> dict[str, Any]:
+def _output_format(request: CountTokensRequest, reasoning: bool) -> dict[str, Any]:
     config = request.output_config
+    effort: dict[str, Any] = {}
     if config is not None and config.effort is not None:
-        raise InvalidRequestError("output_config.effort: not supported by this server (no effort switch)",
-                                  param="output_config.effort")
+        if not reasoning:
+            raise InvalidRequestError("output_config.effort: needs a server started with --reasoning-parser",
+                                      param="output_config.effort")
+        # The chat path maps it to the template's switch, or refuses it where the template has none.
+        effort = {"reasoning_effort": config.effort}
     fmt = config.format if config is not None else None
     if fmt is not None and request.output_format is not None:
         raise InvalidRequestError("output_format: cannot be combined with output_config.format (give one)",
                                   param="output_format")
     fmt = fmt or request.output_format
     if fmt is None:
-        return {}
-    return {"response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}}}
+        return effort
+    return {**effort,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}}}
 
 
-def _template_kwargs(request: CountTokensRequest) -> dict[str, Any]:
+def _template_kwargs(request: CountTokensRequest, reasoning: bool) -> dict[str, Any]:
     thinking = request.thinking
     if thinking is None or thinking.type not in ("enabled", "disabled"):
         return {}
     # The switch templates of thinking models read (Qwen3 and others); templates without one ignore it.
-    return {"chat_template_kwargs": {"enable_thinking": thinking.type == "enabled"}}
+    fields: dict[str, Any] = {"chat_template_kwargs": {"enable_thinking": thinking.type == "enabled"}}
+    if reasoning and thinking.type == "enabled" and thinking.budget_tokens is not None:
+        # Enforced by the engine (it forces the end-of-thinking marker), only where a reasoning parser knows it.
+        fields["thinking_token_budget"] = thinking.budget_tokens
+    return fields
 
 
-def to_chat_request(request: CountTokensRequest) -> ChatCompletionRequest:
+def to_chat_request(request: CountTokensRequest, reasoning: bool = False) -> ChatCompletionRequest:
     """The chat completion request serving ``request`` (a :class:`MessagesRequest`, or a count-tokens request,
-    whose chat request is only rendered, never run).
+    whose chat request is only rendered, never run). ``reasoning``: the server has a ``--reasoning-parser``, so
+    ``thinking.budget_tokens`` becomes the engine's ``thinking_token_budget`` and ``output_config.effort`` the
+    chat request's ``reasoning_effort`` (without one the budget is not enforced and an effort is refused).
 
     Raises:
         InvalidRequestError: see :func:`chat_messages`; a server tool; ``tool_choice`` ``tool`` without a name.
         pydantic.ValidationError: a translated field the chat request refuses.
     """
     fields: dict[str, Any] = {"model": request.model, "messages": chat_messages(request),
-                              **_tools_and_choice(request), **_template_kwargs(request), **_output_format(request)}
+                              **_tools_and_choice(request), **_template_kwargs(request, reasoning),
+                              **_output_format(request, reasoning)}
     if isinstance(request, MessagesRequest):
         fields.update(max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
                       top_k=request.top_k, stop=request.stop_sequences, stream=request.stream)

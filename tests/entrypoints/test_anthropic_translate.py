@@ -135,3 +135,15 @@ def test_output_format_becomes_a_json_schema_response_format() -> None:
     assert chat.response_format == {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
     chat = to_chat_request(request(stream=True, stop_sequences=["x"], metadata={"user_id": "u"}))
     assert chat.stream and chat.include_usage and chat.continuous_usage and chat.stop == ["x"] and chat.user == "u"
+
+
+def test_thinking_budget_and_effort_reach_the_chat_request_only_with_a_reasoning_parser() -> None:
+    fields = {"thinking": {"type": "enabled", "budget_tokens": 64}, "output_config": {"effort": "low"}}
+    chat = to_chat_request(request(**fields), reasoning=True)
+    assert chat.thinking_token_budget == 64
+    assert chat.reasoning_effort == "low"
+    assert chat.chat_template_kwargs == {"enable_thinking": True}
+    chat = to_chat_request(request(thinking={"type": "enabled", "budget_tokens": 64}))
+    assert chat.thinking_token_budget is None
+    chat = to_chat_request(request(thinking={"type": "disabled"}), reasoning=True)
+    assert chat.thinking_token_budget is None and chat.chat_template_kwargs == {"enable_thinking": False}
