@@ -62,8 +62,9 @@ def _tool_call(block: ToolUseBlockParam) -> dict[str, Any]:
             "function": {"name": block.name, "arguments": json.dumps(block.input, ensure_ascii=False)}}
 
 
-def _turn_messages(index: int, turn: MessageParam) -> list[dict[str, Any]]:
-    """The chat messages of one Messages turn."""
+def _turn_messages(index: int, turn: MessageParam, tool_use_ids: set[str]) -> list[dict[str, Any]]:
+    """The chat messages of one Messages turn; ``tool_use_ids``: the ids of earlier turns' ``tool_use`` blocks
+    (this turn's are added), which a ``tool_result`` must answer (as Anthropic's API requires)."""
     if isinstance(turn.content, str):
         return [{"role": turn.role, "content": turn.content}]
     out: list[dict[str, Any]] = []
@@ -79,11 +80,15 @@ def _turn_messages(index: int, turn: MessageParam) -> list[dict[str, Any]]:
             if texts:  # keep the order of text and results within the turn
                 out.append({"role": "user", "content": "\n".join(texts)})
                 texts = []
+            if block.tool_use_id not in tool_use_ids:
+                raise InvalidRequestError(f"{where}: tool_result for tool_use_id {block.tool_use_id!r}, which no "
+                                          "earlier assistant tool_use block has", param=where)
             out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text()})
         elif isinstance(block, ToolUseBlockParam):
             if turn.role != "assistant":
                 raise InvalidRequestError(f"{where}: tool_use blocks belong in assistant turns", param=where)
             calls.append(_tool_call(block))
+            tool_use_ids.add(block.id)
         # thinking / redacted_thinking: not part of the prompt
     if turn.role == "assistant":
         if texts or calls:
@@ -100,14 +105,16 @@ def chat_messages(request: CountTokensRequest) -> list[dict[str, Any]]:
     """The request's ``system`` and turns as chat messages (OpenAI's format).
 
     Raises:
-        InvalidRequestError: a ``tool_result`` in an assistant turn or a ``tool_use`` in a user turn.
+        InvalidRequestError: a ``tool_result`` in an assistant turn, a ``tool_use`` in a user turn, or a
+            ``tool_result`` whose ``tool_use_id`` no earlier ``tool_use`` block has.
     """
     messages: list[dict[str, Any]] = []
+    tool_use_ids: set[str] = set()
     system = _system_text(request.system)
     if system:
         messages.append({"role": "system", "content": system})
     for index, turn in enumerate(request.messages):
-        messages.extend(_turn_messages(index, turn))
+        messages.extend(_turn_messages(index, turn, tool_use_ids))
     return messages
 
 

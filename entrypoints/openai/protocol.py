@@ -482,8 +482,8 @@ class ChatCompletionRequest(_ChatTemplateFields, _SamplingRequest):
     def check(self) -> None:
         super().check()
         if self.thinking_token_budget is not None and (isinstance(self.thinking_token_budget, bool)
-                                                       or self.thinking_token_budget < 0):
-            raise InvalidRequestError(f"thinking_token_budget: must be a non-negative integer, got "
+                                                       or not 0 <= self.thinking_token_budget < 2**63):
+            raise InvalidRequestError(f"thinking_token_budget: must be an integer from 0 to 2**63 - 1, got "
                                       f"{self.thinking_token_budget!r}", param="thinking_token_budget")
         if self.top_logprobs is not None:
             if not self.logprobs:

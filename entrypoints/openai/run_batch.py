@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import io
 import json
 import logging
 import sys
@@ -57,6 +58,10 @@ class _LineError(Exception):
 
 
 def _parse(line: str) -> dict[str, Any]:
+    try:
+        line.encode("utf-8")  # the input is read with surrogateescape: a line of other bytes has lone surrogates
+    except UnicodeEncodeError as exc:
+        raise _LineError("invalid_json", "the line is not valid UTF-8") from exc
     try:
         entry = json.loads(line)
     except ValueError as exc:
@@ -202,10 +207,15 @@ def add_run_batch_parser(subparsers: argparse._SubParsersAction,
 
 @contextlib.contextmanager
 def _open(path: str, mode: str) -> Iterator[IO[str]]:
+    # Input is decoded with surrogateescape, so one line that is not UTF-8 is that line's error, not the run's.
+    errors = "surrogateescape" if "r" in mode else "strict"
     if path == "-":
-        yield sys.stdin if "r" in mode else sys.stdout
+        if "r" in mode:
+            yield io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors=errors)
+        else:
+            yield sys.stdout
         return
-    with open(path, mode, encoding="utf-8") as f:
+    with open(path, mode, encoding="utf-8", errors=errors) as f:
         yield f
 
 

@@ -147,3 +147,17 @@ def test_thinking_budget_and_effort_reach_the_chat_request_only_with_a_reasoning
     assert chat.thinking_token_budget is None
     chat = to_chat_request(request(thinking={"type": "disabled"}), reasoning=True)
     assert chat.thinking_token_budget is None and chat.chat_template_kwargs == {"enable_thinking": False}
+
+
+def test_a_tool_result_must_answer_an_earlier_tool_use() -> None:
+    orphan = {"messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "nope", "content": "x"}]}]}
+    with pytest.raises(InvalidRequestError) as info:
+        to_chat_request(request(**orphan))
+    assert info.value.param == "messages.[0].content.[0]"
+    answered = {"messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "sunny"}]}]}
+    chat = to_chat_request(request(**answered))
+    assert chat.messages[-1].role == "tool" and chat.messages[-1].tool_call_id == "t1"

@@ -87,6 +87,8 @@ def test_thinking_token_budget_reaches_the_engine_and_needs_a_parser() -> None:
     assert client.post(CHAT, json=body(thinking_token_budget=5)).status_code == 200
     assert engine.calls[-1].params.reasoning.thinking_token_budget == 5
     assert_error(client.post(CHAT, json=body(thinking_token_budget=-1)), 400, "thinking_token_budget")
+    # past int64: refused here, never a 500 from the engine-core wire encoding
+    assert_error(client.post(CHAT, json=body(thinking_token_budget=10**20)), 400, "thinking_token_budget")
     plain, _ = make_client(reasoning_parser=None)
     assert_error(plain.post(CHAT, json=body(thinking_token_budget=5)), 400, "thinking_token_budget")
 

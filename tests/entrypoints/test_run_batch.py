@@ -107,3 +107,16 @@ def test_cli_with_the_default_model(tmp_path: Path) -> None:
     assert out[0]["response"]["status_code"] == 200 and out[0]["response"]["body"]["usage"]["completion_tokens"] > 0
     assert out[1]["error"]["code"] == "invalid_json"
     assert out[2]["response"]["body"]["choices"][0]["text"]
+
+
+def test_a_line_that_is_not_utf8_is_that_lines_error(tmp_path: Path) -> None:
+    from tokenmill.entrypoints.openai.run_batch import _open
+
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'\xff\xfe{"custom_id": "bin"}\n' + line("chat-ok", "/v1/chat/completions", CHAT_BODY).encode())
+    with _open(str(path), "r") as f:
+        lines = f.read().splitlines()
+    out = run_lines(lines)
+    assert [o["custom_id"] for o in out] == [None, "chat-ok"]
+    assert out[0]["error"]["code"] == "invalid_json" and "UTF-8" in out[0]["error"]["message"]
+    assert out[1]["response"]["status_code"] == 200
