@@ -198,6 +198,8 @@ def add_run_batch_parser(subparsers: argparse._SubParsersAction,
     handlers.add_argument("--enable-auto-tool-choice", action="store_true", default=False,
                           help='Allow tool_choice "auto" (with --tool-call-parser).')
     handlers.add_argument("--tool-call-parser", default=None, metavar="NAME", help="How the model writes tool calls.")
+    handlers.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                          help="Split a reasoning model's thinking into message.reasoning (see docs/reasoning.md).")
     handlers.add_argument("--return-tokens-as-token-ids", action="store_true", default=False,
                           help="Name tokens 'token_id:<id>' in logprobs by default.")
     EngineArgs.add_cli_args(parser)
