@@ -83,9 +83,12 @@ def parse_required(text: str, final: bool) -> PartialParse:
 
 
 def named_parse(name: str) -> Callable[[str, bool], PartialParse]:
-    """Parse of a named-function output: the whole text is that function's arguments."""
+    """Parse of a named-function output: the whole text is that function's arguments. No text, no call: a
+    reasoning model cut off (``length``) before its thinking ended never started the arguments."""
 
     def parse(text: str, final: bool) -> PartialParse:
+        if not text:
+            return PartialParse()
         return PartialParse(tool_calls=[PartialToolCall(name, text, final)])
 
     return parse

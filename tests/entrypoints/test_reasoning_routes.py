@@ -131,6 +131,16 @@ def test_tool_calls_inside_the_thinking_are_not_calls() -> None:
     assert choice["message"]["reasoning"] == "Need the weather."
 
 
+def test_a_named_call_cut_off_while_thinking_is_no_call() -> None:
+    client, _ = make_client(reply="Let me think about the weather for a while.</think>{}")
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    choice = client.post(CHAT, json=body(tools=WEATHER_TOOL, tool_choice=named, max_tokens=10)).json()["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["reasoning"] == "Let me thi"
+    assert not choice["message"].get("tool_calls") and not choice["message"]["content"]
+    deltas, reasoning, _ = streamed(client, body(tools=WEATHER_TOOL, tool_choice=named, max_tokens=10))
+    assert reasoning == "Let me thi" and not any(d.get("tool_calls") for d in deltas)
+
+
 def test_mistral_parser_keeps_special_tokens_in_the_text() -> None:
     client, engine = make_client(reply="[THINK]x[/THINK]y", reasoning_parser="mistral")
     message = client.post(CHAT, json=body()).json()["choices"][0]["message"]
