@@ -176,7 +176,8 @@ def _template_kwargs(request: CountTokensRequest, reasoning: bool) -> dict[str, 
 
 def to_chat_request(request: CountTokensRequest, reasoning: bool = False) -> ChatCompletionRequest:
     """The chat completion request serving ``request`` (a :class:`MessagesRequest`, or a count-tokens request,
-    whose chat request is only rendered, never run). ``reasoning``: the server has a ``--reasoning-parser``, so
+    whose chat request is only rendered, never run). A final assistant turn of text is continued (prefill).
+    ``reasoning``: the server has a ``--reasoning-parser``, so
     ``thinking.budget_tokens`` becomes the engine's ``thinking_token_budget`` and ``output_config.effort`` the
     chat request's ``reasoning_effort`` (without one the budget is not enforced and an effort is refused).
 
@@ -187,6 +188,11 @@ def to_chat_request(request: CountTokensRequest, reasoning: bool = False) -> Cha
     fields: dict[str, Any] = {"model": request.model, "messages": chat_messages(request),
                               **_tools_and_choice(request), **_template_kwargs(request, reasoning),
                               **_output_format(request, reasoning)}
+    last = fields["messages"][-1] if fields["messages"] else None
+    if last is not None and last["role"] == "assistant" and not last.get("tool_calls") and last["content"]:
+        # Prefill: a final assistant turn is the start of the answer, which the model continues (as Anthropic's
+        # API does); the reply holds only the continuation.
+        fields.update(add_generation_prompt=False, continue_final_message=True)
     if isinstance(request, MessagesRequest):
         fields.update(max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
                       top_k=request.top_k, stop=request.stop_sequences, stream=request.stream)

@@ -161,3 +161,13 @@ def test_a_tool_result_must_answer_an_earlier_tool_use() -> None:
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "sunny"}]}]}
     chat = to_chat_request(request(**answered))
     assert chat.messages[-1].role == "tool" and chat.messages[-1].tool_call_id == "t1"
+
+
+def test_a_final_assistant_turn_is_continued() -> None:
+    prefill = {"messages": [{"role": "user", "content": "Count to 5."},
+                            {"role": "assistant", "content": "1, 2,"}]}
+    chat = to_chat_request(request(**prefill))
+    assert chat.continue_final_message and not chat.add_generation_prompt
+    assert chat.messages[-1].role == "assistant"
+    chat = to_chat_request(request())
+    assert not chat.continue_final_message and chat.add_generation_prompt
