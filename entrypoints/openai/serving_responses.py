@@ -424,6 +424,7 @@ class _StreamedItems:
         self.thinking = state.reasoning.stream() if state.reasoning is not None else None
         self.reasoning_index: int | None = None
         self.reasoning_text = ""
+        self.reasoning_closed = False
 
     def start(self) -> list[str]:
         return self._open_message() if self.streamer is None and self.thinking is None else []
@@ -468,6 +469,7 @@ class _StreamedItems:
             self.pending_logprobs = []
         for piece in pieces:
             if piece.id is not None:
+                events += self._close_reasoning()
                 index, item_id = self._next_index(), response_id("fc")
                 self.calls.append((index, item_id, ToolCall(piece.name or "", "", piece.id)))
                 item = FunctionCallItem(id=item_id, status="in_progress", call_id=piece.id, name=piece.name or "",
@@ -481,21 +483,34 @@ class _StreamedItems:
                                          delta=piece.arguments))
         return events
 
+    def _close_reasoning(self, status: Literal["completed", "incomplete"] = "completed") -> list[str]:
+        """Close the reasoning item (once): when the answer's first item opens, so that items never interleave,
+        or at the end of the output."""
+        if self.reasoning_index is None or self.reasoning_closed:
+            return []
+        self.reasoning_closed = True
+        part = ReasoningText(text=self.reasoning_text)
+        item = ReasoningItem(id=self.state.reasoning_id, status=status, content=[part])
+        self._items.append((self.reasoning_index, item))
+        index = self.reasoning_index
+        return [
+            self.event(ReasoningTextDoneEvent, item_id=item.id, output_index=index, content_index=0, text=part.text),
+            self.event(ContentPartEvent, type="response.content_part.done", item_id=item.id, output_index=index,
+                       content_index=0, part=part),
+            self.event(OutputItemEvent, type="response.output_item.done", output_index=index, item=item),
+        ]
+
     def finish(self) -> list[str]:
         """Close every item, in output order (a response with neither content nor calls gets an empty
         message, as a whole response does)."""
         events: list[str] = []
         if (self.streamer is not None or self.thinking is not None) and not self.final_seen:
             events += self.update("", [], True)
+        status = self.state.item_status
+        events += self._close_reasoning(status)
         if self.message_index is None and not self.calls:
             events += self._open_message()
-        status = self.state.item_status
         closing: list[tuple[int, str]] = []
-        if self.reasoning_index is not None:
-            done = ReasoningItem(id=self.state.reasoning_id, status=status,
-                                 content=[ReasoningText(text=self.reasoning_text)])
-            self._items.append((self.reasoning_index, done))
-            closing.append((self.reasoning_index, "reasoning"))
         if self.message_index is not None:
             part = OutputText(text=self.content, logprobs=_to_output_logprobs(self.state.logprobs))
             done = OutputMessage(id=self.state.message_id, status=status, content=[part])
@@ -509,13 +524,7 @@ class _StreamedItems:
         items = dict(self._items)
         for index, kind in sorted(closing):
             item = items[index]
-            if kind == "reasoning":
-                part = item.content[0]
-                events.append(self.event(ReasoningTextDoneEvent, item_id=item.id, output_index=index,
-                                         content_index=0, text=part.text))
-                events.append(self.event(ContentPartEvent, type="response.content_part.done", item_id=item.id,
-                                         output_index=index, content_index=0, part=part))
-            elif kind == "message":
+            if kind == "message":
                 part = item.content[0]
                 events.append(self.event(OutputTextDoneEvent, item_id=item.id, output_index=index, content_index=0,
                                          text=part.text, logprobs=_to_delta_logprobs(self.state.logprobs)))
@@ -538,9 +547,10 @@ class _StreamedItems:
         return index
 
     def _open_message(self) -> list[str]:
+        closed = self._close_reasoning()
         self.message_index = self._next_index()
         message = OutputMessage(id=self.state.message_id, status="in_progress")
-        return [
+        return closed + [
             self.event(OutputItemEvent, type="response.output_item.added", output_index=self.message_index,
                        item=message),
             self.event(ContentPartEvent, type="response.content_part.added", item_id=self.state.message_id,

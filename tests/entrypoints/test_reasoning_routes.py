@@ -168,6 +168,11 @@ def test_responses_reasoning_item_whole_and_streamed() -> None:
     text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
     assert text == "Paris."
     assert types.index("response.reasoning_text.delta") < types.index("response.output_text.delta")
+    # items never interleave: the reasoning item is done before the message item is added
+    item_events = [(e["type"], e["output_index"]) for e in events if e["type"].startswith("response.output_item")]
+    assert item_events == [("response.output_item.added", 0), ("response.output_item.done", 0),
+                           ("response.output_item.added", 1), ("response.output_item.done", 1)]
+    assert types.index("response.reasoning_text.done") < types.index("response.content_part.added", 4)
     final = events[-1]["response"]["output"]
     assert [item["type"] for item in final] == ["reasoning", "message"]
     assert engine.calls[-1].params.reasoning.end_token_ids == END_IDS
