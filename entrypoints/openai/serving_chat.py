@@ -200,6 +200,9 @@ class OpenAIServingChat(OpenAIServing):
         k = request.top_logprobs or 0
         as_ids = self.tokens_as_ids(request.return_tokens_as_token_ids)
         prompt_tokens, completion_tokens, cached_tokens = prompt_len, 0, 0
+        if first is not None:  # the role chunk's continuous usage already counts the prefix-cache hits
+            prompt_tokens = len(first.prompt_token_ids) or prompt_tokens
+            cached_tokens = first.num_cached_tokens
 
         def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
             if usage is None and continuous:

@@ -163,6 +163,9 @@ def test_stream_event_sequence_and_sdk_accumulation() -> None:
     assert events[-2][1]["delta"] == {"stop_reason": "end_turn", "stop_sequence": None}
     assert events[-2][1]["usage"]["output_tokens"] == len(REPLY)
     assert events[-2][1]["usage"]["cache_read_input_tokens"] == 2
+    # message_start splits the prompt the same way message_delta does
+    assert start["usage"]["cache_read_input_tokens"] == 2
+    assert start["usage"]["input_tokens"] == events[-2][1]["usage"]["input_tokens"]
     assert text == REPLY and final.content[0].text == REPLY and final.stop_reason == "end_turn"
     assert final.usage.output_tokens == len(REPLY)
 
