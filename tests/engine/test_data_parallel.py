@@ -194,7 +194,8 @@ def test_offline_llm_with_dp2_engine_cores_gives_the_single_engines_tokens(tiny_
         llm = LLM.from_llm_engine(engine)
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
         assert [list(o.outputs[0].token_ids) for o in outs] == reference
-        assert sorted(seen.values()) == [0, 0, 0, 1, 1]  # added at once: spread by in-flight counts
+        # added at once: spread by load (in-flight counts, plus the queue lengths the engines report meanwhile)
+        assert sorted(list(seen.values()).count(e) for e in (0, 1)) == [2, 3]
         assert not client.has_unfinished_requests()
 
         # an abort mid-generation: the request ends, the other engine's request finishes, every block is free;
