@@ -26,6 +26,19 @@ os.environ["TOKENMILL_CPU_PREFAULT"] = "0"
 os.environ.setdefault("TOKENMILL_CACHE_DIR", tempfile.mkdtemp(prefix="tokenmill-test-cache-"))
 
 
+@pytest.hookimpl(trylast=True)  # after ``-k``/``-m`` deselection: only checks that will run count
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    from tests import kernel_prebuild
+
+    kernel_prebuild.start(items)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    from tests import kernel_prebuild
+
+    kernel_prebuild.stop()
+
+
 # The shape of every tiny test model (tests/models/families.py builds the other families on it too).
 TINY_CONFIG = dict(
     vocab_size=512,
@@ -65,6 +78,26 @@ def default_model_path() -> str:
     except DefaultModelMissingError as exc:
         pytest.skip(str(exc))
     raise AssertionError("unreachable")
+
+
+@pytest.fixture(scope="session")
+def hf_default_tokenizer(default_model_path: str):
+    """transformers' tokenizer of the embedded default model, read from its GGUF once per test session (the
+    GGUF vocabulary conversion takes seconds)."""
+    from transformers import AutoTokenizer
+
+    folder, name = os.path.split(default_model_path)
+    return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+@pytest.fixture(scope="session")
+def hf_default_model(default_model_path: str):
+    """transformers' float32 copy of the embedded default model, dequantized from its GGUF once per test session
+    (tens of seconds). Shared: a test that changes it works on ``copy.deepcopy`` of it."""
+    from transformers import AutoModelForCausalLM
+
+    folder, name = os.path.split(default_model_path)
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
 
 
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int, **load_kwargs) -> list[list[int]]:

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from tests import kernel_prebuild
 from tokenmill_cpu import kernels
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -20,6 +21,9 @@ def check_lower_isa_build(test_file: str, capability: str, isa_key: str, isa: st
     for ``isa == "avx2"``; fails (``AssertionError``) on a build error, a wrong path or a failing test."""
     if isa == "avx2" and not {"avx2", "fma", "f16c"} <= kernels.cpu_flags():
         pytest.skip("this CPU has no AVX2/FMA/F16C")
+    # A background build still running (tests/kernel_prebuild.py) is stopped: its finished objects are kept, and
+    # this build, at normal priority and with every core, compiles the rest.
+    kernel_prebuild.stop()
     env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
     # One interpreter builds, checks the path and runs the tests (a second one would import torch again).
     code = (f"import sys; from tokenmill_cpu import kernels; assert kernels.load(); "

@@ -280,6 +280,7 @@ def test_cpu_backend_sends_fresh_prompts_to_the_prefill_kernel(monkeypatch, wind
     assert calls == ([] if soft_cap else [11])  # a soft cap stays on torch's path
 
 
+@pytest.mark.lower_isa
 @pytest.mark.slow
 @pytest.mark.parametrize(("capability", "isa"), [("default", "scalar"), ("avx2", "avx2")])
 def test_lower_isa_builds_match_the_fp64_reference(capability, isa):

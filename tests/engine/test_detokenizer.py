@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
@@ -26,12 +25,8 @@ def byte_tok() -> Any:
 
 
 @pytest.fixture(scope="module")
-def smollm_tok(default_model_path: str) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(
-        os.path.dirname(default_model_path), gguf_file=os.path.basename(default_model_path)
-    )
+def smollm_tok(hf_default_tokenizer: Any) -> Any:
+    return hf_default_tokenizer
 
 
 def stream(tokenizer: Any, ids: list[int], prompt: list[int] | None = None, **kwargs: bool) -> list[str]:

@@ -200,19 +200,17 @@ def test_tensor_parallel_2_shards_adapters_like_the_base_layers(lora_llama_dir, 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_default_model_with_adapters_matches_peft(default_model_path, tmp_path):
+def test_default_model_with_adapters_matches_peft(hf_default_model, tmp_path):
     """The embedded SmolLM2-135M (GGUF, dequantized by both sides) with two adapters and the base model in one
-    batch. transformers dequantizes the GGUF once (slow); both adapters are made and run on that one copy."""
-    import os
+    batch. Both adapters are made and run on one copy of the session's transformers model."""
+    import copy
 
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
-    folder, name = os.path.dirname(default_model_path), os.path.basename(default_model_path)
     prompts = [[1, 504, 3458, 282, 260, 3575, 314, 4649, 47], [1, 19556, 253, 31901, 10060, 30]]
     n = 8
-    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    hf = copy.deepcopy(hf_default_model)
 
     hf.generation_config.eos_token_id = None  # like ignore_eos: EOS is a token like any other (not masked)
     hf.generation_config.pad_token_id = 0

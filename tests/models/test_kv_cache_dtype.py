@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 
 import pytest
 import torch
@@ -46,11 +45,8 @@ def test_kv_cache_dtype_is_validated():
 
 
 @pytest.mark.slow
-def test_default_model_answers_alike_with_a_bfloat16_cache(default_model_path):
-    from transformers import AutoTokenizer
-
-    folder, name = os.path.dirname(default_model_path), os.path.basename(default_model_path)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+def test_default_model_answers_alike_with_a_bfloat16_cache(default_model_path, hf_default_tokenizer):
+    tok = hf_default_tokenizer
     questions = ["What is the capital of France?", "Count from one to ten.", "Name three colours."]
     prompts = []
     for q in questions:

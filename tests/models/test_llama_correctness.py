@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
@@ -90,12 +89,10 @@ def test_tied_embeddings_model(tmp_path):
 
 
 @pytest.mark.slow
-def test_default_gguf_model_greedy_matches_transformers(default_model_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def test_default_gguf_model_greedy_matches_transformers(hf_default_tokenizer, hf_default_model):
     import torch
 
-    folder, name = os.path.dirname(default_model_path), os.path.basename(default_model_path)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tok, hf = hf_default_tokenizer, hf_default_model
     questions = [
         "What is the capital of France?",
         "Write a haiku about the sea.",
@@ -114,7 +111,6 @@ def test_default_gguf_model_greedy_matches_transformers(default_model_path):
     while core.has_unfinished_requests():
         for o in core.step().outputs:
             outs[o.request_id] += o.new_token_ids
-    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     for i, p in enumerate(prompts):
         ref = hf.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False, eos_token_id=eos, pad_token_id=eos)
         assert outs[f"q{i}"] == ref[0, len(p) :].tolist(), questions[i]

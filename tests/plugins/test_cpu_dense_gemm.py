@@ -292,6 +292,7 @@ def test_the_bf16_row_bound_comes_from_the_environment(monkeypatch: pytest.Monke
         assert dense_linear._bf16_panel_max_rows() == rows
 
 
+@pytest.mark.lower_isa
 @pytest.mark.slow
 @pytest.mark.parametrize(("capability", "isa"), [("default", "scalar"), ("avx2", "avx2")])
 def test_lower_isa_builds_match_the_fp64_reference(capability: str, isa: str) -> None:
