@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -12,6 +14,14 @@ from tokenmill.dtypes import str_to_dtype
 from tokenmill.model_loader.registry import ModelRegistry
 
 logger = logging.getLogger(__name__)
+
+def _feeding_tied_heads(model: nn.Module, weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    from tokenmill.model_loader.quantized_loading import feed_tied_heads
+
+    for name, tensor in weights:
+        yield name, tensor
+        feed_tied_heads(model, name, tensor)
+
 
 def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     """Instantiate the architecture named in the config and load its weights on ``device``.
@@ -43,16 +53,26 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
             model = model_cls(model_config)
     finally:
         torch.set_default_dtype(previous)
+    keep_quantized = bool(model_config.gguf_file and model_config.quantization and device.type == "cpu")
     if model_config.gguf_file:
         from tokenmill.model_loader.gguf_weights import iterate_gguf_weights
 
-        weights = iterate_gguf_weights(model_config.model, model_config.hf_config)
+        weights = iterate_gguf_weights(model_config.model, model_config.hf_config, keep_quantized)
     else:
         from tokenmill.model_loader.hf_dir import iterate_hf_weights
 
         weights = iterate_hf_weights(model_config.model)
+    if keep_quantized:
+        from tokenmill.model_loader import quantized_loading
+
+        prepared = quantized_loading.prepare_quantized_loading(model, model_config.quantization)
+        weights = _feeding_tied_heads(model, weights)
     with torch.no_grad():
         loaded = model.load_weights(weights)
+    if keep_quantized:
+        quantized_loading.finish_quantized_loading(model)
+        logger.info("GGUF weights kept quantized: %d layers, %.1f MiB", prepared,
+                    sum(b.numel() * b.element_size() for b in model.buffers()) / 2**20)
     missing = {n for n, _ in model.named_parameters()} - loaded
     if missing:
         raise ValueError(f"model: checkpoint has no weights for {sorted(missing)[:8]} ({len(missing)} in all)")

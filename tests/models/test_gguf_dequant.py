@@ -7,29 +7,13 @@ import numpy as np
 import pytest
 import torch
 
+from tests.models.gguf_writer import random_k_blocks
 from tokenmill.model_loader.gguf_dequant import BLOCK_TYPES, dequantize_gguf
 
 Q = gguf.GGMLQuantizationType
 # What gguf can write from float values (its quantize_blocks); the k-quants it can only read.
 WRITABLE = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
 READ_ONLY = [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
-# Byte offsets of each k-quant block's float16 scales: random bytes there would be NaN/inf/huge
-_K_SCALE_OFFSETS = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
-
-
-def random_k_blocks(qtype: gguf.GGMLQuantizationType, rows: int, cols: int, seed: int) -> np.ndarray:
-    """``[rows, bytes]`` uint8 of a random ``qtype`` tensor ``[rows, cols]``: random codes and integer scales,
-    float16 super-block scales between 1e-3 and 0.1 (and some zero)."""
-    rng = np.random.default_rng(seed)
-    block, size = gguf.GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
-    for off in _K_SCALE_OFFSETS[qtype]:
-        d = rng.uniform(1e-3, 0.1, raw.shape[0]).astype(np.float16)
-        d[::17] = 0
-        raw[:, off:off + 2] = d.view(np.uint8).reshape(-1, 2)
-    return raw.reshape(rows, -1)
-
-
 def test_every_block_type_is_covered() -> None:
     assert {t.name for t in WRITABLE + READ_ONLY} == set(BLOCK_TYPES)
 

@@ -57,6 +57,16 @@ def _safe_div(x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return torch.where(d > 0, x / torch.where(d > 0, d, torch.ones_like(d)), torch.zeros_like(x))
 
 
+def _concat_panels(cls: type[QuantizedWeight], parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Row tiles (each a multiple of 16 rows) joined: every buffer is ``[N / 16, ...]``, panel-major."""
+    obj = cls.__new__(cls)
+    n = sum(p.out_features for p in parts)
+    QuantizedWeight.__init__(obj, torch.empty(n, parts[0].in_features, device="meta"))
+    names = [name for name, _ in parts[0].named_buffers()]
+    obj.store(**{name: torch.cat([getattr(p, name) for p in parts]) for name in names})
+    return obj
+
+
 class Q8Weight(QuantizedWeight):
     """8-bit copy of a weight ``[N, K]`` in blocks of 32 (``K`` a multiple of 32, ``N`` of 16).
 
@@ -75,8 +85,52 @@ class Q8Weight(QuantizedWeight):
         blocks = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
         d = (blocks.abs().amax(dim=-1) / 127.0).clamp(max=65504.0).to(torch.float16)
         codes = (_safe_div(blocks, d.float()[..., None]).round().clamp(-127, 127) + 128).to(torch.uint8)
+        self._pack(codes.reshape(n, k), d)
+
+    def _pack(self, codes: torch.Tensor, d: torch.Tensor) -> None:
+        """``codes [N, K]`` uint8 (``q + 128``), ``d [N, K / 32]`` float16 -> the kernel's buffers."""
+        n, k = codes.shape
         packed = codes.reshape(n // ROWS, ROWS, k // 4, 4).permute(0, 2, 1, 3).reshape(n // ROWS, k * ROWS)
         self.store(packed=packed.contiguous(), scales=_panel_scales(d))
+
+    @classmethod
+    def from_gguf(cls, type_name: str, blocks: torch.Tensor) -> Q8Weight | None:
+        """GGUF ``Q8_0`` (``w = d * q``) and ``Q5_0`` (``w = d * (q - 16)``, codes -16..15) rows, exactly: the
+        same codes and float16 scales, repacked without a float copy; ``None`` for any other type.
+
+        Args:
+            type_name: the GGML type.
+            blocks: ``[N, K / 32 * bytes_per_block]`` uint8.
+
+        Raises:
+            UnsupportedShapeError: ``N`` is not a multiple of 16.
+        """
+        if type_name not in ("Q8_0", "Q5_0"):
+            return None
+        size = 34 if type_name == "Q8_0" else 22
+        n, nb = blocks.shape[0], blocks.shape[1] // size
+        _check_shape(torch.empty(n, nb * BLOCK, device="meta"), "int8")
+        b = blocks.reshape(n, nb, size)
+        d = b[..., :2].contiguous().view(torch.float16).reshape(n, nb)
+        if type_name == "Q8_0":
+            q = b[..., 2:].contiguous().view(torch.int8)
+            if (q == -128).any():  # outside the kernel's -127..127 (llama.cpp never writes it)
+                return None
+            codes = (q.to(torch.int16) + 128).to(torch.uint8)
+        else:
+            qs, qh = b[..., 6:], b[..., 2:6].contiguous().view(torch.int32)  # [n, nb, 16], [n, nb, 1]
+            high = ((qh >> torch.arange(32, dtype=torch.int32)) & 1).to(torch.uint8) << 4
+            codes = torch.cat((qs & 0x0F, qs >> 4), dim=-1) | high  # 0..31 = q
+            codes = codes + (128 - 16)  # q - 16 + 128
+        obj = cls.__new__(cls)
+        QuantizedWeight.__init__(obj, torch.empty(n, nb * BLOCK, device="meta"))
+        obj._pack(codes.reshape(n, nb * BLOCK), d)
+        return obj
+
+    @classmethod
+    def concat_rows(cls, parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """``parts`` (each :class:`Q8Weight`) as one weight, rows in order."""
+        return _concat_panels(cls, parts)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., K]`` (float32, bfloat16 or float16) -> ``[..., N]`` in ``x``'s dtype."""
@@ -113,10 +167,53 @@ class Q4Weight(QuantizedWeight):
         low = blocks.amin(dim=-1).to(torch.float16)
         d = ((blocks.amax(dim=-1) - low.float()) / 15.0).clamp(max=65504.0).to(torch.float16)
         codes = _safe_div(blocks - low.float()[..., None], d.float()[..., None]).round().clamp(0, 15).to(torch.uint8)
+        self._pack(codes.reshape(n, k), d, low)
+
+    def _pack(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
+        """``codes [N, K]`` uint8 (0..15), ``d``, ``m`` ``[N, K / 32]`` float16 -> the kernel's buffers."""
+        n, k = codes.shape
         # [P, 16, K/8, 2, 4] -> [P, K/8, 2, 16, 4]: half 0 (channels 8j..8j+3) low nibble, half 1 high nibble
         c = codes.reshape(n // ROWS, ROWS, k // 8, 2, 4).permute(0, 2, 3, 1, 4)
         packed = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n // ROWS, k * ROWS // 2).contiguous()
-        self.store(packed=packed, scales=_panel_scales(d), mins=_panel_scales(low))
+        self.store(packed=packed, scales=_panel_scales(d), mins=_panel_scales(m))
+
+    @classmethod
+    def from_gguf(cls, type_name: str, blocks: torch.Tensor) -> Q4Weight | None:
+        """GGUF ``Q4_1`` (``w = d * q + m``) and ``Q4_0`` (``w = d * (q - 8)``, taken as ``m = -8 d``: exact in
+        float16 unless it overflows) rows: the same codes, repacked without a float copy; ``None`` for any
+        other type or a ``Q4_0`` scale above 65504 / 8.
+
+        Args:
+            type_name: the GGML type.
+            blocks: ``[N, K / 32 * bytes_per_block]`` uint8.
+
+        Raises:
+            UnsupportedShapeError: ``N`` is not a multiple of 16.
+        """
+        if type_name not in ("Q4_0", "Q4_1"):
+            return None
+        size = 18 if type_name == "Q4_0" else 20
+        n, nb = blocks.shape[0], blocks.shape[1] // size
+        _check_shape(torch.empty(n, nb * BLOCK, device="meta"), "int4")
+        b = blocks.reshape(n, nb, size)
+        d = b[..., :2].contiguous().view(torch.float16).reshape(n, nb)
+        if type_name == "Q4_0":
+            m = d * -8.0
+            if not torch.isfinite(m).all():
+                return None
+        else:
+            m = b[..., 2:4].contiguous().view(torch.float16).reshape(n, nb)
+        qs = b[..., size - 16:]
+        codes = torch.cat((qs & 0x0F, qs >> 4), dim=-1)  # byte i: value i (low), value i + 16 (high)
+        obj = cls.__new__(cls)
+        QuantizedWeight.__init__(obj, torch.empty(n, nb * BLOCK, device="meta"))
+        obj._pack(codes.reshape(n, nb * BLOCK), d, m)
+        return obj
+
+    @classmethod
+    def concat_rows(cls, parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """``parts`` (each :class:`Q4Weight`) as one weight, rows in order."""
+        return _concat_panels(cls, parts)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., K]`` (float32, bfloat16 or float16) -> ``[..., N]`` in ``x``'s dtype."""
