@@ -57,8 +57,9 @@ class QuantizedWeight(nn.Module, ABC):
 
     @classmethod
     def from_gguf(cls, type_name: str, blocks: torch.Tensor) -> QuantizedWeight | None:
-        """This format holding GGUF blocks exactly (the same codes and scales, no float copy), or ``None`` when
-        it cannot (the default): the loader then dequantizes and calls the constructor.
+        """This format holding GGUF blocks (the same codes, no float copy; the same scales, or scales rounded to
+        the format's precision where its docstring says so), or ``None`` when it cannot (the default): the
+        loader then dequantizes and calls the constructor.
 
         Args:
             type_name: the GGML type (``"Q4_0"``, ``"Q8_0"``, ...).

@@ -8,16 +8,18 @@ pages released once it is converted); the layers' weight loaders hand their rows
 layer's rows are in (q, k and v of a fused projection arrive one by one) it builds the layer's only weight:
 
 1. the blocks themselves, when every row has the same GGML type and one of the platform's formats holds that
-   type exactly (:meth:`QuantizedWeight.from_gguf`; the CPU plugin: ``Q8_0``/``Q5_0`` in its int8 layout,
-   ``Q4_0``/``Q4_1`` in its int4 layout), whichever method was asked for: a file is never stored with fewer
-   bits than it has, nor with more than it needs;
-2. otherwise the layer's rows dequantized (float32, one layer at a time) and quantized with a format chosen by
-   the source: 4 bits or fewer (``Q2_K``, ``Q3_K``, ``Q4_K``) -> the ``int4`` format, more (``Q5_1``, ``Q5_K``,
-   ``Q6_K``) -> ``int8``, float tensors -> the method asked for (the LM head: the method's ``lm_head_method``).
+   type (:meth:`QuantizedWeight.from_gguf`; the CPU plugin: ``Q8_0``/``Q5_0`` in its int8 layout and
+   ``Q4_0``/``Q4_1`` in its int4 layout exactly, ``Q4_K`` in the int4 layout with its sub-block scales rounded
+   to float16), whichever method was asked for: a file is never stored with fewer bits than it has, nor with
+   more than it needs;
+2. otherwise the rows dequantized and quantized again (:data:`TILE_ROWS` rows at a time in float32, so no
+   float copy of a whole weight is made either), in a format chosen by the source: 4 bits or fewer
+   (``Q2_K``, ``Q3_K``) -> the ``int4`` format, more (``Q5_1``, ``Q5_K``, ``Q6_K``) -> ``int8``, float
+   tensors -> the method asked for (the LM head: the method's ``lm_head_method``).
 
 The layer then runs its quantized weight for every number of rows (``quant_only``). The token embedding keeps
 its GGUF blocks and dequantizes the rows it looks up; a tied LM head is built from the same blocks. Peak memory
-during the load is the quantized model plus one layer in float32 plus one tensor's mapped pages
+during the load is the quantized model plus one tile in float32 plus one tensor's mapped pages
 (``tests/models/test_quantized_loading.py`` measures it). Tensor parallelism keeps today's path (float weights
 and quantized copies): a row-parallel shard cuts GGUF blocks.
 """

@@ -180,8 +180,9 @@ class Q4Weight(QuantizedWeight):
     @classmethod
     def from_gguf(cls, type_name: str, blocks: torch.Tensor) -> Q4Weight | None:
         """GGUF ``Q4_1`` (``w = d * q + m``) and ``Q4_0`` (``w = d * (q - 8)``, taken as ``m = -8 d``: exact in
-        float16 unless it overflows) rows: the same codes, repacked without a float copy; ``None`` for any
-        other type or a ``Q4_0`` scale above 65504 / 8.
+        float16 unless it overflows) rows: the same codes, repacked without a float copy; ``Q4_K`` with its
+        sub-block scales rounded to float16 (:meth:`_from_q4_k`); ``None`` for any other type or a ``Q4_0``
+        scale above 65504 / 8.
 
         Args:
             type_name: the GGML type.
@@ -190,6 +191,8 @@ class Q4Weight(QuantizedWeight):
         Raises:
             UnsupportedShapeError: ``N`` is not a multiple of 16.
         """
+        if type_name == "Q4_K":
+            return cls._from_q4_k(blocks)
         if type_name not in ("Q4_0", "Q4_1"):
             return None
         size = 18 if type_name == "Q4_0" else 20
@@ -208,6 +211,30 @@ class Q4Weight(QuantizedWeight):
         obj = cls.__new__(cls)
         QuantizedWeight.__init__(obj, torch.empty(n, nb * BLOCK, device="meta"))
         obj._pack(codes.reshape(n, nb * BLOCK), d, m)
+        return obj
+
+    @classmethod
+    def _from_q4_k(cls, blocks: torch.Tensor) -> Q4Weight | None:
+        """GGUF ``Q4_K`` rows: each 256-value super-block is eight 32-value sub-blocks ``w = (d sc) q - (dmin mn)``
+        with 6-bit ``sc``, ``mn``: a sub-block is one of these blocks with ``d = d sc``, ``m = -(dmin mn)``, the
+        same codes, both products rounded to float16 (relative error at most 2^-11 of a sub-block's step and
+        minimum, against half a step for quantizing the values again); ``None`` if one overflows float16."""
+        n, ns = blocks.shape[0], blocks.shape[1] // 144
+        _check_shape(torch.empty(n, ns * 256, device="meta"), "int4")
+        b = blocks.reshape(n * ns, 144)
+        d, dmin = b[:, :2].contiguous().view(torch.float16).float(), b[:, 2:4].contiguous().view(torch.float16).float()
+        sc6, mn6 = b[:, 4:8], b[:, 8:12]
+        md = b[:, 12:16]
+        sc = torch.cat((sc6 & 0x3F, (md & 0x0F) | ((sc6 >> 2) & 0x30)), dim=1).float()  # [n * ns, 8]
+        mn = torch.cat((mn6 & 0x3F, (md >> 4) | ((mn6 >> 2) & 0x30)), dim=1).float()
+        scale, low = (d * sc).to(torch.float16), (-(dmin * mn)).to(torch.float16)
+        if not (torch.isfinite(scale).all() and torch.isfinite(low).all()):
+            return None
+        qs = b[:, 16:].reshape(n * ns, 4, 1, 32)  # chunk j: sub-block 2j in the low nibbles, 2j + 1 in the high
+        codes = torch.cat((qs & 0x0F, qs >> 4), dim=2).reshape(n, ns * 256)
+        obj = cls.__new__(cls)
+        QuantizedWeight.__init__(obj, torch.empty(n, ns * 256, device="meta"))
+        obj._pack(codes, scale.reshape(n, ns * 8), low.reshape(n, ns * 8))
         return obj
 
     @classmethod
