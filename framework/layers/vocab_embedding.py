@@ -27,7 +27,8 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.data[max(0, min(self.per_rank, num_embeddings - self.start)):].zero_()
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         # Set while weights are loaded quantized (tokenmill.model_loader.quantized_loading): the table then
-        # stays in its GGUF blocks (``qblocks``, a buffer) and ``weight`` is a meta-device parameter.
+        # stays in its GGUF blocks (``qblocks``, a buffer, never written) and ``weight`` is a meta-device
+        # parameter.
         self.keep_blocks = False
         self.qtype: str | None = None
 
@@ -38,7 +39,9 @@ class VocabParallelEmbedding(nn.Module):
         if self.keep_blocks and param is self.weight and not isinstance(part, torch.Tensor):
             if part.shape[0] != self.per_rank:  # the padded last shard has rows past the vocabulary
                 raise ValueError("a vocabulary that does not split evenly across ranks is loaded as float")
-            self.register_buffer("qblocks", part.blocks.contiguous().clone(), persistent=False)
+            # a view of the file's read-only map when it is one (GGUF tensors are aligned): the rows never
+            # looked up are never read, and the kernel may drop clean pages under memory pressure
+            self.register_buffer("qblocks", part.blocks.contiguous(), persistent=False)
             self.qtype = part.type_name
             return
         if not isinstance(part, torch.Tensor):

@@ -160,14 +160,15 @@ class GGUFTensor:
     memory: Any = None  # the file's ``mmap.mmap``
 
     def release(self) -> None:
-        """Drop this tensor's mapped pages from the process (``madvise(MADV_DONTNEED)``): once it is converted
-        they only add to the resident size. The data stays readable (read again from the page cache)."""
+        """Drop the file's mapped pages up to the end of this tensor from the process (``madvise(MADV_DONTNEED)``):
+        once converted they only add to the resident size. Everything before it goes too, since a tensor read
+        again after its own release (the first rows of a fused weight, converted when the last arrive) maps its
+        pages back. The data stays readable (read again from the page cache)."""
         if self.memory is None or not hasattr(mmap, "MADV_DONTNEED"):
             return
-        start = self.span[0] // mmap.PAGESIZE * mmap.PAGESIZE
         end = min(len(self.memory), self.span[0] + self.span[1])
-        if end > start:
-            self.memory.madvise(mmap.MADV_DONTNEED, start, end - start)
+        if end > 0:
+            self.memory.madvise(mmap.MADV_DONTNEED, 0, end)
 
 
 def read_gguf_tensors(path: str) -> tuple[str, list[GGUFTensor]]:

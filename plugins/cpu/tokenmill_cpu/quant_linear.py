@@ -57,6 +57,35 @@ def _safe_div(x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return torch.where(d > 0, x / torch.where(d > 0, d, torch.ones_like(d)), torch.zeros_like(x))
 
 
+_LOW = 0x0F0F0F0F
+_HIGH = -0x0F0F0F10  # 0xF0F0F0F0 as an int32
+
+
+def _panels_of_words(words: torch.Tensor) -> torch.Tensor:
+    """``[N, W]`` int32, each word four bytes of one row -> the panel layout ``[N / 16, W * 64]`` uint8:
+    ``[W][16 rows][4 bytes]`` per panel of 16 rows."""
+    n, w = words.shape
+    return words.reshape(n // ROWS, ROWS, w).transpose(1, 2).contiguous().view(torch.uint8).reshape(n // ROWS, -1)
+
+
+def _q4_words(qs: torch.Tensor) -> torch.Tensor:
+    """GGUF 4-bit codes ``[N, K / 32, 4]`` int32 (16 bytes per block; byte ``t``: value ``t`` in the low nibble,
+    ``t + 16`` in the high one) -> :class:`Q4Weight`'s packed panels, moving nibbles four bytes at a time.
+
+    The kernel's byte ``i`` of 8-channel group ``j`` holds channel ``8j + i`` low and ``8j + 4 + i`` high; a
+    block's groups 0-1 are its values 0-15 (the low nibbles of bytes 0-15), groups 2-3 its values 16-31 (the
+    high nibbles): group 0 = low(bytes 0-3) | low(bytes 4-7) << 4, group 2 = high(bytes 0-3) >> 4 |
+    high(bytes 4-7), and groups 1, 3 the same with bytes 8-15."""
+    w0, w1, w2, w3 = qs.unbind(-1)
+    groups = torch.stack((
+        (w0 & _LOW) | ((w1 & _LOW) << 4),
+        (w2 & _LOW) | ((w3 & _LOW) << 4),
+        ((w0 >> 4) & _LOW) | (w1 & _HIGH),
+        ((w2 >> 4) & _LOW) | (w3 & _HIGH),
+    ), dim=-1)
+    return _panels_of_words(groups.reshape(qs.shape[0], -1))
+
+
 def _concat_panels(cls: type[QuantizedWeight], parts: list[QuantizedWeight]) -> QuantizedWeight:
     """Row tiles (each a multiple of 16 rows) joined: every buffer is ``[N / 16, ...]``, panel-major."""
     obj = cls.__new__(cls)
@@ -113,10 +142,14 @@ class Q8Weight(QuantizedWeight):
         b = blocks.reshape(n, nb, size)
         d = b[..., :2].contiguous().view(torch.float16).reshape(n, nb)
         if type_name == "Q8_0":
-            q = b[..., 2:].contiguous().view(torch.int8)
-            if (q == -128).any():  # outside the kernel's -127..127 (llama.cpp never writes it)
+            q = b[..., 2:].contiguous()
+            if (q == 0x80).any():  # -128: outside the kernel's -127..127 (llama.cpp never writes it)
                 return None
-            codes = (q.to(torch.int16) + 128).to(torch.uint8)
+            obj = cls.__new__(cls)
+            QuantizedWeight.__init__(obj, torch.empty(n, nb * BLOCK, device="meta"))
+            words = q.view(torch.int32).reshape(n, nb * 8) ^ -0x7F7F7F80  # q + 128 = q ^ 0x80 per byte
+            obj.store(packed=_panels_of_words(words), scales=_panel_scales(d))
+            return obj
         else:
             qs, qh = b[..., 6:], b[..., 2:6].contiguous().view(torch.int32)  # [n, nb, 16], [n, nb, 1]
             high = ((qh >> torch.arange(32, dtype=torch.int32)) & 1).to(torch.uint8) << 4
@@ -206,11 +239,12 @@ class Q4Weight(QuantizedWeight):
                 return None
         else:
             m = b[..., 2:4].contiguous().view(torch.float16).reshape(n, nb)
-        qs = b[..., size - 16:]
-        codes = torch.cat((qs & 0x0F, qs >> 4), dim=-1)  # byte i: value i (low), value i + 16 (high)
         obj = cls.__new__(cls)
         QuantizedWeight.__init__(obj, torch.empty(n, nb * BLOCK, device="meta"))
-        obj._pack(codes.reshape(n, nb * BLOCK), d, m)
+        # 16-bit units: Q4_0's codes start at byte 2 of an 18-byte block (not 4-byte aligned), Q4_1's at byte 4
+        qs = blocks.view(torch.int16).reshape(n, nb, size // 2)[..., (size - 16) // 2:].contiguous()
+        packed = _q4_words(qs.view(torch.int32).reshape(n, nb, 4))
+        obj.store(packed=packed, scales=_panel_scales(d), mins=_panel_scales(m))
         return obj
 
     @classmethod
