@@ -86,6 +86,22 @@ def _q4_words(qs: torch.Tensor) -> torch.Tensor:
     return _panels_of_words(groups.reshape(qs.shape[0], -1))
 
 
+def _open_blocks(cls: type[QuantizedWeight], blocks: torch.Tensor, size: int, method: str
+                 ) -> tuple[QuantizedWeight, torch.Tensor, torch.Tensor]:
+    """An empty ``cls`` for GGUF rows of ``size``-byte blocks of 32 values, the blocks ``[N, K / 32, size]`` and
+    their leading float16 scales ``d`` ``[N, K / 32]``.
+
+    Raises:
+        UnsupportedShapeError: ``N`` is not a multiple of 16.
+    """
+    n, nb = blocks.shape[0], blocks.shape[1] // size
+    _check_shape(torch.empty(n, nb * BLOCK, device="meta"), method)
+    b = blocks.reshape(n, nb, size)
+    obj = cls.__new__(cls)
+    QuantizedWeight.__init__(obj, torch.empty(n, nb * BLOCK, device="meta"))
+    return obj, b, b[..., :2].contiguous().view(torch.float16).reshape(n, nb)
+
+
 def _concat_panels(cls: type[QuantizedWeight], parts: list[QuantizedWeight]) -> QuantizedWeight:
     """Row tiles (each a multiple of 16 rows) joined: every buffer is ``[N / 16, ...]``, panel-major."""
     obj = cls.__new__(cls)
@@ -136,27 +152,18 @@ class Q8Weight(QuantizedWeight):
         """
         if type_name not in ("Q8_0", "Q5_0"):
             return None
-        size = 34 if type_name == "Q8_0" else 22
-        n, nb = blocks.shape[0], blocks.shape[1] // size
-        _check_shape(torch.empty(n, nb * BLOCK, device="meta"), "int8")
-        b = blocks.reshape(n, nb, size)
-        d = b[..., :2].contiguous().view(torch.float16).reshape(n, nb)
+        obj, b, d = _open_blocks(cls, blocks, 34 if type_name == "Q8_0" else 22, "int8")
+        n, nb = d.shape
         if type_name == "Q8_0":
             q = b[..., 2:].contiguous()
             if (q == 0x80).any():  # -128: outside the kernel's -127..127 (llama.cpp never writes it)
                 return None
-            obj = cls.__new__(cls)
-            QuantizedWeight.__init__(obj, torch.empty(n, nb * BLOCK, device="meta"))
             words = q.view(torch.int32).reshape(n, nb * 8) ^ -0x7F7F7F80  # q + 128 = q ^ 0x80 per byte
             obj.store(packed=_panels_of_words(words), scales=_panel_scales(d))
             return obj
-        else:
-            qs, qh = b[..., 6:], b[..., 2:6].contiguous().view(torch.int32)  # [n, nb, 16], [n, nb, 1]
-            high = ((qh >> torch.arange(32, dtype=torch.int32)) & 1).to(torch.uint8) << 4
-            codes = torch.cat((qs & 0x0F, qs >> 4), dim=-1) | high  # 0..31 = q
-            codes = codes + (128 - 16)  # q - 16 + 128
-        obj = cls.__new__(cls)
-        QuantizedWeight.__init__(obj, torch.empty(n, nb * BLOCK, device="meta"))
+        qs, qh = b[..., 6:], b[..., 2:6].contiguous().view(torch.int32)  # [n, nb, 16], [n, nb, 1]
+        high = ((qh >> torch.arange(32, dtype=torch.int32)) & 1).to(torch.uint8) << 4
+        codes = (torch.cat((qs & 0x0F, qs >> 4), dim=-1) | high) + (128 - 16)  # (q in 0..31) - 16 + 128
         obj._pack(codes.reshape(n, nb * BLOCK), d)
         return obj
 
@@ -229,18 +236,14 @@ class Q4Weight(QuantizedWeight):
         if type_name not in ("Q4_0", "Q4_1"):
             return None
         size = 18 if type_name == "Q4_0" else 20
-        n, nb = blocks.shape[0], blocks.shape[1] // size
-        _check_shape(torch.empty(n, nb * BLOCK, device="meta"), "int4")
-        b = blocks.reshape(n, nb, size)
-        d = b[..., :2].contiguous().view(torch.float16).reshape(n, nb)
+        obj, b, d = _open_blocks(cls, blocks, size, "int4")
+        n, nb = d.shape
         if type_name == "Q4_0":
             m = d * -8.0
             if not torch.isfinite(m).all():
                 return None
         else:
             m = b[..., 2:4].contiguous().view(torch.float16).reshape(n, nb)
-        obj = cls.__new__(cls)
-        QuantizedWeight.__init__(obj, torch.empty(n, nb * BLOCK, device="meta"))
         # 16-bit units: Q4_0's codes start at byte 2 of an 18-byte block (not 4-byte aligned), Q4_1's at byte 4
         qs = blocks.view(torch.int16).reshape(n, nb, size // 2)[..., (size - 16) // 2:].contiguous()
         packed = _q4_words(qs.view(torch.int32).reshape(n, nb, 4))
