@@ -36,14 +36,16 @@ class VocabParallelEmbedding(nn.Module):
         if loaded.shape[1] != param.shape[1]:
             raise ValueError(f"shape mismatch: embedding {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
         part = loaded[self.start : self.start + self.per_rank]
-        if self.keep_blocks and param is self.weight and not isinstance(part, torch.Tensor):
-            if part.shape[0] != self.per_rank:  # the padded last shard has rows past the vocabulary
-                raise ValueError("a vocabulary that does not split evenly across ranks is loaded as float")
-            # a view of the file's read-only map when it is one (GGUF tensors are aligned): the rows never
-            # looked up are never read, and the kernel may drop clean pages under memory pressure
-            self.register_buffer("qblocks", part.blocks.contiguous(), persistent=False)
-            self.qtype = part.type_name
-            return
+        if self.keep_blocks and param is self.weight:
+            if not isinstance(part, torch.Tensor) and part.shape[0] == self.per_rank:
+                # a view of the file's read-only map when it is one (GGUF tensors are aligned): the rows never
+                # looked up are never read, and the kernel may drop clean pages under memory pressure
+                self.register_buffer("qblocks", part.blocks.contiguous(), persistent=False)
+                self.qtype = part.type_name
+                return
+            # float rows (or a shard padded past the vocabulary): a float table after all, in place of the meta one
+            self.weight = param = nn.Parameter(torch.zeros(param.shape, dtype=param.dtype), requires_grad=False)
+            self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         if not isinstance(part, torch.Tensor):
             part = part.dequantize()
         param.data[: part.shape[0]].copy_(part)

@@ -32,7 +32,7 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
             support it.
     """
     model_cls = ModelRegistry.resolve_model_cls(model_config.architectures)
-    from tokenmill.distributed import get_pp_size, get_tp_rank
+    from tokenmill.distributed import get_pp_size, get_tp_rank, get_tp_size
     from tokenmill.model_contract import check_model_class
 
     check_model_class(model_cls)
@@ -53,7 +53,10 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
             model = model_cls(model_config)
     finally:
         torch.set_default_dtype(previous)
-    keep_quantized = bool(model_config.gguf_file and model_config.quantization and device.type == "cpu")
+    # Weights stay quantized from a GGUF file on one CPU process (tokenmill.model_loader.quantized_loading);
+    # with tensor or pipeline parallelism the model loads in float and gets quantized copies, as before.
+    keep_quantized = bool(model_config.gguf_file and model_config.quantization and torch.device(device).type == "cpu"
+                          and get_tp_size() == 1 and get_pp_size() == 1)
     if model_config.gguf_file:
         from tokenmill.model_loader.gguf_weights import iterate_gguf_weights
 

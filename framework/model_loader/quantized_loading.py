@@ -20,8 +20,8 @@ layer's rows are in (q, k and v of a fused projection arrive one by one) it buil
 The layer then runs its quantized weight for every number of rows (``quant_only``). The token embedding keeps
 its GGUF blocks and dequantizes the rows it looks up; a tied LM head is built from the same blocks. Peak memory
 during the load is the quantized model plus one tile in float32 plus one tensor's mapped pages
-(``tests/models/test_quantized_loading.py`` measures it). Tensor parallelism keeps today's path (float weights
-and quantized copies): a row-parallel shard cuts GGUF blocks.
+(``tests/models/test_quantized_loading.py`` measures it). Tensor and pipeline parallelism keep the float load
+and its quantized copies (``tokenmill.model_loader.loader``): a row-parallel shard cuts GGUF blocks.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ class QuantizedRowLoader:
         self.filled = 0
         self.shape = tuple(layer.weight.shape)
         self.done = False
+        self.tied = False  # an LM head whose weight is the token embedding's (fed by feed_tied_heads)
 
     def add_rows(self, offset: int, rows: Any) -> None:
         """Rows ``offset:offset + len(rows)`` (float ``[r, K]`` or :class:`GGUFQuantTensor`); the last one builds
@@ -206,6 +207,12 @@ def prepare_quantized_loading(model: nn.Module, method: str) -> int:
             module, head_cls if getattr(module, "is_lm_head", False) else cls, formats)
         to_meta(module)
         count += 1
+    embeddings = [m.weight for m in model.modules()
+                  if isinstance(m, VocabParallelEmbedding) and not getattr(m, "is_lm_head", False)]
+    for module in model.modules():
+        loader = getattr(module, "quant_loader", None)
+        if getattr(module, "is_lm_head", False) and loader is not None:
+            loader.tied = any(module.weight is w for w in embeddings)
     return count
 
 
@@ -216,10 +223,8 @@ def feed_tied_heads(model: nn.Module, name: str, tensor: Any) -> None:
         return
     for module in model.modules():
         loader = getattr(module, "quant_loader", None)
-        if getattr(module, "is_lm_head", False) and loader is not None and not loader.done:
-            embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-            if embed is not None and module.weight is embed.weight:
-                loader.add_rows(0, tensor)
+        if loader is not None and loader.tied and not loader.done:
+            loader.add_rows(0, tensor)
 
 
 def finish_quantized_loading(model: nn.Module) -> None:

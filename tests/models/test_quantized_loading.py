@@ -107,6 +107,24 @@ def test_layers_hold_the_files_values_and_the_kernels_multiply_them(files, qtype
         assert ((y - want).abs() <= act + weight_err + rounding).all(), name
 
 
+def test_a_float_file_is_quantized_and_an_unpackable_layer_stays_float(tmp_path) -> None:
+    # down_proj has 40 input features: not a whole number of 32-value blocks
+    cfg = llama_config(hidden=64, layers=1, intermediate=40, heads=2, kv_heads=1, vocab=512)
+    path = write_random_llama_gguf(str(tmp_path / "f32.gguf"), cfg, Q.F32)
+    reference, quantized = _model(path, None), _model(path, "int8")
+    layers, ref_layers = _linear_layers(quantized), _linear_layers(reference)
+    down = layers["model.layers.0.mlp.down_proj"]
+    assert down.quant is None and not down.quant_only
+    assert torch.equal(down.weight, ref_layers["model.layers.0.mlp.down_proj"].weight)
+    gate_up = layers["model.layers.0.mlp.gate_up_proj"]
+    assert type(gate_up.quant) is Q8Weight and gate_up.quant_only
+    w = ref_layers["model.layers.0.mlp.gate_up_proj"].weight
+    assert ((gate_up.quant.dequantize() - w).abs() <= _weight_error_bound(gate_up.quant, "requantized")).all()
+    embed = quantized.model.embed_tokens  # float32 in the file: a float table, the head quantized from it
+    assert embed.qtype is None and torch.equal(embed.weight, reference.model.embed_tokens.weight)
+    assert type(quantized.lm_head.quant) is Q8Weight and quantized.lm_head.quant_only
+
+
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0], ids=lambda t: t.name)
 def test_greedy_tokens_equal_the_dequantized_float32_models(files, qtype) -> None:
     args = dict(model=files[qtype], dtype="float32", num_gpu_blocks_override=64, enforce_eager=True)
