@@ -134,6 +134,22 @@ def test_greedy_tokens_equal_the_dequantized_float32_models(files, qtype) -> Non
     assert quantized == reference
 
 
+def test_default_model_keeps_its_q4_1_and_q8_0_weights(default_model_path) -> None:
+    from tokenmill.model_loader.gguf_cache import read_gguf_tensors
+    from tokenmill.model_loader.gguf_dequant import dequantize_gguf
+
+    quantized = _model(default_model_path, "int4")
+    layers = _linear_layers(quantized)
+    assert type(layers["lm_head"].quant) is Q8Weight and quantized.model.embed_tokens.qtype == "Q8_0"  # tied, Q8_0
+    assert all(layer.quant_only and (name == "lm_head" or type(layer.quant) is Q4Weight)
+               for name, layer in layers.items())
+    file = {t.name: t for t in read_gguf_tensors(default_model_path)[1]}
+    for gguf_name, layer in (("token_embd.weight", layers["lm_head"]),
+                             ("blk.0.ffn_down.weight", layers["model.layers.0.mlp.down_proj"])):
+        t = file[gguf_name]
+        assert torch.equal(layer.quant.dequantize(), dequantize_gguf(t.data, t.tensor_type)), gguf_name
+
+
 # Peak RSS of a load in a fresh interpreter: the maximum resident size after loading a tiny model (imports,
 # kernels, allocator arenas) and after loading the measured one.
 _MEASURE = textwrap.dedent("""
