@@ -8,6 +8,8 @@ Llama 3's 128256). Then, each in a fresh process, loads it:
 * ``tokenmill``: the engine's model loader with ``--quantization`` (``get_model``: the weights as the engine
   core gets them, before the KV cache is allocated), timed from the call and with the process's peak resident
   size (``ru_maxrss``) before and after;
+* with ``--float-baseline``, the same without ``--quantization`` (float32 weights, as every GGUF load was before
+  weights stayed quantized);
 * ``llama.cpp`` (when ``llama_cpp`` imports): ``llama_cpp.Llama(path, n_ctx=512)``, the same figures.
 
     nice -n 15 python benchmarks/gguf_load.py --json $(benchmarks/record_name.sh gguf_load).json
@@ -33,7 +35,8 @@ _TOKENMILL = """
 import json, resource, sys, time, torch
 from tokenmill.engine_args import EngineArgs
 from tokenmill.model_loader.loader import get_model
-config = EngineArgs(model=sys.argv[1], dtype="float32", quantization=sys.argv[2]).create_engine_config()
+quantization = None if sys.argv[2] == "none" else sys.argv[2]
+config = EngineArgs(model=sys.argv[1], dtype="float32", quantization=quantization).create_engine_config()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 start = time.perf_counter()
 model = get_model(config.model_config, torch.device("cpu"))
@@ -117,6 +120,9 @@ def main() -> None:
     parser.add_argument("--qtype", default="Q4_0", choices=["Q4_0", "Q4_1", "Q8_0", "Q5_0"])
     parser.add_argument("--quantization", default="int4", choices=["int4", "int8"])
     parser.add_argument("--runs", type=int, default=2, help="loads per engine (the file is in the page cache)")
+    parser.add_argument("--float-baseline", action="store_true",
+                        help="also load without --quantization (float32 weights: ~4.7 GiB for the 1B shape), the "
+                             "path every GGUF load took before weights stayed quantized")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     os.makedirs(args.dir, exist_ok=True)
@@ -130,6 +136,8 @@ def main() -> None:
     run(_TOKENMILL, path, args.quantization)  # fills the config/tokenizer cache: not part of a load
     results: dict[str, list[dict[str, Any]]] = {"tokenmill": [run(_TOKENMILL, path, args.quantization)
                                                               for _ in range(args.runs)]}
+    if args.float_baseline:
+        results["tokenmill float32"] = [run(_TOKENMILL, path, "none") for _ in range(args.runs)]
     try:
         import llama_cpp  # noqa: F401
 
@@ -137,14 +145,14 @@ def main() -> None:
     except ImportError:
         results["llama.cpp"] = [{"error": "llama_cpp is not installed"}]
     print(f"file: {size_mib:.0f} MiB ({args.qtype}); tokenmill --quantization {args.quantization}")
-    print(f"{'engine':<10} {'load s':>8} {'peak RSS MiB':>13} {'grown MiB':>10} {'grown / file':>13}")
+    print(f"{'engine':<18} {'load s':>8} {'peak RSS MiB':>13} {'grown MiB':>10} {'grown / file':>13}")
     for engine, runs in results.items():
         for r in runs:
             if "error" in r:
-                print(f"{engine:<10} {r['error']}")
+                print(f"{engine:<18} {r['error']}")
                 continue
             grown = r["peak_rss_mib"] - r["peak_rss_before_mib"]
-            print(f"{engine:<10} {r['load_s']:>8.2f} {r['peak_rss_mib']:>13.0f} {grown:>10.0f} {grown / size_mib:>13.2f}")
+            print(f"{engine:<18} {r['load_s']:>8.2f} {r['peak_rss_mib']:>13.0f} {grown:>10.0f} {grown / size_mib:>13.2f}")
     if args.json:
         record = {"command": " ".join(sys.argv), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                   "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "python": platform.python_version()},
