@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from typing import Any
 
 import torch
 from torch import nn
@@ -14,13 +12,6 @@ from tokenmill.dtypes import str_to_dtype
 from tokenmill.model_loader.registry import ModelRegistry
 
 logger = logging.getLogger(__name__)
-
-def _feeding_tied_heads(model: nn.Module, weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-    from tokenmill.model_loader.quantized_loading import feed_tied_heads
-
-    for name, tensor in weights:
-        yield name, tensor
-        feed_tied_heads(model, name, tensor)
 
 
 def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
@@ -69,12 +60,12 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         from tokenmill.model_loader import quantized_loading
 
         prepared = quantized_loading.prepare_quantized_loading(model, model_config.quantization)
-        weights = _feeding_tied_heads(model, weights)
+        weights = quantized_loading.feeding_tied_heads(model, weights)
     with torch.no_grad():
         loaded = model.load_weights(weights)
     if keep_quantized:
         quantized_loading.finish_quantized_loading(model)
-        logger.info("GGUF weights kept quantized: %d layers, %.1f MiB", prepared,
+        logger.info("GGUF weights kept quantized: %d layers; %.1f MiB of buffers", prepared,
                     sum(b.numel() * b.element_size() for b in model.buffers()) / 2**20)
     missing = {n for n, _ in model.named_parameters()} - loaded
     if missing:

@@ -26,7 +26,7 @@ and its quantized copies (``tokenmill.model_loader.loader``): a row-parallel sha
 
 from __future__ import annotations
 
-import logging
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -34,8 +34,6 @@ from torch import nn
 
 from tokenmill.layers.quantization import QuantizedWeight, UnsupportedShapeError, get_quantized_weight_cls
 from tokenmill.model_loader.gguf_tensor import GGUFQuantTensor
-
-logger = logging.getLogger(__name__)
 
 TILE_ROWS = 256  # output rows quantized at a time: a float32 tile of 256 x K, not a whole weight
 LOW_BIT_TYPES = frozenset({"Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K"})
@@ -216,15 +214,17 @@ def prepare_quantized_loading(model: nn.Module, method: str) -> int:
     return count
 
 
-def feed_tied_heads(model: nn.Module, name: str, tensor: Any) -> None:
-    """After the token embedding ``tensor`` is loaded, give it to a tied LM head's row loader (its weight is the
-    embedding's parameter, which the checkpoint fills once)."""
-    if not name.endswith("embed_tokens.weight"):
-        return
-    for module in model.modules():
-        loader = getattr(module, "quant_loader", None)
-        if loader is not None and loader.tied and not loader.done:
-            loader.add_rows(0, tensor)
+def feeding_tied_heads(model: nn.Module, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """``weights`` unchanged; once the token embedding has been loaded from them, it is also given to a tied
+    LM head's row loader (its weight is the embedding's parameter, which the checkpoint fills once)."""
+    for name, tensor in weights:
+        yield name, tensor
+        if not name.endswith("embed_tokens.weight"):
+            continue
+        for module in model.modules():
+            loader = getattr(module, "quant_loader", None)
+            if loader is not None and loader.tied and not loader.done:
+                loader.add_rows(0, tensor)
 
 
 def finish_quantized_loading(model: nn.Module) -> None:
