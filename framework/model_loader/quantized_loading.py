@@ -56,7 +56,7 @@ class QuantizedRowLoader:
         self.filled = 0
         self.shape = tuple(layer.weight.shape)
         self.done = False
-        self.tied = False  # an LM head whose weight is the token embedding's (fed by feed_tied_heads)
+        self.tied = False  # an LM head whose weight is the token embedding's (fed by feeding_tied_heads)
 
     def add_rows(self, offset: int, rows: Any) -> None:
         """Rows ``offset:offset + len(rows)`` (float ``[r, K]`` or :class:`GGUFQuantTensor`); the last one builds
