@@ -245,6 +245,8 @@ class Q4Weight(QuantizedWeight):
         else:
             m = b[..., 2:4].contiguous().view(torch.float16).reshape(n, nb)
         # 16-bit units: Q4_0's codes start at byte 2 of an 18-byte block (not 4-byte aligned), Q4_1's at byte 4
+        if blocks.storage_offset() % 2 or not blocks.is_contiguous():  # a file with an odd data alignment
+            blocks = blocks.contiguous().clone()
         qs = blocks.view(torch.int16).reshape(n, nb, size // 2)[..., (size - 16) // 2:].contiguous()
         packed = _q4_words(qs.view(torch.int32).reshape(n, nb, 4))
         obj.store(packed=packed, scales=_panel_scales(d), mins=_panel_scales(m))
