@@ -187,3 +187,13 @@ def test_load_peak_memory_stays_near_the_file_size(files, tmp_path) -> None:
     # of kernels first used here and the tensors in flight (measured: 19.1 MiB in all for a 14.4 MiB file)
     assert grown <= 1.3 * size_kib + 8 * 1024, (grown, size_kib)
     assert grown < 25e6 * 4 / 1024 / 3  # a third of the float32 weights (a float32 load: 130 MiB)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+def test_repacking_blocks_at_an_odd_address_gives_the_same_weight(qtype) -> None:
+    data = gguf.quants.quantize(torch.randn(32, 64, generator=torch.Generator().manual_seed(0)).numpy(), qtype)
+    buffer = torch.zeros(data.size + 1, dtype=torch.uint8)
+    buffer[1:] = torch.from_numpy(data.reshape(-1))
+    fmt = LANDS_IN[qtype][0]
+    odd = fmt.from_gguf(qtype.name, buffer[1:].view(32, -1))
+    assert torch.equal(odd.dequantize(), fmt.from_gguf(qtype.name, torch.from_numpy(data)).dequantize())
