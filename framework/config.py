@@ -32,8 +32,9 @@ class ModelConfig:
         served_model_name: the name the API reports and accepts.
         seed: seed of the engine's global random generators.
         trust_remote_code: passed to transformers when reading configs and tokenizers.
-        quantization: quantized weight copies made after loading (``"int8"`` or ``"int4"``, used for
-            small batches, see :mod:`tokenmill.layers.quantization`), or ``None``.
+        quantization: ``"int8"`` or ``"int4"``: quantized weight copies made after loading, used for small
+            batches (:mod:`tokenmill.layers.quantization`), or for a GGUF file on the CPU the only weights, kept
+            quantized from the file (:mod:`tokenmill.model_loader.quantized_loading`); ``None``: full precision.
         runner_type: ``"generate"`` (sampling) or ``"pooling"`` (embeddings, classification; docs/pooling.md).
         convert: ``"none"``, ``"embed"`` or ``"classify"``: how a pooling model is used (``"embed"``: the
             base model's hidden states are pooled; ``"classify"``: through its classification head).

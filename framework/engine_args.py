@@ -174,8 +174,9 @@ class EngineArgs:
         g.add_argument("--trust-remote-code", action="store_true", default=d.trust_remote_code)
         g.add_argument("--quantization", "-q", default=d.quantization, choices=list(QUANTIZATION_METHODS),
                        help="Quantized weights used for small batches (faster decode): int8 or int4 (CPU: GGUF Q8_0 / "
-                            "Q4_1 blocks of 32 with 14-bit integer activations); outputs may differ slightly from full "
-                            "precision.")
+                            "Q4_1 blocks of 32 with 14-bit integer activations); a GGUF file's weights then stay "
+                            "quantized from the file, for every batch (docs/quantization.md). Outputs may differ "
+                            "slightly from full precision.")
         g.add_argument("--enable-lora", action="store_true", default=d.enable_lora,
                        help="Serve LoRA adapters (PEFT format) next to the base model (docs/lora.md).")
         g.add_argument("--max-loras", type=int, default=d.max_loras,

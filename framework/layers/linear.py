@@ -12,7 +12,7 @@ from torch import nn
 
 from tokenmill.distributed import get_tp_rank, get_tp_size, tp_all_reduce
 from tokenmill.layers.linear_method import DEFAULT_METHOD, UnquantizedLinearMethod
-from tokenmill.layers.quantization import QuantizedWeight
+from tokenmill.layers.quantization import QuantizedWeight, WeightRowSink
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -22,13 +22,16 @@ def _divide(n: int, d: int, what: str) -> int:
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
-    """Copy a full tensor into ``param``.
+    """Copy a full tensor into ``param`` (a GGUF block tensor, ``tokenmill.model_loader.gguf_tensor``, is
+    dequantized first).
 
     Raises:
         ValueError: the shapes differ.
     """
     if param.shape != loaded.shape:
         raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
+    if not isinstance(loaded, torch.Tensor):
+        loaded = loaded.dequantize()
     param.data.copy_(loaded)
 
 
@@ -39,6 +42,9 @@ class LinearBase(nn.Module):
         linear_method: how the full-precision product is computed (``tokenmill.layers.linear_method``; the
             model loader sets the platform's choice).
         quant: a quantized copy used for inputs of at most ``quant_max_tokens`` rows, or ``None``.
+        quant_only: ``quant`` is the only copy of the weight, used for every input (``weight`` is then a
+            parameter on the meta device): weights loaded quantized (``tokenmill.model_loader.quantized_loading``).
+        quant_loader: while such a load runs, what collects this layer's weight rows (``None`` otherwise).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
@@ -54,10 +60,32 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
         self.quant: QuantizedWeight | None = None
         self.quant_max_tokens = 0
+        self.quant_only = False
+        self.quant_loader: WeightRowSink | None = None
         self.linear_method: UnquantizedLinearMethod = DEFAULT_METHOD
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        default_weight_loader(param, loaded)
+        self.load_rows(param, None, loaded)
+
+    def load_rows(self, param: nn.Parameter, offset: int | None, loaded: torch.Tensor) -> None:
+        """Fill rows ``offset:offset + len(loaded)`` of ``param`` (the weight or the bias; ``offset`` ``None``:
+        all of it) with ``loaded``, or hand the weight's rows to :attr:`quant_loader` while weights are loaded
+        quantized.
+
+        Raises:
+            ValueError: the shapes differ.
+        """
+        rows = param.shape[0] if offset is None else loaded.shape[0]
+        if loaded.shape[1:] != param.shape[1:] or loaded.shape[0] != rows or (offset or 0) + rows > param.shape[0]:
+            where = "" if offset is None else f" rows {offset}:{offset + loaded.shape[0]} of"
+            raise ValueError(f"shape mismatch: parameter{where} {tuple(param.shape)} vs checkpoint "
+                             f"{tuple(loaded.shape)}")
+        if self.quant_loader is not None and param is self.weight:
+            self.quant_loader.add_rows(offset or 0, loaded)
+        elif offset is None:
+            default_weight_loader(param, loaded)
+        else:
+            default_weight_loader(param.data.narrow(0, offset, rows), loaded)
 
     def attach_quantized(self, cls: type[QuantizedWeight], max_tokens: int) -> None:
         """Use a ``cls`` copy of the weight for inputs of at most ``max_tokens`` rows (see layers.quantization).
@@ -70,7 +98,7 @@ class LinearBase(nn.Module):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, in] -> x W^T [T, out]`` (no bias, no cross-rank reduction)."""
-        if self.quant is not None and x.shape[0] <= self.quant_max_tokens:
+        if self.quant is not None and (self.quant_only or x.shape[0] <= self.quant_max_tokens):
             return self.quant.matmul(x)
         return self.linear_method.apply(self, x)
 
@@ -92,7 +120,7 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         shard = param.shape[0]
-        default_weight_loader(param, loaded.narrow(0, self.tp_rank * shard, shard))
+        self.load_rows(param, None, loaded.narrow(0, self.tp_rank * shard, shard))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -118,7 +146,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             return None
         sizes = [s // self.tp_size for s in self.output_sizes]
         offset, size = sum(sizes[:shard_id]), sizes[shard_id]
-        default_weight_loader(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp_rank * size, size))
+        self.load_rows(param, offset, loaded.narrow(0, self.tp_rank * size, size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -153,7 +181,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
         head_rank = self.tp_rank if shard_id == "q" else self.tp_rank // self.kv_replicas
-        default_weight_loader(param.data.narrow(0, offset, size), loaded.narrow(0, head_rank * size, size))
+        self.load_rows(param, offset, loaded.narrow(0, head_rank * size, size))
 
 
 class RowParallelLinear(LinearBase):
@@ -167,7 +195,7 @@ class RowParallelLinear(LinearBase):
         if param.dim() == 1:
             return default_weight_loader(param, loaded)
         shard = param.shape[1]
-        default_weight_loader(param, loaded.narrow(1, self.tp_rank * shard, shard))
+        self.load_rows(param, None, loaded.narrow(1, self.tp_rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = tp_all_reduce(self.matmul(x))

@@ -87,6 +87,8 @@ def attach_linear_method(model: nn.Module, process: bool = True) -> int:
     for module in model.modules():
         if not hasattr(module, "linear_method") or getattr(module, "weight", None) is None:
             continue
+        if getattr(module, "quant_only", False):  # no float weight: only its quantized one
+            continue
         module.linear_method = method
         layers += 1
         if process:

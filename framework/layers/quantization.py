@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -55,6 +55,29 @@ class QuantizedWeight(nn.Module, ABC):
         for name, tensor in tensors.items():
             self.register_buffer(name, tensor, persistent=False)
 
+    @classmethod
+    def from_gguf(cls, type_name: str, blocks: torch.Tensor) -> QuantizedWeight | None:
+        """This format holding GGUF blocks (the same codes, no float copy; the same scales, or scales rounded to
+        the format's precision where its docstring says so), or ``None`` when it cannot (the default): the
+        loader then dequantizes and calls the constructor.
+
+        Args:
+            type_name: the GGML type (``"Q4_0"``, ``"Q8_0"``, ...).
+            blocks: ``[N, bytes_per_row]`` uint8, row ``n`` the blocks of output row ``n`` (GGML's layouts:
+                ``tokenmill.model_loader.gguf_dequant``).
+
+        Raises:
+            UnsupportedShapeError: the format maps the type but cannot pack this shape.
+        """
+        return None
+
+    @classmethod
+    def concat_rows(cls, parts: list[QuantizedWeight]) -> QuantizedWeight | None:
+        """One weight whose output rows are ``parts``' rows in order (weights quantized a tile of rows at a time,
+        so that no whole float copy of a large weight is made), or ``None`` when the format cannot join them
+        (the default: the loader then quantizes the weight in one piece)."""
+        return None
+
     @abstractmethod
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., K]`` -> ``x @ W^T`` ``[..., N]`` in ``x``'s dtype."""
@@ -63,6 +86,14 @@ class QuantizedWeight(nn.Module, ABC):
     def nbytes(self) -> int:
         """Bytes the quantized weight and its scales take (every tensor kept with :meth:`store`)."""
         return sum(t.numel() * t.element_size() for t in self.buffers())
+
+
+class WeightRowSink(Protocol):
+    """Where a layer hands its weight's rows while weights are loaded quantized
+    (``tokenmill.model_loader.quantized_loading``)."""
+
+    def add_rows(self, offset: int, rows: Any) -> None:
+        """Rows ``offset:offset + len(rows)`` of the weight: a float tensor or GGUF blocks (``[rows, K]``)."""
 
 
 class UnsupportedShapeError(ValueError):
@@ -134,6 +165,10 @@ def quantize_model(model: nn.Module, method: str, max_tokens: int = DEFAULT_MAX_
     for module in model.modules():
         attach = getattr(module, "attach_quantized", None)
         if attach is None or not getattr(module, "quantizable", True):  # e.g. MoE routers: choices stay exact
+            continue
+        if getattr(module, "quant_only", False):  # loaded quantized (tokenmill.model_loader.quantized_loading)
+            count += 1
+            nbytes += module.quant.nbytes
             continue
         try:
             attach(head_cls if getattr(module, "is_lm_head", False) else cls, max_tokens)

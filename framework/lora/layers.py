@@ -74,10 +74,11 @@ class LinearWithLoRA(nn.Module):
         self.state = state
         n = len(slices) * max_rank
         w = base_layer.weight
+        device = torch.device("cpu") if w.is_meta else w.device  # meta: weights kept quantized, on the CPU
         self.register_buffer("lora_a", torch.zeros(max_loras, n, base_layer.in_features, dtype=w.dtype,
-                                                   device=w.device), persistent=False)
+                                                   device=device), persistent=False)
         self.register_buffer("lora_b", torch.zeros(max_loras, base_layer.out_features, n, dtype=w.dtype,
-                                                   device=w.device), persistent=False)
+                                                   device=device), persistent=False)
 
     @property
     def full_in_features(self) -> int:

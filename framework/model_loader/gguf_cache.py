@@ -23,6 +23,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import mmap
 import os
 import shutil
 import tempfile
@@ -155,6 +156,19 @@ class GGUFTensor:
     name: str
     tensor_type: Any
     data: np.ndarray
+    span: tuple[int, int] = (0, 0)  # byte offset and length in the file
+    memory: Any = None  # the file's ``mmap.mmap``
+
+    def release(self) -> None:
+        """Drop the file's mapped pages up to the end of this tensor from the process (``madvise(MADV_DONTNEED)``):
+        once converted they only add to the resident size. Everything before it goes too, since a tensor read
+        again after its own release (the first rows of a fused weight, converted when the last arrive) maps its
+        pages back. The data stays readable (read again from the page cache)."""
+        if self.memory is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        end = min(len(self.memory), self.span[0] + self.span[1])
+        if end > 0:
+            self.memory.madvise(mmap.MADV_DONTNEED, 0, end)
 
 
 def read_gguf_tensors(path: str) -> tuple[str, list[GGUFTensor]]:
@@ -205,9 +219,11 @@ _PLAIN_TYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": n
 def _map_tensors(path: str, entries: list[dict[str, Any]]) -> list[GGUFTensor]:
     import gguf
 
-    # A plain ndarray view of the map: slices of a numpy.memmap run its __array_finalize__ in every numpy
+    # A plain ndarray over the map: slices of a numpy.memmap run its __array_finalize__ in every numpy
     # call that dequantization makes (about a second per load of the embedded model).
-    memory = np.memmap(path, mode="r").view(np.ndarray)
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    memory = np.frombuffer(mapped, dtype=np.uint8)
     tensors = []
     for e in entries:
         ggml_type = gguf.GGMLQuantizationType(e["type"])
@@ -221,7 +237,7 @@ def _map_tensors(path: str, entries: list[dict[str, Any]]) -> list[GGUFTensor]:
             data = raw.view(plain).reshape(dims)
         else:
             data = raw.reshape(gguf.quants.quant_shape_to_byte_shape(dims, ggml_type))
-        tensors.append(GGUFTensor(e["name"], ggml_type, data))
+        tensors.append(GGUFTensor(e["name"], ggml_type, data, (e["offset"], n_bytes), mapped))
     return tensors
 
 

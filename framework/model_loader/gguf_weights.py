@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from tokenmill.model_loader.gguf_tensor import GGUFQuantTensor
+
 PERMUTED_ARCHS = frozenset({"llama", "granite", "granitemoe", "deci"})
 GEMMA_ARCHS = frozenset({"gemma", "gemma2", "gemma3"})
 
@@ -81,20 +83,31 @@ def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _unpermute_any(w: torch.Tensor | GGUFQuantTensor, n_heads: int) -> torch.Tensor | GGUFQuantTensor:
+    """:func:`_unpermute` on float rows, or on the rows of GGUF blocks (a row order: blocks never span rows)."""
+    if isinstance(w, torch.Tensor):
+        return _unpermute(w, n_heads)
+    return w.index_rows(_unpermute(torch.arange(w.shape[0]), n_heads))
+
+
 def gguf_architecture(reader: Any) -> str:
     """``general.architecture`` of an open ``gguf.GGUFReader``."""
     field = reader.fields["general.architecture"]
     return bytes(field.parts[field.data[0]]).decode()
 
 
-def iterate_gguf_weights(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, float32 tensor)`` for every tensor of a GGUF file (each a new contiguous tensor).
+def iterate_gguf_weights(
+    path: str, hf_config: Any, keep_quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor | GGUFQuantTensor]]:
+    """Yield ``(hf_name, tensor)`` for every tensor of a GGUF file, one at a time: each a new contiguous float32
+    tensor, or with ``keep_quantized`` a :class:`GGUFQuantTensor` for 2-D block-quantized tensors (a view of the
+    file). A tensor's mapped pages are released when the consumer asks for the next one.
 
     Raises:
         ValueError: a tensor name has no Hugging Face equivalent (an unsupported architecture).
     """
     from tokenmill.model_loader.gguf_cache import read_gguf_tensors
-    from tokenmill.model_loader.gguf_dequant import dequantize_gguf
+    from tokenmill.model_loader.gguf_dequant import BLOCK_TYPES, dequantize_gguf
 
     arch, tensors = read_gguf_tensors(path)
     n_heads = hf_config.num_attention_heads
@@ -105,12 +118,20 @@ def iterate_gguf_weights(path: str, hf_config: Any) -> Iterator[tuple[str, torch
             if tensor.name.startswith("rope_"):  # precomputed rope tables / factors: the config has them
                 continue
             raise ValueError(f"GGUF tensor {tensor.name!r} of architecture {arch!r} has no known Hugging Face name")
-        array = dequantize_gguf(tensor.data, tensor.tensor_type)
+        type_name = tensor.tensor_type.name
+        array: torch.Tensor | GGUFQuantTensor
+        if keep_quantized and type_name in BLOCK_TYPES and tensor.data.ndim == 2:
+            array = GGUFQuantTensor.from_numpy(type_name, tensor.data)
+        else:
+            array = dequantize_gguf(tensor.data, tensor.tensor_type)
         if arch in PERMUTED_ARCHS:
             if hf_name.endswith("q_proj.weight"):
-                array = _unpermute(array, n_heads)
+                array = _unpermute_any(array, n_heads)
             elif hf_name.endswith("k_proj.weight"):
-                array = _unpermute(array, n_kv)
-        if arch in GEMMA_ARCHS and hf_name.endswith("norm.weight"):
-            array = array - 1.0
-        yield hf_name, array.contiguous()
+                array = _unpermute_any(array, n_kv)
+        if isinstance(array, torch.Tensor):
+            if arch in GEMMA_ARCHS and hf_name.endswith("norm.weight"):
+                array = array - 1.0
+            array = array.contiguous()
+        yield hf_name, array
+        tensor.release()

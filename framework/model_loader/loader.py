@@ -13,6 +13,7 @@ from tokenmill.model_loader.registry import ModelRegistry
 
 logger = logging.getLogger(__name__)
 
+
 def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     """Instantiate the architecture named in the config and load its weights on ``device``.
 
@@ -22,7 +23,7 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
             support it.
     """
     model_cls = ModelRegistry.resolve_model_cls(model_config.architectures)
-    from tokenmill.distributed import get_pp_size, get_tp_rank
+    from tokenmill.distributed import get_pp_size, get_tp_rank, get_tp_size
     from tokenmill.model_contract import check_model_class
 
     check_model_class(model_cls)
@@ -43,16 +44,29 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
             model = model_cls(model_config)
     finally:
         torch.set_default_dtype(previous)
+    # Weights stay quantized from a GGUF file on one CPU process (tokenmill.model_loader.quantized_loading);
+    # with tensor or pipeline parallelism the model loads in float and gets quantized copies, as before.
+    keep_quantized = bool(model_config.gguf_file and model_config.quantization and torch.device(device).type == "cpu"
+                          and get_tp_size() == 1 and get_pp_size() == 1)
     if model_config.gguf_file:
         from tokenmill.model_loader.gguf_weights import iterate_gguf_weights
 
-        weights = iterate_gguf_weights(model_config.model, model_config.hf_config)
+        weights = iterate_gguf_weights(model_config.model, model_config.hf_config, keep_quantized)
     else:
         from tokenmill.model_loader.hf_dir import iterate_hf_weights
 
         weights = iterate_hf_weights(model_config.model)
+    if keep_quantized:
+        from tokenmill.model_loader import quantized_loading
+
+        prepared = quantized_loading.prepare_quantized_loading(model, model_config.quantization)
+        weights = quantized_loading.feeding_tied_heads(model, weights)
     with torch.no_grad():
         loaded = model.load_weights(weights)
+    if keep_quantized:
+        quantized_loading.finish_quantized_loading(model)
+        logger.info("GGUF weights kept quantized: %d layers; %.1f MiB of buffers", prepared,
+                    sum(b.numel() * b.element_size() for b in model.buffers()) / 2**20)
     missing = {n for n, _ in model.named_parameters()} - loaded
     if missing:
         raise ValueError(f"model: checkpoint has no weights for {sorted(missing)[:8]} ({len(missing)} in all)")

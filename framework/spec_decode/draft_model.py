@@ -89,7 +89,7 @@ class DraftModelProposer:
 
     def model_memory_bytes(self) -> int:
         assert self.model is not None
-        return sum(t.numel() * t.element_size() for t in self.model.parameters())
+        return sum(t.numel() * t.element_size() for t in self.model.parameters() if not t.is_meta)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         allocate_kv_caches(self.attn_backend, self.attn_layers, num_blocks, self.block_size, self.kv_cache_dtype,

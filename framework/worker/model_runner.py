@@ -96,6 +96,8 @@ class ModelRunner:
         assert self.model is not None
         seen, total = set(), 0
         for t in list(self.model.parameters()) + list(self.model.buffers()):
+            if t.is_meta:  # a weight kept only quantized (its buffers count)
+                continue
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
                 total += t.numel() * t.element_size()

@@ -57,6 +57,61 @@ def _safe_div(x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return torch.where(d > 0, x / torch.where(d > 0, d, torch.ones_like(d)), torch.zeros_like(x))
 
 
+_LOW = 0x0F0F0F0F
+_HIGH = -0x0F0F0F10  # 0xF0F0F0F0 as an int32
+
+
+def _panels_of_words(words: torch.Tensor) -> torch.Tensor:
+    """``[N, W]`` int32, each word four bytes of one row -> the panel layout ``[N / 16, W * 64]`` uint8:
+    ``[W][16 rows][4 bytes]`` per panel of 16 rows."""
+    n, w = words.shape
+    return words.reshape(n // ROWS, ROWS, w).transpose(1, 2).contiguous().view(torch.uint8).reshape(n // ROWS, -1)
+
+
+def _q4_words(qs: torch.Tensor) -> torch.Tensor:
+    """GGUF 4-bit codes ``[N, K / 32, 4]`` int32 (16 bytes per block; byte ``t``: value ``t`` in the low nibble,
+    ``t + 16`` in the high one) -> :class:`Q4Weight`'s packed panels, moving nibbles four bytes at a time.
+
+    The kernel's byte ``i`` of 8-channel group ``j`` holds channel ``8j + i`` low and ``8j + 4 + i`` high; a
+    block's groups 0-1 are its values 0-15 (the low nibbles of bytes 0-15), groups 2-3 its values 16-31 (the
+    high nibbles): group 0 = low(bytes 0-3) | low(bytes 4-7) << 4, group 2 = high(bytes 0-3) >> 4 |
+    high(bytes 4-7), and groups 1, 3 the same with bytes 8-15."""
+    w0, w1, w2, w3 = qs.unbind(-1)
+    groups = torch.stack((
+        (w0 & _LOW) | ((w1 & _LOW) << 4),
+        (w2 & _LOW) | ((w3 & _LOW) << 4),
+        ((w0 >> 4) & _LOW) | (w1 & _HIGH),
+        ((w2 >> 4) & _LOW) | (w3 & _HIGH),
+    ), dim=-1)
+    return _panels_of_words(groups.reshape(qs.shape[0], -1))
+
+
+def _open_blocks(cls: type[QuantizedWeight], blocks: torch.Tensor, size: int, method: str
+                 ) -> tuple[QuantizedWeight, torch.Tensor, torch.Tensor]:
+    """An empty ``cls`` for GGUF rows of ``size``-byte blocks of 32 values, the blocks ``[N, K / 32, size]`` and
+    their leading float16 scales ``d`` ``[N, K / 32]``.
+
+    Raises:
+        UnsupportedShapeError: ``N`` is not a multiple of 16.
+    """
+    n, nb = blocks.shape[0], blocks.shape[1] // size
+    _check_shape(torch.empty(n, nb * BLOCK, device="meta"), method)
+    b = blocks.reshape(n, nb, size)
+    obj = cls.__new__(cls)
+    QuantizedWeight.__init__(obj, torch.empty(n, nb * BLOCK, device="meta"))
+    return obj, b, b[..., :2].contiguous().view(torch.float16).reshape(n, nb)
+
+
+def _concat_panels(cls: type[QuantizedWeight], parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Row tiles (each a multiple of 16 rows) joined: every buffer is ``[N / 16, ...]``, panel-major."""
+    obj = cls.__new__(cls)
+    n = sum(p.out_features for p in parts)
+    QuantizedWeight.__init__(obj, torch.empty(n, parts[0].in_features, device="meta"))
+    names = [name for name, _ in parts[0].named_buffers()]
+    obj.store(**{name: torch.cat([getattr(p, name) for p in parts]) for name in names})
+    return obj
+
+
 class Q8Weight(QuantizedWeight):
     """8-bit copy of a weight ``[N, K]`` in blocks of 32 (``K`` a multiple of 32, ``N`` of 16).
 
@@ -75,8 +130,47 @@ class Q8Weight(QuantizedWeight):
         blocks = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
         d = (blocks.abs().amax(dim=-1) / 127.0).clamp(max=65504.0).to(torch.float16)
         codes = (_safe_div(blocks, d.float()[..., None]).round().clamp(-127, 127) + 128).to(torch.uint8)
+        self._pack(codes.reshape(n, k), d)
+
+    def _pack(self, codes: torch.Tensor, d: torch.Tensor) -> None:
+        """``codes [N, K]`` uint8 (``q + 128``), ``d [N, K / 32]`` float16 -> the kernel's buffers."""
+        n, k = codes.shape
         packed = codes.reshape(n // ROWS, ROWS, k // 4, 4).permute(0, 2, 1, 3).reshape(n // ROWS, k * ROWS)
         self.store(packed=packed.contiguous(), scales=_panel_scales(d))
+
+    @classmethod
+    def from_gguf(cls, type_name: str, blocks: torch.Tensor) -> Q8Weight | None:
+        """GGUF ``Q8_0`` (``w = d * q``) and ``Q5_0`` (``w = d * (q - 16)``, codes -16..15) rows, exactly: the
+        same codes and float16 scales, repacked without a float copy; ``None`` for any other type.
+
+        Args:
+            type_name: the GGML type.
+            blocks: ``[N, K / 32 * bytes_per_block]`` uint8.
+
+        Raises:
+            UnsupportedShapeError: ``N`` is not a multiple of 16.
+        """
+        if type_name not in ("Q8_0", "Q5_0"):
+            return None
+        obj, b, d = _open_blocks(cls, blocks, 34 if type_name == "Q8_0" else 22, "int8")
+        n, nb = d.shape
+        if type_name == "Q8_0":
+            q = b[..., 2:].contiguous()
+            if (q == 0x80).any():  # -128: outside the kernel's -127..127 (llama.cpp never writes it)
+                return None
+            words = q.view(torch.int32).reshape(n, nb * 8) ^ -0x7F7F7F80  # q + 128 = q ^ 0x80 per byte
+            obj.store(packed=_panels_of_words(words), scales=_panel_scales(d))
+            return obj
+        qs, qh = b[..., 6:], b[..., 2:6].contiguous().view(torch.int32)  # [n, nb, 16], [n, nb, 1]
+        high = ((qh >> torch.arange(32, dtype=torch.int32)) & 1).to(torch.uint8) << 4
+        codes = (torch.cat((qs & 0x0F, qs >> 4), dim=-1) | high) + (128 - 16)  # (q in 0..31) - 16 + 128
+        obj._pack(codes.reshape(n, nb * BLOCK), d)
+        return obj
+
+    @classmethod
+    def concat_rows(cls, parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """``parts`` (each :class:`Q8Weight`) as one weight, rows in order."""
+        return _concat_panels(cls, parts)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., K]`` (float32, bfloat16 or float16) -> ``[..., N]`` in ``x``'s dtype."""
@@ -113,10 +207,79 @@ class Q4Weight(QuantizedWeight):
         low = blocks.amin(dim=-1).to(torch.float16)
         d = ((blocks.amax(dim=-1) - low.float()) / 15.0).clamp(max=65504.0).to(torch.float16)
         codes = _safe_div(blocks - low.float()[..., None], d.float()[..., None]).round().clamp(0, 15).to(torch.uint8)
+        self._pack(codes.reshape(n, k), d, low)
+
+    def _pack(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
+        """``codes [N, K]`` uint8 (0..15), ``d``, ``m`` ``[N, K / 32]`` float16 -> the kernel's buffers."""
+        n, k = codes.shape
         # [P, 16, K/8, 2, 4] -> [P, K/8, 2, 16, 4]: half 0 (channels 8j..8j+3) low nibble, half 1 high nibble
         c = codes.reshape(n // ROWS, ROWS, k // 8, 2, 4).permute(0, 2, 3, 1, 4)
         packed = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n // ROWS, k * ROWS // 2).contiguous()
-        self.store(packed=packed, scales=_panel_scales(d), mins=_panel_scales(low))
+        self.store(packed=packed, scales=_panel_scales(d), mins=_panel_scales(m))
+
+    @classmethod
+    def from_gguf(cls, type_name: str, blocks: torch.Tensor) -> Q4Weight | None:
+        """GGUF ``Q4_1`` (``w = d * q + m``) and ``Q4_0`` (``w = d * (q - 8)``, taken as ``m = -8 d``: exact in
+        float16 unless it overflows) rows: the same codes, repacked without a float copy; ``Q4_K`` with its
+        sub-block scales rounded to float16 (:meth:`_from_q4_k`); ``None`` for any other type or a ``Q4_0``
+        scale above 65504 / 8.
+
+        Args:
+            type_name: the GGML type.
+            blocks: ``[N, K / 32 * bytes_per_block]`` uint8.
+
+        Raises:
+            UnsupportedShapeError: ``N`` is not a multiple of 16.
+        """
+        if type_name == "Q4_K":
+            return cls._from_q4_k(blocks)
+        if type_name not in ("Q4_0", "Q4_1"):
+            return None
+        size = 18 if type_name == "Q4_0" else 20
+        obj, b, d = _open_blocks(cls, blocks, size, "int4")
+        n, nb = d.shape
+        if type_name == "Q4_0":
+            m = d * -8.0
+            if not torch.isfinite(m).all():
+                return None
+        else:
+            m = b[..., 2:4].contiguous().view(torch.float16).reshape(n, nb)
+        # 16-bit units: Q4_0's codes start at byte 2 of an 18-byte block (not 4-byte aligned), Q4_1's at byte 4
+        if blocks.storage_offset() % 2 or not blocks.is_contiguous():  # a file with an odd data alignment
+            blocks = blocks.contiguous().clone()
+        qs = blocks.view(torch.int16).reshape(n, nb, size // 2)[..., (size - 16) // 2:].contiguous()
+        packed = _q4_words(qs.view(torch.int32).reshape(n, nb, 4))
+        obj.store(packed=packed, scales=_panel_scales(d), mins=_panel_scales(m))
+        return obj
+
+    @classmethod
+    def _from_q4_k(cls, blocks: torch.Tensor) -> Q4Weight | None:
+        """GGUF ``Q4_K`` rows: each 256-value super-block is eight 32-value sub-blocks ``w = (d sc) q - (dmin mn)``
+        with 6-bit ``sc``, ``mn``: a sub-block is one of these blocks with ``d = d sc``, ``m = -(dmin mn)``, the
+        same codes, both products rounded to float16 (relative error at most 2^-11 of a sub-block's step and
+        minimum, against half a step for quantizing the values again); ``None`` if one overflows float16."""
+        n, ns = blocks.shape[0], blocks.shape[1] // 144
+        _check_shape(torch.empty(n, ns * 256, device="meta"), "int4")
+        b = blocks.reshape(n * ns, 144)
+        d, dmin = b[:, :2].contiguous().view(torch.float16).float(), b[:, 2:4].contiguous().view(torch.float16).float()
+        sc6, mn6 = b[:, 4:8], b[:, 8:12]
+        md = b[:, 12:16]
+        sc = torch.cat((sc6 & 0x3F, (md & 0x0F) | ((sc6 >> 2) & 0x30)), dim=1).float()  # [n * ns, 8]
+        mn = torch.cat((mn6 & 0x3F, (md >> 4) | ((mn6 >> 2) & 0x30)), dim=1).float()
+        scale, low = (d * sc).to(torch.float16), (-(dmin * mn)).to(torch.float16)
+        if not (torch.isfinite(scale).all() and torch.isfinite(low).all()):
+            return None
+        qs = b[:, 16:].reshape(n * ns, 4, 1, 32)  # chunk j: sub-block 2j in the low nibbles, 2j + 1 in the high
+        codes = torch.cat((qs & 0x0F, qs >> 4), dim=2).reshape(n, ns * 256)
+        obj = cls.__new__(cls)
+        QuantizedWeight.__init__(obj, torch.empty(n, ns * 256, device="meta"))
+        obj._pack(codes, scale.reshape(n, ns * 8), low.reshape(n, ns * 8))
+        return obj
+
+    @classmethod
+    def concat_rows(cls, parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """``parts`` (each :class:`Q4Weight`) as one weight, rows in order."""
+        return _concat_panels(cls, parts)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., K]`` (float32, bfloat16 or float16) -> ``[..., N]`` in ``x``'s dtype."""

@@ -1,0 +1,245 @@
+"""Load a GGUF file's weights straight into quantized layers: no float copy of the model ever exists.
+
+With ``--quantization int8|int4`` and a GGUF file, :func:`prepare_quantized_loading` turns every quantizable
+layer's weight into a meta-device parameter (no memory) and gives the layer a :class:`QuantizedRowLoader`. The
+loader then reads the file tensor by tensor (``tokenmill.model_loader.gguf_weights``, each tensor's mapped
+pages released once it is converted); the layers' weight loaders hand their rows, still in GGUF blocks
+(:class:`~tokenmill.model_loader.gguf_tensor.GGUFQuantTensor`), to the layer's row loader, and once all of a
+layer's rows are in (q, k and v of a fused projection arrive one by one) it builds the layer's only weight:
+
+1. the blocks themselves, when every row has the same GGML type and one of the platform's formats holds that
+   type (:meth:`QuantizedWeight.from_gguf`; the CPU plugin: ``Q8_0``/``Q5_0`` in its int8 layout and
+   ``Q4_0``/``Q4_1`` in its int4 layout exactly, ``Q4_K`` in the int4 layout with its sub-block scales rounded
+   to float16), whichever method was asked for: a file is never stored with fewer bits than it has, nor with
+   more than it needs;
+2. otherwise the rows dequantized and quantized again (:data:`TILE_ROWS` rows at a time in float32, so no
+   float copy of a whole weight is made either), in a format chosen by the source: 4 bits or fewer
+   (``Q2_K``, ``Q3_K``) -> the ``int4`` format, more (``Q5_1``, ``Q5_K``, ``Q6_K``) -> ``int8``, float
+   tensors -> the method asked for (the LM head: the method's ``lm_head_method``).
+
+The layer then runs its quantized weight for every number of rows (``quant_only``). The token embedding keeps
+its GGUF blocks and dequantizes the rows it looks up; a tied LM head is built from the same blocks. Peak memory
+during the load is the quantized model plus one tile in float32 plus one tensor's mapped pages
+(``tests/models/test_quantized_loading.py`` measures it). Tensor and pipeline parallelism keep the float load
+and its quantized copies (``tokenmill.model_loader.loader``): a row-parallel shard cuts GGUF blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenmill.layers.quantization import QuantizedWeight, UnsupportedShapeError, get_quantized_weight_cls
+from tokenmill.model_loader.gguf_tensor import GGUFQuantTensor
+
+TILE_ROWS = 256  # output rows quantized at a time: a float32 tile of 256 x K, not a whole weight
+LOW_BIT_TYPES = frozenset({"Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K"})
+
+
+class QuantizedRowLoader:
+    """Collects one layer's weight rows and quantizes the layer once they are all in.
+
+    Args:
+        layer: a linear layer or LM head (``weight`` ``[N, K]``, ``quant``, ``quant_only``).
+        cls: the format for float rows (the method asked for, or its ``lm_head_method`` for the head).
+        formats: every format the platform offers, by method name (``int4``, ``int8``).
+    """
+
+    def __init__(self, layer: nn.Module, cls: type[QuantizedWeight], formats: dict[str, type[QuantizedWeight]]):
+        self.layer = layer
+        self.cls = cls
+        self.formats = formats
+        self.rows: list[tuple[int, Any]] = []
+        self.filled = 0
+        self.shape = tuple(layer.weight.shape)
+        self.done = False
+        self.tied = False  # an LM head whose weight is the token embedding's (fed by feeding_tied_heads)
+
+    def add_rows(self, offset: int, rows: Any) -> None:
+        """Rows ``offset:offset + len(rows)`` (float ``[r, K]`` or :class:`GGUFQuantTensor`); the last one builds
+        the layer's weight.
+
+        Raises:
+            ValueError: the layer was already complete (a checkpoint tensor loaded twice).
+        """
+        if self.done:
+            raise ValueError(f"weight {self.shape}: rows {offset}:{offset + rows.shape[0]} loaded twice")
+        self.rows.append((offset, rows))
+        self.filled += rows.shape[0]
+        if self.filled >= self.shape[0]:
+            self._finish()
+
+    def _finish(self) -> None:
+        self.done = True
+        threads = torch.get_num_threads()
+        # Tiles are small and the conversions memory-bound: one thread is as fast on an idle machine, and on
+        # a busy one (more runnable threads than cores) parallel regions were 5-20x slower (a 8192 x 2048 Q4_0
+        # weight: 0.47 s on 2 threads, 0.05 s on one, 2 cores at load 7)
+        torch.set_num_threads(1)
+        try:
+            self._convert()
+        finally:
+            torch.set_num_threads(threads)
+
+    def _convert(self) -> None:
+        self.rows.sort(key=lambda r: r[0])
+        types = {r.type_name if isinstance(r, GGUFQuantTensor) else "float" for _, r in self.rows}
+        quant = None
+        if len(types) == 1 and "float" not in types:
+            (type_name,) = types
+            quant = self._tiled(lambda cls, start, end: cls.from_gguf(type_name, self._blocks(start, end)),
+                                dict.fromkeys([self.cls, *self.formats.values()]))
+        if quant is None:
+            quant = self._tiled(lambda cls, start, end: cls(self._floats(start, end)), [self._target(types)])
+        if quant is None:  # the format cannot pack this shape: the layer keeps a float32 weight
+            self.layer.weight = _param_like(self.layer.weight, self._floats(0, self.shape[0]))
+        else:
+            self.layer.quant = quant
+            self.layer.quant_only = True
+            self.layer.quant_max_tokens = 0
+        self.rows = []
+
+    def _tiled(self, make: Any, classes: Any) -> QuantizedWeight | None:
+        """The first of ``classes`` for which ``make(cls, start, end)`` gives a weight for rows ``start:end``,
+        built :data:`TILE_ROWS` rows at a time when the class joins tiles (``concat_rows``), else in one piece;
+        ``None`` when none can (``make`` returns ``None`` or the shape is unsupported)."""
+        n = self.shape[0]
+        for cls in classes:
+            try:
+                first = make(cls, 0, min(n, TILE_ROWS))
+                if first is None:
+                    continue
+                if n <= TILE_ROWS:
+                    return first
+                rest = [make(cls, s, min(n, s + TILE_ROWS)) for s in range(TILE_ROWS, n, TILE_ROWS)]
+                joined = cls.concat_rows([first, *rest]) if all(r is not None for r in rest) else None
+                if joined is not None:
+                    return joined
+                del first, rest
+                whole = make(cls, 0, n)
+            except UnsupportedShapeError:
+                continue
+            if whole is not None:
+                return whole
+        return None
+
+    def _pieces(self, start: int, end: int) -> list[Any]:
+        """The loaded rows ``start:end``, as slices of the pieces that hold them (in order)."""
+        out = []
+        for offset, rows in self.rows:
+            lo, hi = max(start, offset), min(end, offset + rows.shape[0])
+            if lo < hi:
+                out.append(rows.narrow(0, lo - offset, hi - lo))
+        return out
+
+    def _blocks(self, start: int, end: int) -> torch.Tensor:
+        parts = [p.blocks for p in self._pieces(start, end)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _floats(self, start: int, end: int) -> torch.Tensor:
+        parts = [p.dequantize() if isinstance(p, GGUFQuantTensor) else p.float() for p in self._pieces(start, end)]
+        return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts)
+
+    def _target(self, types: set[str]) -> type[QuantizedWeight]:
+        if "float" in types:
+            return self.cls
+        if types <= LOW_BIT_TYPES and "int4" in self.formats:
+            return self.formats["int4"]
+        return self.formats.get("int8", self.cls)
+
+
+def _param_like(old: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
+    new = nn.Parameter(data, requires_grad=False)
+    loader = getattr(old, "weight_loader", None)
+    if loader is not None:
+        new.weight_loader = loader  # type: ignore[attr-defined]
+    return new
+
+
+def prepare_quantized_loading(model: nn.Module, method: str) -> int:
+    """Make ``model``'s quantizable layers (those ``quantize_model`` would quantize) and its token embedding
+    take GGUF blocks while loading (module docstring). Tied weights stay tied (one meta parameter).
+
+    Returns:
+        the number of layers prepared.
+
+    Raises:
+        ValueError: unknown method or not supported on this platform (``get_quantized_weight_cls``).
+    """
+    from tokenmill.config import QUANTIZATION_METHODS
+    from tokenmill.layers.vocab_embedding import VocabParallelEmbedding
+
+    cls = get_quantized_weight_cls(method)
+    head_cls = get_quantized_weight_cls(cls.lm_head_method) if cls.lm_head_method else cls
+    formats = {}
+    for m in QUANTIZATION_METHODS:
+        try:
+            formats[m] = get_quantized_weight_cls(m)
+        except ValueError:
+            continue
+    replaced: dict[int, nn.Parameter] = {}
+
+    def to_meta(module: nn.Module) -> None:
+        old = module.weight
+        new = replaced.get(id(old))
+        if new is None:
+            new = _param_like(old, torch.empty(old.shape, dtype=old.dtype, device="meta"))
+            replaced[id(old)] = new
+        module.weight = new
+
+    count = 0
+    for module in model.modules():
+        if isinstance(module, VocabParallelEmbedding) and not getattr(module, "is_lm_head", False):
+            if module.tp_size == 1:
+                module.keep_blocks = True
+                to_meta(module)
+            continue
+        if not hasattr(module, "attach_quantized") or not getattr(module, "quantizable", True):
+            continue
+        if getattr(module, "tp_size", 1) != 1:
+            continue
+        module.quant_loader = QuantizedRowLoader(
+            module, head_cls if getattr(module, "is_lm_head", False) else cls, formats)
+        to_meta(module)
+        count += 1
+    embeddings = [m.weight for m in model.modules()
+                  if isinstance(m, VocabParallelEmbedding) and not getattr(m, "is_lm_head", False)]
+    for module in model.modules():
+        loader = getattr(module, "quant_loader", None)
+        if getattr(module, "is_lm_head", False) and loader is not None:
+            loader.tied = any(module.weight is w for w in embeddings)
+    return count
+
+
+def feeding_tied_heads(model: nn.Module, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """``weights`` unchanged; once the token embedding has been loaded from them, it is also given to a tied
+    LM head's row loader (its weight is the embedding's parameter, which the checkpoint fills once)."""
+    for name, tensor in weights:
+        yield name, tensor
+        if not name.endswith("embed_tokens.weight"):
+            continue
+        for module in model.modules():
+            loader = getattr(module, "quant_loader", None)
+            if loader is not None and loader.tied and not loader.done:
+                loader.add_rows(0, tensor)
+
+
+def finish_quantized_loading(model: nn.Module) -> None:
+    """Check every prepared layer got all its rows and drop the row loaders.
+
+    Raises:
+        ValueError: a layer's weight is incomplete (the checkpoint lacks rows of it).
+    """
+    incomplete = []
+    for name, module in model.named_modules():
+        loader = getattr(module, "quant_loader", None)
+        if loader is None:
+            continue
+        if not loader.done:
+            incomplete.append(f"{name} ({loader.filled} of {loader.shape[0]} rows)")
+        module.quant_loader = None
+    if incomplete:
+        raise ValueError(f"model: checkpoint has no weights for {', '.join(incomplete[:8])}")
