@@ -17,10 +17,11 @@ tokens' logits.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import torch
+
+from tokenmill.config import parse_json_object
 
 TWO_WAY = "from_2_way_softmax"
 PER_TOKEN = "no_post_processing"
@@ -34,14 +35,7 @@ def parse_hf_overrides(value: dict[str, Any] | str | None) -> dict[str, Any]:
     """
     if value is None or value == "":
         return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"hf_overrides: not valid JSON ({exc.msg}): {value!r}") from exc
-    if not isinstance(value, dict):
-        raise ValueError(f"hf_overrides: expected a JSON object of config fields, got {type(value).__name__}")
-    return dict(value)
+    return parse_json_object(value, "hf_overrides")
 
 
 def apply_hf_overrides(hf_config: Any, overrides: dict[str, Any]) -> None:
