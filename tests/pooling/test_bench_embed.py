@@ -39,6 +39,7 @@ def test_bench_embed_with_sentence_transformers_baseline(bert_embedder_dir: str,
         assert len(tm["times_s"]) == 2 and tm["sequences_per_s"] == pytest.approx(3 / tm["median_s"])
         assert base["best_dtype"] == "float32" and len(base["dtypes"]["float32"]["times_s"]) == 2
         assert fig["ratio_sequences_per_s"] == pytest.approx(tm["sequences_per_s"] / base["sequences_per_s"])
+        assert fig["ratio_same_dtype"] == fig["ratio_sequences_per_s"]  # one dtype on both sides
         assert fig["min_cosine_vs_baseline_float32"] > 1 - 1e-5
     assert r["baseline"]["name"] == "sentence-transformers"
 
