@@ -244,3 +244,22 @@ class EngineConfig:
     lora_config: LoRAConfig | None = None  # None: LoRA adapters are off
     # speculative decoding (tokenmill.spec_decode.config.SpeculativeConfig), or None
     speculative_config: Any = None
+
+
+def parse_json_object(value: dict[str, Any] | str, name: str) -> dict[str, Any]:
+    """A flag that takes a JSON object (``--speculative-config``, ``--hf-overrides``): the text parsed, or the
+    dict given (``LLM(...)`` keyword arguments), copied.
+
+    Raises:
+        ValueError: not valid JSON, or not an object (the message starts with ``name``).
+    """
+    if isinstance(value, str):
+        import json
+
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name}: not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}: must be a JSON object, got {type(value).__name__}")
+    return dict(value)

@@ -101,6 +101,7 @@ class EngineArgs:
     structured_outputs_backend: str = "auto"
     runner: str = "auto"
     convert: str = "auto"
+    hf_overrides: dict[str, Any] | str | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -152,6 +153,11 @@ class EngineArgs:
         g.add_argument("--convert", default=d.convert, choices=["auto", "none", "embed", "classify"],
                        help="How the pooling runner uses the model: embed (pooled hidden states) or classify "
                             "(its classification head); auto: classify for *ForSequenceClassification.")
+        g.add_argument("--hf-overrides", default=d.hf_overrides, metavar="JSON",
+                       help="Fields to set on the model's transformers config, as a JSON object (vLLM's flag), e.g. "
+                            "'{\"architectures\": [\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": "
+                            "[\"no\", \"yes\"], \"is_original_qwen3_reranker\": true}' serves a Qwen3-Reranker "
+                            "checkpoint as a reranker (docs/pooling.md).")
         g.add_argument("--seed", type=int, default=d.seed)
         g.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager)
         g.add_argument("--compile-mode", default=d.compile_mode, choices=list(COMPILE_MODES),
@@ -214,6 +220,9 @@ class EngineArgs:
         hf_config = load_hf_config(loc.directory, loc.gguf_file, trust_remote_code=self.trust_remote_code,
                                    gguf_tokenizer=self.tokenizer is None)
         from tokenmill.model_loader.pooling_setup import resolve_runner
+        from tokenmill.model_loader.token_classifier import apply_hf_overrides, parse_hf_overrides
+
+        apply_hf_overrides(hf_config, parse_hf_overrides(self.hf_overrides))
 
         choice = resolve_runner(loc.directory, hf_config, self.runner, self.convert)
         derived = derived_max_model_len(hf_config)

@@ -10,13 +10,14 @@ tokenizer's pair encoding) has token type 1 after its first ``[SEP]``, which is 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from tokenmill.layers import Attention
+from tokenmill.layers import Attention, QKVParallelLinear, ReplicatedLinear
 
 
 def _activation(name: str) -> nn.Module:
@@ -46,14 +47,16 @@ class BertSelfAttention(nn.Module):
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
-        self.query = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        self.key = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        self.value = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        # query, key and value as one product (checkpoint names map onto it in _load_by_name), through the
+        # platform's linear method like every decoder's projections
+        self.qkv = QKVParallelLinear(cfg.hidden_size, self.head_dim, self.num_heads, self.num_heads, bias=True)
+        self.hidden_size = cfg.hidden_size
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_heads, prefix=f"{prefix}.attn",
                               attn_type="encoder_only")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.attn(self.query(x), self.key(x), self.value(x))
+        q, k, v = self.qkv(x).split(self.hidden_size, dim=-1)
+        return self.attn(q, k, v)
 
 
 class BertDenseOutput(nn.Module):
@@ -61,7 +64,7 @@ class BertDenseOutput(nn.Module):
 
     def __init__(self, in_features: int, cfg: Any) -> None:
         super().__init__()
-        self.dense = nn.Linear(in_features, cfg.hidden_size)
+        self.dense = ReplicatedLinear(in_features, cfg.hidden_size, bias=True)
         self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -81,7 +84,7 @@ class BertAttention(nn.Module):
 class BertIntermediate(nn.Module):
     def __init__(self, cfg: Any) -> None:
         super().__init__()
-        self.dense = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.dense = ReplicatedLinear(cfg.hidden_size, cfg.intermediate_size, bias=True)
         self.act = _activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -211,6 +214,9 @@ class XLMRobertaForSequenceClassification(nn.Module):
         return _load_by_name(self, weights, "", skip=("embeddings.position_ids", "roberta.pooler."))
 
 
+_QKV_NAME = re.compile(r"\.attention\.self\.(query|key|value)\.")
+
+
 def _load_by_name(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], strip: str,
                   skip: tuple[str, ...]) -> set[str]:
     params = dict(model.named_parameters())
@@ -223,12 +229,21 @@ def _load_by_name(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                 name = name[len(prefix):]
         if any(s in name for s in skip) or name.startswith(("cls.", "lm_head.")):
             continue
+        shard = None
+        match = _QKV_NAME.search(name)
+        if match is not None:  # transformers' separate projections -> the fused qkv parameter
+            shard = match.group(1)[0]
+            name = name[: match.start()] + ".attention.self.qkv." + name[match.end():]
         param = params.get(name)
         if param is None:
             raise KeyError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
-        if param.shape != tensor.shape:
-            raise ValueError(f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)} vs {tuple(param.shape)}")
-        param.data.copy_(tensor)
+        if shard is not None:
+            param.weight_loader(param, tensor, shard)  # type: ignore[attr-defined]
+        else:
+            if param.shape != tensor.shape:
+                raise ValueError(f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)} vs "
+                                 f"{tuple(param.shape)}")
+            param.data.copy_(tensor)
         loaded.add(name)
     return loaded
 

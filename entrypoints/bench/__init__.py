@@ -1,6 +1,7 @@
 """``tokenmill bench``: throughput, latency, serve and sweep benchmarks.
 
-``tokenmill bench throughput``, ``latency`` and ``structured`` (structured-output cost) run the engine in this process (every engine flag of
+``tokenmill bench throughput``, ``latency``, ``structured`` (structured-output cost) and ``embed`` (embedding
+throughput against sentence-transformers) run the engine in this process (every engine flag of
 ``tokenmill serve`` applies, from :meth:`tokenmill.engine_args.EngineArgs.add_cli_args`); ``serve`` loads any
 running OpenAI-compatible server; ``sweep`` records throughput and step time against batch size for
 ``benchmarks/plot.py``. Each prints a table and, with ``--json FILE``, writes every figure with the machine
@@ -23,9 +24,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction, add_extra_args: Add
         subparsers: the top-level parser's sub-parsers.
         add_extra_args: adds plugin flags to the engine benchmarks' parsers (as ``serve`` has them).
     """
-    from tokenmill.entrypoints.bench import latency, serve, structured, sweep, throughput
+    from tokenmill.entrypoints.bench import embed, latency, serve, structured, sweep, throughput
 
-    parser = subparsers.add_parser("bench", help="Benchmark tokenmill (throughput, latency, serve, sweep, structured).",
+    parser = subparsers.add_parser("bench", help="Benchmark tokenmill (throughput, latency, serve, sweep, structured, embed).",
                                    description="Benchmarks; each prints a table and can write JSON (--json).")
     bench_sub = parser.add_subparsers(dest="bench_command", metavar="BENCHMARK")
     throughput.add_parser(bench_sub, add_extra_args)
@@ -33,6 +34,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction, add_extra_args: Add
     serve.add_parser(bench_sub)
     sweep.add_parser(bench_sub, add_extra_args)
     structured.add_parser(bench_sub, add_extra_args)
+    embed.add_parser(bench_sub, add_extra_args)
     parser.set_defaults(func=lambda _args: _print_help(parser))
 
 

@@ -309,19 +309,26 @@ def write_json(path: str, record: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------------------------ flags
 
 
-def add_shared_args(parser: argparse.ArgumentParser, *, output_len: int = 128, num_prompts: int | None = None,
+def add_shared_args(parser: argparse.ArgumentParser, *, output_len: int | None = 128, num_prompts: int | None = None,
                     num_prompts_help: str = "Number of prompts N", detokenize: bool = False,
-                    hf_dtypes: bool = False, tqdm: bool = False) -> None:
+                    hf_dtypes: bool = False, tqdm: bool = False, input_lens: str | None = None) -> None:
     """The flags the benchmarks share, in two groups: the workload (``--num-prompts`` when ``num_prompts`` is
-    given, ``--input-len``, ``--output-len``, ``--disable-detokenize`` with ``detokenize``, ``--hf-dtypes``
-    with ``hf_dtypes``) and the report (``--json``, ``--disable-tqdm`` with ``tqdm``)."""
+    given, ``--input-len`` (one length, or with ``input_lens`` a comma-separated list defaulting to it, parsed
+    by :func:`parse_lengths`), ``--output-len`` unless ``output_len`` is ``None``, ``--disable-detokenize``
+    with ``detokenize``, ``--hf-dtypes`` with ``hf_dtypes``) and the report (``--json``, ``--disable-tqdm``
+    with ``tqdm``)."""
     workload = parser.add_argument_group("workload")
     if num_prompts is not None:
         workload.add_argument("--num-prompts", type=int, default=num_prompts,
                               help=f"{num_prompts_help} (default {num_prompts}).")
-    workload.add_argument("--input-len", type=int, default=128, help="Prompt tokens I (default 128).")
-    workload.add_argument("--output-len", type=int, default=output_len,
-                          help=f"New tokens O per request (default {output_len}).")
+    if input_lens is None:
+        workload.add_argument("--input-len", type=int, default=128, help="Prompt tokens I (default 128).")
+    else:
+        workload.add_argument("--input-len", default=input_lens,
+                              help=f"Prompt tokens, one length or several separated by commas (default {input_lens}).")
+    if output_len is not None:
+        workload.add_argument("--output-len", type=int, default=output_len,
+                              help=f"New tokens O per request (default {output_len}).")
     if detokenize:
         workload.add_argument("--disable-detokenize", action="store_true",
                               help="Skip detokenization (token ids only), to time the engine alone.")
@@ -332,6 +339,21 @@ def add_shared_args(parser: argparse.ArgumentParser, *, output_len: int = 128, n
     report.add_argument("--json", default=None, metavar="FILE", help="Write every figure to this JSON file.")
     if tqdm:
         report.add_argument("--disable-tqdm", action="store_true", help="No progress bar.")
+
+
+def parse_lengths(text: str) -> list[int]:
+    """``"128,512"`` -> ``[128, 512]``.
+
+    Raises:
+        ValueError: an entry is not a positive integer, or there is none.
+    """
+    try:
+        lengths = [int(part) for part in str(text).split(",") if part.strip()]
+    except ValueError:
+        lengths = []
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"--input-len: expected positive integers separated by commas, got {text!r}")
+    return lengths
 
 
 # ------------------------------------------------------------------------------------------------ engine

@@ -69,23 +69,42 @@ class Pooler(nn.Module):
         """
         pooled = [self.pool(h) for h in hidden]
         out: list[torch.Tensor] = list(pooled)
+        if self.pooling_type != "ALL" and pooled:
+            stacked = torch.stack(pooled)  # [N, hidden]: the heads and norms below run once for the batch
+        else:
+            stacked = None
         cls_rows = [i for i, p in enumerate(params) if p.task in ("classify", "score")]
         if cls_rows:
             assert self.head is not None, "classify/score requests reach only a pooler with a head"
-            logits = self.head(torch.stack([pooled[i] for i in cls_rows])).float()
+            assert stacked is not None, "classify/score requests reach only a pooler with one vector per prompt"
+            logits = self.head(stacked[cls_rows]).float()
             for j, i in enumerate(cls_rows):
                 row = logits[j]
                 if params[i].activation is not False:
                     row = torch.sigmoid(row) if row.numel() == 1 else torch.softmax(row, dim=-1)
                 out[i] = row
+        groups: dict[tuple[int | None, bool], list[int]] = {}
         for i, p in enumerate(params):
             if p.task == "embed":
-                vec = pooled[i]
-                if p.dimensions is not None:
-                    vec = vec[..., : p.dimensions]
                 normalize = self.config.normalize if p.normalize is None else p.normalize
-                out[i] = F.normalize(vec, p=2, dim=-1) if normalize else vec
+                groups.setdefault((p.dimensions, bool(normalize)), []).append(i)
+        for (dims, normalize), rows in groups.items():
+            vecs = stacked[rows] if stacked is not None else [pooled[i] for i in rows]
+            for i, vec in zip(rows, _embed(vecs, dims, normalize)):
+                out[i] = vec
         return out
+
+
+def _embed(vecs: torch.Tensor | list[torch.Tensor], dims: int | None, normalize: bool) -> list[torch.Tensor]:
+    """Matryoshka truncation to ``dims`` values, then L2 normalization, of ``[N, hidden]`` vectors (or of a list
+    of ``[n_i, hidden]`` tensors with ``ALL``); one tensor per input."""
+    if isinstance(vecs, list):
+        return [_embed(v[None], dims, normalize)[0] for v in vecs]
+    if dims is not None:
+        vecs = vecs[..., :dims]
+    if normalize:
+        vecs = F.normalize(vecs, p=2, dim=-1)
+    return list(vecs.unbind(0))
 
 
 def build_pooler(model: nn.Module, config: PoolerConfig, convert: str) -> Pooler:

@@ -7,9 +7,10 @@ The field names are vLLM's (``--speculative-config`` takes the same JSON object)
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from typing import Any
+
+from tokenmill.config import parse_json_object
 
 SPEC_METHODS = ("ngram", "draft_model")
 
@@ -49,13 +50,7 @@ class SpeculativeConfig:
         if isinstance(value, SpeculativeConfig):
             config = value
         else:
-            if isinstance(value, str):
-                try:
-                    value = json.loads(value)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"speculative_config: not valid JSON ({exc})") from None
-            if not isinstance(value, dict):
-                raise ValueError(f"speculative_config: must be a JSON object, got {type(value).__name__}")
+            value = parse_json_object(value, "speculative_config")
             known = {f.name for f in fields(cls)} - {"draft_model_config"}
             unknown = sorted(set(value) - known)
             if unknown:

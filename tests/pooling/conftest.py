@@ -11,6 +11,11 @@ import torch
 from tests.engine.engine_fakes import byte_level_tokenizer
 
 VOCAB = 512
+# ChatML, the turn layout of Qwen's chat templates (written here): each message in its own im_start/im_end block
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>\n' }}{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- endif %}"
+)
 
 
 def _qwen3_config(**overrides):
@@ -50,14 +55,16 @@ def save_sentence_transformers_layout(path: str, pooling: str, normalize: bool =
 @pytest.fixture(scope="session")
 def qwen3_embedder_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A Qwen3ForCausalLM checkpoint that ships a sentence-transformers layout with last-token pooling
-    (as Qwen3-Embedding does), and is Matryoshka-capable."""
+    (as Qwen3-Embedding does), is Matryoshka-capable, and has a ChatML chat template in its tokenizer."""
     from transformers import Qwen3ForCausalLM
 
     path = str(tmp_path_factory.mktemp("qwen3_embed"))
     torch.manual_seed(0)
     cfg = _qwen3_config(matryoshka_dimensions=[32, 64])
     Qwen3ForCausalLM(cfg).eval().save_pretrained(path)
-    byte_level_tokenizer().save_pretrained(path)
+    tok = byte_level_tokenizer()
+    tok.chat_template = CHATML_TEMPLATE
+    tok.save_pretrained(path)
     save_sentence_transformers_layout(path, "lasttoken")
     return path
 

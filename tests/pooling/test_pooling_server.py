@@ -113,3 +113,25 @@ def test_concurrent_embeddings_mixed_with_generation_leave_no_blocks(server: Rea
     assert len(completions) == 8 and all(c["usage"]["completion_tokens"] == 5 for c in completions)
     text = httpx.get(f"{server.url}/metrics").text
     assert metric(text, "tokenmill:kv_cache_usage_perc", NAME) == 0
+
+
+def test_chat_messages_embeddings_use_the_chat_template(server: RealServer, reference,
+                                                        qwen3_embedder_dir: str) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(qwen3_embedder_dir)
+    messages = [{"role": "system", "content": "Represent the question for retrieval"},
+                {"role": "user", "content": "what does a tokenizer do"}]
+    for add_generation_prompt in (False, True):
+        body = {"model": NAME, "messages": messages, "encoding_format": "float"}
+        if add_generation_prompt:
+            body["add_generation_prompt"] = True
+        r = httpx.post(f"{server.url}/v1/embeddings", json=body)
+        assert r.status_code == 200, r.text
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        assert text.startswith("<|im_start|>system\nRepresent") and text.endswith(
+            "<|im_start|>assistant\n" if add_generation_prompt else "<|im_end|>\n")
+        got = r.json()
+        torch.testing.assert_close(torch.tensor(got["data"][0]["embedding"]), reference(text), atol=1e-5, rtol=1e-4)
+        assert got["usage"]["prompt_tokens"] == len(tok.encode(text))
+    assert_error(httpx.post(f"{server.url}/v1/embeddings", json={"model": NAME, "messages": []}), 400, "messages")

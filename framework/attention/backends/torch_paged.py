@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadata
+from tokenmill.attention.encoder_batches import bidirectional_attention
 
 
 class TorchPagedAttentionBackend(AttentionBackend):
@@ -121,17 +122,12 @@ class TorchPagedAttentionImpl(AttentionImpl):
             ranges = [(0, num_tokens)]
         else:
             qsl, seq_lens = attn_metadata.query_start_loc_cpu, attn_metadata.seq_lens_cpu
-            ranges = [(qsl[i], qsl[i + 1]) for i in range(len(seq_lens))]
+            ranges = [(int(qsl[i]), int(qsl[i + 1])) for i in range(len(seq_lens))]
             if any(end - start != seq_lens[i] for i, (start, end) in enumerate(ranges)):
                 raise ValueError("encoder-only attention needs each sequence whole in one step (chunked prefill "
                                  "must be off for encoder models)")
-        out = torch.empty_like(q)
-        gqa = self.num_heads != self.num_kv_heads
-        for start, end in ranges:
-            qh, kh, vh = (t[start:end].transpose(0, 1)[None] for t in (q, k, v))
-            o = F.scaled_dot_product_attention(qh, kh, vh, scale=self.scale, enable_gqa=gqa)
-            out[start:end] = o[0].transpose(0, 1)
-        return out.reshape(num_tokens, -1)
+        # sequences of similar length share one SDPA call (tokenmill.attention.encoder_batches)
+        return bidirectional_attention(q, k, v, ranges, self.scale).reshape(num_tokens, -1)
 
     def forward_prefills(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranges: list[tuple[int, int]], out: torch.Tensor
