@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
@@ -119,6 +120,19 @@ def serve_default_model(tmp_path_factory: pytest.TempPathFactory, extra_args: tu
         pytest.skip("tokenmill.engine.async_llm is not implemented yet")
     yield from run_server(str(tmp_path_factory.mktemp("server")),
                           ["--max-model-len", "2048", "--kv-cache-memory", "512MiB", *extra_args])
+
+
+TOOL_TEMPLATE = Path(__file__).with_name("tool_template.jinja")
+TOOL_SERVER_KEY = "test-key"
+
+
+@pytest.fixture(scope="package")
+def tool_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealServer]:
+    """One ``tokenmill serve`` of the default model with tool calling (hermes parser, ``tool_template.jinja``) and
+    an API key (``TOOL_SERVER_KEY``), shared by the structured-output and Anthropic Messages tests."""
+    yield from serve_default_model(tmp_path_factory, ("--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                                                      "--chat-template", str(TOOL_TEMPLATE),
+                                                      "--api-key", TOOL_SERVER_KEY))
 
 
 def wait_healthy(url: str, process: subprocess.Popen[bytes], log_tail: Callable[[], str],

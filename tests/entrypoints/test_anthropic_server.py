@@ -5,22 +5,19 @@ Anthropic errors with the server still serving, ``x-api-key`` auth. Few tokens p
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import jsonschema
 import pytest
 
-from tests.entrypoints.conftest import REAL_SERVED_NAME, RealServer, serve_default_model
+from tests.entrypoints.conftest import REAL_SERVED_NAME, TOOL_SERVER_KEY, RealServer
 
 anthropic = pytest.importorskip("anthropic")
 
 pytestmark = pytest.mark.slow
 
-KEY = "test-key"
-TEMPLATE = Path(__file__).with_name("tool_template.jinja")
+KEY = TOOL_SERVER_KEY
 USER = [{"role": "user", "content": "What is the capital of France?"}]
 WEATHER = {"name": "get_weather", "description": "Current weather in a city.",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
@@ -30,9 +27,8 @@ GREEDY = {"extra_body": {"temperature": 0}}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealServer]:
-    yield from serve_default_model(tmp_path_factory, ("--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                                                      "--chat-template", str(TEMPLATE), "--api-key", KEY))
+def server(tool_server: RealServer) -> RealServer:
+    return tool_server
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,12 +15,11 @@ import jsonschema
 import openai
 import pytest
 
-from tests.entrypoints.conftest import RealServer, serve_default_model
+from tests.entrypoints.conftest import TOOL_SERVER_KEY, RealServer
 from tests.entrypoints.helpers import assert_error
 
 pytestmark = pytest.mark.slow
 
-TEMPLATE = Path(__file__).with_name("tool_template.jinja")
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 USER = [{"role": "user", "content": "Describe a person as JSON."}]
 
@@ -65,19 +62,23 @@ TOOL_MAX_TOKENS = 80
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealServer]:
-    yield from serve_default_model(tmp_path_factory, ("--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                                                      "--chat-template", str(TEMPLATE)))
+def server(tool_server: RealServer) -> RealServer:
+    return tool_server
 
 
 @pytest.fixture(scope="module")
 def oai(server: RealServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=TOOL_SERVER_KEY, max_retries=0, timeout=300)
+
+
+def post(url: str, **kwargs: Any) -> httpx.Response:
+    """``httpx.post`` with the shared server's API key."""
+    return httpx.post(url, headers={"Authorization": f"Bearer {TOOL_SERVER_KEY}"}, **kwargs)
 
 
 def async_client(server: RealServer) -> openai.AsyncOpenAI:
     """A client for one ``asyncio.run`` (its connection pool belongs to that event loop)."""
-    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=TOOL_SERVER_KEY, max_retries=0, timeout=300)
 
 
 def chat(oai: openai.OpenAI, **kw: Any) -> Any:
@@ -244,7 +245,7 @@ def test_tool_history_goes_through_the_template(oai: openai.OpenAI) -> None:
 def test_bad_constraints_are_400_with_the_field(server: RealServer, body: dict[str, Any], param: str,
                                                 match: str | None) -> None:
     payload = {"model": MODEL, "messages": USER, "max_tokens": 5, **body}
-    error = assert_error(httpx.post(server.url + "/v1/chat/completions", json=payload, timeout=60), 400, param)
+    error = assert_error(post(server.url + "/v1/chat/completions", json=payload, timeout=60), 400, param)
     if match is not None:
         assert match in error["message"]
 
@@ -252,7 +253,7 @@ def test_bad_constraints_are_400_with_the_field(server: RealServer, body: dict[s
 def test_completions_refuse_bad_constraints_and_serve_after(server: RealServer, oai: openai.OpenAI) -> None:
     payload = {"model": MODEL, "prompt": "x", "max_tokens": 5, "response_format": {"type": "json_schema",
                                                                                   "json_schema": {"schema": 3}}}
-    assert_error(httpx.post(server.url + "/v1/completions", json=payload, timeout=60), 400,
+    assert_error(post(server.url + "/v1/completions", json=payload, timeout=60), 400,
                  "response_format.json_schema.schema")
     r = chat(oai, extra_body={"structured_outputs": {"choice": ["ok"]}})
     assert r.choices[0].message.content == "ok"
@@ -328,7 +329,7 @@ def test_responses_forced_tool_calls_whole_and_streamed(oai: openai.OpenAI) -> N
 def test_responses_bad_schema_is_a_400_and_the_server_serves_after(server: RealServer, oai: openai.OpenAI) -> None:
     payload = {"model": MODEL, "input": "x", "max_output_tokens": 5,
                "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "strin"}}}}
-    error = assert_error(httpx.post(server.url + "/v1/responses", json=payload, timeout=60), 400,
+    error = assert_error(post(server.url + "/v1/responses", json=payload, timeout=60), 400,
                          "text.format.schema")
     assert "strin" in error["message"]
     r = oai.responses.create(model=MODEL, input="Hi", temperature=0, max_output_tokens=3)
