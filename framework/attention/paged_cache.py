@@ -33,11 +33,18 @@ def compute_slot_mapping(block_table: torch.Tensor, positions: torch.Tensor, blo
     return block_table.long()[positions // block_size] * block_size + positions % block_size
 
 
+def keeps_kv_cache(layer: object) -> bool:
+    """Whether an attention layer reads or writes the paged KV cache (an ``encoder_only`` layer does neither:
+    each sequence attends within its own step)."""
+    return getattr(layer, "attn_type", "decoder") != "encoder_only"
+
+
 def kv_cache_bytes_per_block(attn_backend: type, layers: list, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes across ``layers`` (attention layers with ``num_kv_heads`` / ``head_size``) in
-    ``attn_backend``'s layout (``get_kv_cache_shape``) and ``dtype``."""
+    ``attn_backend``'s layout (``get_kv_cache_shape``) and ``dtype``; 0 when no layer keeps a cache
+    (:func:`keeps_kv_cache`)."""
     elements = 0
-    for layer in layers:
+    for layer in filter(keeps_kv_cache, layers):
         shape = attn_backend.get_kv_cache_shape(1, block_size, layer.num_kv_heads, layer.head_size)
         n = 1
         for d in shape:
@@ -48,8 +55,9 @@ def kv_cache_bytes_per_block(attn_backend: type, layers: list, block_size: int, 
 
 def allocate_kv_caches(attn_backend: type, layers: list, num_blocks: int, block_size: int, dtype: torch.dtype,
                        device: torch.device) -> list[torch.Tensor]:
-    """One zeroed cache of ``num_blocks`` blocks per layer (``Platform.allocate_kv_cache``), bound to the layer
-    (``layer.kv_cache``); returned in layer order, each in ``attn_backend``'s layout and ``dtype``.
+    """One zeroed cache of ``num_blocks`` blocks per layer that keeps one (:func:`keeps_kv_cache`;
+    ``Platform.allocate_kv_cache``), bound to the layer (``layer.kv_cache``); returned in layer order, each in
+    ``attn_backend``'s layout and ``dtype``.
 
     Raises:
         ValueError: as ``Platform.allocate_kv_cache`` (a device the platform cannot use).
@@ -58,7 +66,7 @@ def allocate_kv_caches(attn_backend: type, layers: list, num_blocks: int, block_
 
     platform = get_current_platform()
     caches = []
-    for layer in layers:
+    for layer in filter(keeps_kv_cache, layers):
         shape = attn_backend.get_kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_size)
         layer.kv_cache = platform.allocate_kv_cache(tuple(shape), dtype, device)
         caches.append(layer.kv_cache)

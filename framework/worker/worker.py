@@ -86,6 +86,15 @@ class Worker:
         if cc.num_gpu_blocks_override:
             return cc.num_gpu_blocks_override
         per_block = self.model_runner.kv_cache_bytes_per_block()
+        if per_block == 0:
+            # No layer keeps keys/values (an encoder-only model): the blocks only count the tokens the scheduler
+            # admits, and a pooling request holds its blocks for the one step that runs it.
+            sc = self.config.scheduler_config
+            num_blocks = -(-sc.max_num_batched_tokens // cc.block_size) + sc.max_num_seqs
+            if self.rank == 0:
+                logger.info("KV cache: none (no attention layer keeps keys/values); %d blocks of token accounting",
+                            num_blocks)
+            return num_blocks
         peak = 0
         if cc.kv_cache_memory is None and self.platform.supports_memory_profiling():
             peak = self.model_runner.profile_run()

@@ -114,3 +114,19 @@ def test_encoder_attention_matches_bidirectional_reference():
         ref = (probs @ vs).transpose(0, 1).reshape(n, 32)
         torch.testing.assert_close(out[start:start + n], ref)
         start += n
+
+
+def test_encoder_models_allocate_no_kv_cache(bert_embedder_dir):
+    """Encoder layers never read or write the paged cache: no cache memory is allocated, the blocks only count
+    the tokens of a step (``max_num_batched_tokens`` / block size + ``max_num_seqs``), and embeddings still
+    come out with every block returned."""
+    from tokenmill.entrypoints.llm import LLM
+
+    llm = LLM(bert_embedder_dir, dtype="float32", block_size=4, max_num_seqs=8)
+    core = llm.llm_engine.engine_core.engine_core
+    assert core.executor.worker.model_runner.kv_caches == []
+    sc = llm.llm_engine.engine_config.scheduler_config
+    assert llm.llm_engine.engine_config.cache_config.num_gpu_blocks == -(-sc.max_num_batched_tokens // 4) + 8
+    outs = llm.embed(TEXTS * 4)
+    assert len(outs) == len(TEXTS) * 4 and all(len(o.outputs.embedding) > 0 for o in outs)
+    _assert_no_leaked_blocks(llm)
