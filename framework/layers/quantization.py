@@ -72,6 +72,24 @@ class QuantizedWeight(nn.Module, ABC):
         return None
 
     @classmethod
+    def from_zero_point(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int
+                        ) -> QuantizedWeight | None:
+        """This format holding group-quantized rows ``w[n, k] = scales[n, k // g] * (codes[n, k] - zeros[n, k // g])``
+        (``g = K / G``; AWQ and GPTQ checkpoints, ``tokenmill.model_loader.hf_quant_weights``) exactly, or ``None``
+        when it cannot (the default: the loader then keeps the layer in float).
+
+        Args:
+            codes: ``[N, K]`` uint8 in ``0 .. 2**bits - 1``.
+            scales: ``[N, G]`` float (the checkpoint's dtype, usually float16).
+            zeros: ``[N, G]`` int16.
+            bits: bits per code.
+
+        Raises:
+            UnsupportedShapeError: the format could hold these values but not this shape.
+        """
+        return None
+
+    @classmethod
     def concat_rows(cls, parts: list[QuantizedWeight]) -> QuantizedWeight | None:
         """One weight whose output rows are ``parts``' rows in order (weights quantized a tile of rows at a time,
         so that no whole float copy of a large weight is made), or ``None`` when the format cannot join them
