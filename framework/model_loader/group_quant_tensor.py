@@ -92,7 +92,8 @@ class GroupQuantTensor:
     def contiguous_groups(self) -> GroupQuantTensor | None:
         """The same weight with groups of consecutive channels (``g_idx`` ``None``): itself, or, for an activation
         order whose groups fall on aligned runs of channels, per-run scales and zero points (runs as long as
-        possible: a power-of-two fraction of the group size); ``None`` when neighbouring channels are in different groups."""
+        possible: a power-of-two fraction of the group size); ``None`` when neighbouring channels are in different
+        groups."""
         if self.g_idx is None:
             return self
         k, n_groups = self.shape[1], self.scales.shape[1]

@@ -1,4 +1,5 @@
-"""Load a GGUF file's weights straight into quantized layers: no float copy of the model ever exists.
+"""Load a GGUF file's (or an AWQ/GPTQ checkpoint's) weights straight into quantized layers: no float copy of the
+model ever exists.
 
 With ``--quantization int8|int4`` and a GGUF file, :func:`prepare_quantized_loading` turns every quantizable
 layer's weight into a meta-device parameter (no memory) and gives the layer a :class:`QuantizedRowLoader`. The
@@ -16,6 +17,11 @@ layer's rows are in (q, k and v of a fused projection arrive one by one) it buil
    float copy of a whole weight is made either), in a format chosen by the source: 4 bits or fewer
    (``Q2_K``, ``Q3_K``) -> the ``int4`` format, more (``Q5_1``, ``Q5_K``, ``Q6_K``) -> ``int8``, float
    tensors -> the method asked for (the LM head: the method's ``lm_head_method``).
+
+AWQ and GPTQ checkpoints (``tokenmill.model_loader.hf_quant_weights``) come the same way, as
+:class:`~tokenmill.model_loader.group_quant_tensor.GroupQuantTensor` rows: a layer takes the first platform format
+that holds them exactly (:meth:`QuantizedWeight.from_zero_point`, ``int4`` before ``int8``), else stays float with
+a log line; they are never quantized again.
 
 The layer then runs its quantized weight for every number of rows (``quant_only``). The token embedding keeps
 its GGUF blocks and dequantizes the rows it looks up; a tied LM head is built from the same blocks. Peak memory

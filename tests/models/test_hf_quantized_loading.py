@@ -89,6 +89,16 @@ def test_layers_hold_the_formats_values_and_the_kernels_multiply_them(checkpoint
     assert torch.equal(quantized.lm_head.weight, reference.lm_head.weight)  # not quantized in the checkpoint
 
 
+def test_quantization_flag_quantizes_only_the_float_lm_head(checkpoints) -> None:
+    qdir, fdir, _ = checkpoints["gptq4-g32"]
+    config = EngineArgs(model=qdir, dtype="float32", quantization="int4").create_engine_config()
+    model, reference = get_model(config.model_config, torch.device("cpu")), _model(fdir)
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, LinearBase)}
+    assert all(type(m.quant) is Q4Weight for m in layers.values())
+    assert all(torch.equal(m.quant.dequantize(), dict(reference.named_modules())[n].weight) for n, m in layers.items())
+    assert type(model.lm_head.quant) is Q8Weight and model.lm_head.quant_only  # int4's head method, from float
+
+
 @pytest.mark.parametrize("name", ["awq4-g128", "gptq4-g32", "gptq8-g64-narrow"])
 def test_greedy_tokens_equal_the_dequantized_float32_models(checkpoints, name) -> None:
     qdir, fdir, _ = checkpoints[name]
