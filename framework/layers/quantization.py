@@ -106,6 +106,31 @@ class QuantizedWeight(nn.Module, ABC):
         return sum(t.numel() * t.element_size() for t in self.buffers())
 
 
+class PermutedInput(QuantizedWeight):
+    """A quantized weight whose input channels are stored in another order: ``matmul(x) = inner.matmul(x[..., perm])``
+    (GPTQ's activation order, ``desc_act``: sorting input channels by group makes each group consecutive, which
+    the formats need; ``tokenmill.model_loader.quantized_loading``).
+
+    Attributes:
+        inner: the weight with input channel ``i`` holding the layer's channel ``perm[i]``.
+        perm: ``[K]`` int64, a permutation.
+    """
+
+    def __init__(self, inner: QuantizedWeight, perm: torch.Tensor) -> None:
+        super().__init__(torch.empty(inner.out_features, inner.in_features, device="meta"))
+        self.inner = inner
+        self.store(perm=perm.to(torch.int64).contiguous())
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., K]`` -> ``[..., N]`` in ``x``'s dtype."""
+        return self.inner.matmul(x.index_select(-1, self.perm))
+
+    def dequantize(self) -> torch.Tensor:
+        """``[N, K]`` float32 in the layer's channel order (tests and error reports)."""
+        w = self.inner.dequantize()  # type: ignore[operator]
+        return torch.empty_like(w).index_copy_(1, self.perm, w)
+
+
 class WeightRowSink(Protocol):
     """Where a layer hands its weight's rows while weights are loaded quantized
     (``tokenmill.model_loader.quantized_loading``)."""

@@ -105,6 +105,16 @@ class GroupQuantTensor:
         groups = self.g_idx[::run]
         return GroupQuantTensor(self.codes, self.scales[:, groups], self.zeros[:, groups], self.bits, run)
 
+    def input_order(self) -> torch.Tensor | None:
+        """``[K]`` int64: the input channels sorted by group (stable), or ``None`` without ``g_idx``."""
+        return None if self.g_idx is None else torch.argsort(self.g_idx, stable=True)
+
+    def permuted(self, perm: torch.Tensor) -> GroupQuantTensor:
+        """The weight with input channel ``i`` holding channel ``perm[i]`` (a copy of the codes)."""
+        g_idx = self.group_of_channels()[perm]
+        return GroupQuantTensor(self.codes.index_select(1, perm), self.scales, self.zeros, self.bits,
+                                self.group_size, g_idx)
+
     def with_group_size(self, size: int) -> GroupQuantTensor:
         """The same weight (``g_idx`` ``None``) with groups split into groups of ``size`` channels (``size``
         divides ``group_size``)."""

@@ -39,7 +39,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenmill.layers.quantization import QuantizedWeight, UnsupportedShapeError, get_quantized_weight_cls
+from tokenmill.layers.quantization import (
+    PermutedInput,
+    QuantizedWeight,
+    UnsupportedShapeError,
+    get_quantized_weight_cls,
+)
 from tokenmill.model_loader.gguf_tensor import GGUFQuantTensor
 from tokenmill.model_loader.group_quant_tensor import GroupQuantTensor
 
@@ -115,19 +120,33 @@ class QuantizedRowLoader:
         self._install(quant)
 
     def _convert_groups(self) -> None:
-        """AWQ/GPTQ rows: the first platform format (fewest bits first) that holds them exactly, else float."""
+        """AWQ/GPTQ rows: the first platform format (fewest bits first) that holds them exactly, else float.
+
+        An activation order (GPTQ ``desc_act``) that interleaves groups is undone by sorting the input channels by
+        group, when every part of the layer has the same order (q, k and v, or gate and up, see the same inputs):
+        the layer then multiplies ``x[..., perm]`` (:class:`PermutedInput`)."""
+        pieces = [r for _, r in self.rows]
+        perm = None
+        if GroupQuantTensor.cat(pieces) is None:
+            orders = [p.input_order() for p in pieces]
+            if all(o is not None and torch.equal(o, orders[0]) for o in orders):
+                perm = orders[0]
+
         def make(cls: type[QuantizedWeight], start: int, end: int) -> QuantizedWeight | None:
-            rows = GroupQuantTensor.cat(self._pieces(start, end))
+            parts = self._pieces(start, end)
+            rows = GroupQuantTensor.cat(parts if perm is None else [p.permuted(perm) for p in parts])
             return None if rows is None else cls.from_zero_point(rows.codes, rows.scales, rows.zeros, rows.bits)
 
         order = [self.formats[m] for m in ("int4", "int8") if m in self.formats]
         order += [c for c in self.formats.values() if c not in order]
         quant = self._tiled(make, order)
+        if quant is not None and perm is not None:
+            quant = PermutedInput(quant, perm)
         if quant is None:
             first = self.rows[0][1]
-            reason = ("activation order (g_idx) puts neighbouring input channels in different groups"
-                      if GroupQuantTensor.cat([r for _, r in self.rows]) is None else
-                      "no format of this platform holds its codes, scales and zero points exactly")
+            reason = ("activation order (g_idx) puts neighbouring input channels in different groups, in a different "
+                      "order for each part of the layer" if GroupQuantTensor.cat(pieces) is None and perm is None
+                      else "no format of this platform holds its codes, scales and zero points exactly")
             logger.info("%s: %d-bit group-quantized weight %s dequantized to float: %s", self.name or "layer",
                         first.bits, list(self.shape), reason)
         else:

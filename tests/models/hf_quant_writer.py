@@ -24,7 +24,10 @@ class Case:
     method: str  # "awq" or "gptq"
     bits: int
     group: int
-    act_order: str = ""  # GPTQ g_idx: "" (consecutive groups), "channels" (a random channel order), "blocks"
+    # GPTQ g_idx: "" (consecutive groups), "channels" (a random channel order, the same for modules that share
+    # their input, as GPTQ's order by the inputs' Hessian is), "channels-own" (one order per module), "blocks"
+    # (runs of 32 channels moved)
+    act_order: str = ""
     fmt: str = "gptq"  # GPTQ checkpoint_format: "gptq" (zero points stored minus one) or "gptq_v2"
     narrow: bool = False  # GPTQ scale 2 max|w| / (2**bits - 2): codes never reach 0, so q - z >= -(2**(bits-1) - 1)
 
@@ -52,7 +55,7 @@ class Quantized:
 
 def channel_groups(case: Case, k: int, gen: torch.Generator) -> torch.Tensor:
     """``[K]`` the group of each input channel (GPTQ's g_idx)."""
-    if case.act_order == "channels":  # desc_act: channel perm[i] is quantized i-th, in group i // group
+    if case.act_order.startswith("channels"):  # desc_act: channel perm[i] is quantized i-th, in group i // group
         perm = torch.randperm(k, generator=gen)
         groups = torch.empty(k, dtype=torch.int64)
         groups[perm] = torch.arange(k) // case.group
@@ -63,6 +66,9 @@ def channel_groups(case: Case, k: int, gen: torch.Generator) -> torch.Tensor:
         groups[runs] = torch.arange(k // 32) * 32 // case.group
         return groups.repeat_interleave(32)
     return torch.arange(k) // case.group
+
+
+SHARED_INPUT = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "o_proj": 1, "gate_proj": 2, "up_proj": 2, "down_proj": 3}
 
 
 def quantize(w: torch.Tensor, case: Case, gen: torch.Generator) -> Quantized:
@@ -136,6 +142,8 @@ def write_checkpoints(folder: str, case: Case, seed: int = 0) -> tuple[str, str,
         if leaf != "weight" or prefix.rpartition(".")[2] not in LINEARS:
             qstate[name] = tensor
             continue
+        if case.act_order == "channels":
+            gen = torch.Generator().manual_seed(seed * 10 + SHARED_INPUT[prefix.rpartition(".")[2]])
         modules[prefix] = q = quantize(tensor, case, gen)
         qstate.update({f"{prefix}.{k}": v.contiguous() for k, v in pack(q, case).items()})
         state[name].copy_(q.values)

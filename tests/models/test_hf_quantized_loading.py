@@ -16,13 +16,15 @@ from tests.models.test_llama_correctness import PROMPTS, run_engine
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine_args import EngineArgs
 from tokenmill.layers.linear import LinearBase
+from tokenmill.layers.quantization import PermutedInput
 from tokenmill.model_loader.loader import get_model
 from tokenmill_cpu.quant_linear import Q4Weight, Q8Weight
 
 CASES = [
     Case("awq", 4, 32), Case("awq", 4, 64), Case("awq", 4, 128),
     Case("gptq", 4, 32), Case("gptq", 4, 128), Case("gptq", 4, 64, fmt="gptq_v2"),
-    Case("gptq", 4, 64, act_order="channels"), Case("gptq", 4, 64, act_order="blocks"),
+    Case("gptq", 4, 64, act_order="channels"), Case("gptq", 4, 32, act_order="channels-own"),
+    Case("gptq", 4, 64, act_order="blocks"),
     Case("gptq", 8, 32), Case("gptq", 8, 64, narrow=True), Case("gptq", 8, 128, act_order="channels"),
 ]
 FUSED = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "self_attn.o_proj": ("o_proj",),
@@ -40,14 +42,24 @@ def _model(path: str) -> torch.nn.Module:
     return get_model(config.model_config, torch.device("cpu"))
 
 
-def expected_format(parts: list[Quantized], bits: int) -> type | None:
-    """The format the loader must choose for a layer made of ``parts``: float (``None``) when neighbouring
-    input channels are in different groups; 4 bits: int4 when every ``-z * s`` is a float16, else int8;
-    8 bits: int8 when every ``q - z`` is in -127..127."""
+def expected_format(parts: list[Quantized], bits: int) -> tuple[type | None, bool]:
+    """The format the loader must choose for a layer made of ``parts`` and whether it permutes the input
+    channels: float (``None``) when neighbouring input channels are in different groups, unless every part has
+    the same order of channels sorted by group (then permuted); 4 bits: int4 when every ``-z * s`` is a
+    float16, else int8; 8 bits: int8 when every ``q - z`` is in -127..127."""
+    permuted = False
     for q in parts:
         runs = q.groups.reshape(-1, 32)
         if (runs != runs[:, :1]).any():
-            return None
+            orders = [torch.argsort(p.groups, stable=True) for p in parts]
+            if not all(torch.equal(o, orders[0]) for o in orders):
+                return None, False
+            permuted = True
+    fmt = _values_format(parts, bits)
+    return fmt, permuted and fmt is not None
+
+
+def _values_format(parts: list[Quantized], bits: int) -> type | None:
     if bits == 4:
         exact = all(torch.equal((-(q.zeros * q.scales.float())).half().float(), -(q.zeros * q.scales.float()))
                     for q in parts)
@@ -70,20 +82,25 @@ def test_layers_hold_the_formats_values_and_the_kernels_multiply_them(checkpoint
         parts = [modules[f"model.layers.0.{name.split('.')[-2]}.{s}"] for s in sources]
         # the reference model's weights are the format's values, as the test computed them
         assert torch.equal(w, torch.cat([q.values for q in parts])), name
-        fmt = expected_format(parts, case.bits)
-        assert fmt is not None or case.act_order == "channels" or (case.bits == 8 and not case.narrow), name
+        fmt, permuted = expected_format(parts, case.bits)
+        assert fmt is not None or case.act_order == "channels-own" or (case.bits == 8 and not case.narrow), name
         if fmt is None:
             assert layer.quant is None and torch.equal(layer.weight, w), name
             continue
-        assert type(layer.quant) is fmt and layer.quant_only and layer.weight.is_meta, name
+        held = layer.quant.inner if permuted else layer.quant
+        assert type(layer.quant) is (PermutedInput if permuted else fmt) and type(held) is fmt, name
+        assert layer.quant_only and layer.weight.is_meta, name
         assert torch.equal(layer.quant.dequantize(), w), name
         # the kernel against the float64 product: its 14-bit activation blocks (scale max|x| / 8191, half a
         # step each) and float32 accumulation are the only errors
         x = torch.randn(5, w.shape[1])
         x[1, :32] *= 40  # an outlier block
         want = x.double() @ w.double().T
-        half_step = x.double().abs().reshape(5, -1, 32).amax(dim=-1) / 8191 / 2
-        bound = half_step @ w.double().abs().reshape(w.shape[0], -1, 32).sum(dim=-1).T
+        # activation blocks are 32 channels of the order the weight is stored in
+        order = layer.quant.perm if permuted else torch.arange(w.shape[1])
+        xs, ws = x.double()[:, order], w.double()[:, order]
+        half_step = xs.abs().reshape(5, -1, 32).amax(dim=-1) / 8191 / 2
+        bound = half_step @ ws.abs().reshape(w.shape[0], -1, 32).sum(dim=-1).T
         bound += 1e-5 * (x.double().abs() @ w.double().abs().T)
         assert ((layer(x).double() - want).abs() <= bound).all(), name
     assert torch.equal(quantized.lm_head.weight, reference.lm_head.weight)  # not quantized in the checkpoint
@@ -99,7 +116,7 @@ def test_quantization_flag_quantizes_only_the_float_lm_head(checkpoints) -> None
     assert type(model.lm_head.quant) is Q8Weight and model.lm_head.quant_only  # int4's head method, from float
 
 
-@pytest.mark.parametrize("name", ["awq4-g128", "gptq4-g32", "gptq8-g64-narrow"])
+@pytest.mark.parametrize("name", ["awq4-g128", "gptq4-g32", "gptq4-g64-channels", "gptq8-g64-narrow"])
 def test_greedy_tokens_equal_the_dequantized_float32_models(checkpoints, name) -> None:
     qdir, fdir, _ = checkpoints[name]
     args = dict(dtype="float32", num_gpu_blocks_override=64, enforce_eager=True)
