@@ -49,8 +49,8 @@ class Quantized:
 
     @property
     def values(self) -> torch.Tensor:
-        q = self.codes.double() - self.zeros.double()[:, self.groups]
-        return (q * self.scales.double()[:, self.groups]).float()
+        # exact in float32: (q - z) has at most 9 bits and a float16 scale 11
+        return (self.codes - self.zeros[:, self.groups]).float() * self.scales.float()[:, self.groups]
 
 
 def channel_groups(case: Case, k: int, gen: torch.Generator) -> torch.Tensor:
@@ -123,15 +123,17 @@ def quant_config(case: Case) -> dict:
             "sym": True, "checkpoint_format": case.fmt}
 
 
-def write_checkpoints(folder: str, case: Case, seed: int = 0) -> tuple[str, str, dict[str, Quantized]]:
-    """A quantized checkpoint of ``case`` and the float32 model of its dequantized values, under ``folder``.
+def write_checkpoints(folder: str, case: Case, seed: int = 0, base: str | None = None
+                      ) -> tuple[str, str, dict[str, Quantized]]:
+    """A quantized checkpoint of ``case`` and the float32 model of its dequantized values, under ``folder``, made
+    from the random float model ``base`` (a Hugging Face directory; default: one written with ``seed``).
 
     Returns:
         ``(quantized_dir, float_dir, {module name: Quantized})``.
     """
     from transformers import LlamaForCausalLM
 
-    base = build_tiny_llama(os.path.join(folder, "base"), seed=seed, **TINY)
+    base = base or build_tiny_llama(os.path.join(folder, "base"), seed=seed, **TINY)
     model = LlamaForCausalLM.from_pretrained(base, dtype=torch.float32)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     gen = torch.Generator().manual_seed(seed)

@@ -11,7 +11,8 @@ import os
 import pytest
 import torch
 
-from tests.models.hf_quant_writer import Case, Quantized, write_checkpoints
+from tests.conftest import build_tiny_llama
+from tests.models.hf_quant_writer import TINY, Case, Quantized, write_checkpoints
 from tests.models.test_llama_correctness import PROMPTS, run_engine
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine_args import EngineArgs
@@ -34,7 +35,8 @@ FUSED = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "self_attn.o_proj
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, tuple[str, str, dict[str, Quantized]]]:
     root = tmp_path_factory.mktemp("hf_quant")
-    return {c.name: write_checkpoints(str(root / c.name), c, seed=i) for i, c in enumerate(CASES)}
+    base = build_tiny_llama(str(root / "base"), **TINY)
+    return {c.name: write_checkpoints(str(root / c.name), c, seed=i, base=base) for i, c in enumerate(CASES)}
 
 
 def _model(path: str) -> torch.nn.Module:
