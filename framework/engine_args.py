@@ -225,6 +225,10 @@ class EngineArgs:
         apply_hf_overrides(hf_config, parse_hf_overrides(self.hf_overrides))
 
         choice = resolve_runner(loc.directory, hf_config, self.runner, self.convert)
+        if loc.gguf_file is None:
+            from tokenmill.model_loader.hf_quant_config import parse_hf_quant_config
+
+            parse_hf_quant_config(hf_config)  # an unsupported quant_method fails here, before any weight is read
         derived = derived_max_model_len(hf_config)
         if choice.encoder_only and getattr(hf_config, "model_type", "") in ("xlm-roberta", "roberta"):
             derived -= int(getattr(hf_config, "pad_token_id", 1) or 0) + 1  # positions start after padding_idx

@@ -72,6 +72,24 @@ class QuantizedWeight(nn.Module, ABC):
         return None
 
     @classmethod
+    def from_zero_point(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int
+                        ) -> QuantizedWeight | None:
+        """This format holding group-quantized rows ``w[n, k] = scales[n, k // g] * (codes[n, k] - zeros[n, k // g])``
+        (``g = K / G``; AWQ and GPTQ checkpoints, ``tokenmill.model_loader.hf_quant_weights``) exactly, or ``None``
+        when it cannot (the default: the loader then keeps the layer in float).
+
+        Args:
+            codes: ``[N, K]`` uint8 in ``0 .. 2**bits - 1``.
+            scales: ``[N, G]`` float (the checkpoint's dtype, usually float16).
+            zeros: ``[N, G]`` int16.
+            bits: bits per code.
+
+        Raises:
+            UnsupportedShapeError: the format could hold these values but not this shape.
+        """
+        return None
+
+    @classmethod
     def concat_rows(cls, parts: list[QuantizedWeight]) -> QuantizedWeight | None:
         """One weight whose output rows are ``parts``' rows in order (weights quantized a tile of rows at a time,
         so that no whole float copy of a large weight is made), or ``None`` when the format cannot join them
@@ -86,6 +104,31 @@ class QuantizedWeight(nn.Module, ABC):
     def nbytes(self) -> int:
         """Bytes the quantized weight and its scales take (every tensor kept with :meth:`store`)."""
         return sum(t.numel() * t.element_size() for t in self.buffers())
+
+
+class PermutedInput(QuantizedWeight):
+    """A quantized weight whose input channels are stored in another order: ``matmul(x) = inner.matmul(x[..., perm])``
+    (GPTQ's activation order, ``desc_act``: sorting input channels by group makes each group consecutive, which
+    the formats need; ``tokenmill.model_loader.quantized_loading``).
+
+    Attributes:
+        inner: the weight with input channel ``i`` holding the layer's channel ``perm[i]``.
+        perm: ``[K]`` int64, a permutation.
+    """
+
+    def __init__(self, inner: QuantizedWeight, perm: torch.Tensor) -> None:
+        super().__init__(torch.empty(inner.out_features, inner.in_features, device="meta"))
+        self.inner = inner
+        self.store(perm=perm.to(torch.int64).contiguous())
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., K]`` -> ``[..., N]`` in ``x``'s dtype."""
+        return self.inner.matmul(x.index_select(-1, self.perm))
+
+    def dequantize(self) -> torch.Tensor:
+        """``[N, K]`` float32 in the layer's channel order (tests and error reports)."""
+        w = self.inner.dequantize()  # type: ignore[operator]
+        return torch.empty_like(w).index_copy_(1, self.perm, w)
 
 
 class WeightRowSink(Protocol):

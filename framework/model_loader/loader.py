@@ -46,8 +46,13 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         torch.set_default_dtype(previous)
     # Weights stay quantized from a GGUF file on one CPU process (tokenmill.model_loader.quantized_loading);
     # with tensor or pipeline parallelism the model loads in float and gets quantized copies, as before.
-    keep_quantized = bool(model_config.gguf_file and model_config.quantization and torch.device(device).type == "cpu"
-                          and get_tp_size() == 1 and get_pp_size() == 1)
+    # An AWQ/GPTQ checkpoint (tokenmill.model_loader.hf_quant_weights) goes the same way, with or without
+    # --quantization; elsewhere its weights are dequantized as the layers load them.
+    from tokenmill.model_loader.hf_quant_config import parse_hf_quant_config
+
+    hf_quant = None if model_config.gguf_file else parse_hf_quant_config(model_config.hf_config)
+    keep_quantized = bool((model_config.gguf_file and model_config.quantization or hf_quant)
+                          and torch.device(device).type == "cpu" and get_tp_size() == 1 and get_pp_size() == 1)
     if model_config.gguf_file:
         from tokenmill.model_loader.gguf_weights import iterate_gguf_weights
 
@@ -56,16 +61,22 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         from tokenmill.model_loader.hf_dir import iterate_hf_weights
 
         weights = iterate_hf_weights(model_config.model)
+        if hf_quant is not None:
+            from tokenmill.model_loader.hf_quant_weights import iterate_hf_quant_weights
+
+            weights = iterate_hf_quant_weights(weights, hf_quant)
     if keep_quantized:
         from tokenmill.model_loader import quantized_loading
 
-        prepared = quantized_loading.prepare_quantized_loading(model, model_config.quantization)
+        prepared = quantized_loading.prepare_quantized_loading(model, model_config.quantization,
+                                                               embedding_blocks=bool(model_config.gguf_file))
         weights = quantized_loading.feeding_tied_heads(model, weights)
     with torch.no_grad():
         loaded = model.load_weights(weights)
     if keep_quantized:
         quantized_loading.finish_quantized_loading(model)
-        logger.info("GGUF weights kept quantized: %d layers; %.1f MiB of buffers", prepared,
+        logger.info("%s weights kept quantized: %d layers; %.1f MiB of buffers",
+                    "GGUF" if model_config.gguf_file else hf_quant.method.upper(), prepared,  # type: ignore[union-attr]
                     sum(b.numel() * b.element_size() for b in model.buffers()) / 2**20)
     missing = {n for n, _ in model.named_parameters()} - loaded
     if missing:

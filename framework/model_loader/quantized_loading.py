@@ -1,4 +1,5 @@
-"""Load a GGUF file's weights straight into quantized layers: no float copy of the model ever exists.
+"""Load a GGUF file's (or an AWQ/GPTQ checkpoint's) weights straight into quantized layers: no float copy of the
+model ever exists.
 
 With ``--quantization int8|int4`` and a GGUF file, :func:`prepare_quantized_loading` turns every quantizable
 layer's weight into a meta-device parameter (no memory) and gives the layer a :class:`QuantizedRowLoader`. The
@@ -17,6 +18,11 @@ layer's rows are in (q, k and v of a fused projection arrive one by one) it buil
    (``Q2_K``, ``Q3_K``) -> the ``int4`` format, more (``Q5_1``, ``Q5_K``, ``Q6_K``) -> ``int8``, float
    tensors -> the method asked for (the LM head: the method's ``lm_head_method``).
 
+AWQ and GPTQ checkpoints (``tokenmill.model_loader.hf_quant_weights``) come the same way, as
+:class:`~tokenmill.model_loader.group_quant_tensor.GroupQuantTensor` rows: a layer takes the first platform format
+that holds them exactly (:meth:`QuantizedWeight.from_zero_point`, ``int4`` before ``int8``), else stays float with
+a log line; they are never quantized again.
+
 The layer then runs its quantized weight for every number of rows (``quant_only``). The token embedding keeps
 its GGUF blocks and dequantizes the rows it looks up; a tied LM head is built from the same blocks. Peak memory
 during the load is the quantized model plus one tile in float32 plus one tensor's mapped pages
@@ -26,14 +32,23 @@ and its quantized copies (``tokenmill.model_loader.loader``): a row-parallel sha
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from tokenmill.layers.quantization import QuantizedWeight, UnsupportedShapeError, get_quantized_weight_cls
+from tokenmill.layers.quantization import (
+    PermutedInput,
+    QuantizedWeight,
+    UnsupportedShapeError,
+    get_quantized_weight_cls,
+)
 from tokenmill.model_loader.gguf_tensor import GGUFQuantTensor
+from tokenmill.model_loader.group_quant_tensor import GroupQuantTensor
+
+logger = logging.getLogger(__name__)
 
 TILE_ROWS = 256  # output rows quantized at a time: a float32 tile of 256 x K, not a whole weight
 LOW_BIT_TYPES = frozenset({"Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K"})
@@ -44,12 +59,16 @@ class QuantizedRowLoader:
 
     Args:
         layer: a linear layer or LM head (``weight`` ``[N, K]``, ``quant``, ``quant_only``).
-        cls: the format for float rows (the method asked for, or its ``lm_head_method`` for the head).
+        cls: the format for float rows (the method asked for, or its ``lm_head_method`` for the head); ``None``:
+            float rows stay float (a pre-quantized Hugging Face checkpoint loaded without ``--quantization``).
         formats: every format the platform offers, by method name (``int4``, ``int8``).
+        name: the layer's name in the model (log lines).
     """
 
-    def __init__(self, layer: nn.Module, cls: type[QuantizedWeight], formats: dict[str, type[QuantizedWeight]]):
+    def __init__(self, layer: nn.Module, cls: type[QuantizedWeight] | None,
+                 formats: dict[str, type[QuantizedWeight]], name: str = ""):
         self.layer = layer
+        self.name = name
         self.cls = cls
         self.formats = formats
         self.rows: list[tuple[int, Any]] = []
@@ -86,15 +105,56 @@ class QuantizedRowLoader:
 
     def _convert(self) -> None:
         self.rows.sort(key=lambda r: r[0])
+        if all(isinstance(r, GroupQuantTensor) for _, r in self.rows):
+            self._convert_groups()
+            return
         types = {r.type_name if isinstance(r, GGUFQuantTensor) else "float" for _, r in self.rows}
         quant = None
         if len(types) == 1 and "float" not in types:
             (type_name,) = types
             quant = self._tiled(lambda cls, start, end: cls.from_gguf(type_name, self._blocks(start, end)),
-                                dict.fromkeys([self.cls, *self.formats.values()]))
+                                dict.fromkeys(c for c in (self.cls, *self.formats.values()) if c))
+        target = self._target(types)
+        if quant is None and target is not None:
+            quant = self._tiled(lambda cls, start, end: cls(self._floats(start, end)), [target])
+        self._install(quant)
+
+    def _convert_groups(self) -> None:
+        """AWQ/GPTQ rows: the first platform format (fewest bits first) that holds them exactly, else float.
+
+        An activation order (GPTQ ``desc_act``) that interleaves groups is undone by sorting the input channels by
+        group, when every part of the layer has the same order (q, k and v, or gate and up, see the same inputs):
+        the layer then multiplies ``x[..., perm]`` (:class:`PermutedInput`)."""
+        pieces = [r for _, r in self.rows]
+        perm = None
+        if GroupQuantTensor.cat(pieces) is None:
+            orders = [p.input_order() for p in pieces]
+            if all(o is not None and torch.equal(o, orders[0]) for o in orders):
+                perm = orders[0]
+
+        def make(cls: type[QuantizedWeight], start: int, end: int) -> QuantizedWeight | None:
+            parts = self._pieces(start, end)
+            rows = GroupQuantTensor.cat(parts if perm is None else [p.permuted(perm) for p in parts])
+            return None if rows is None else cls.from_zero_point(rows.codes, rows.scales, rows.zeros, rows.bits)
+
+        order = [self.formats[m] for m in ("int4", "int8") if m in self.formats]
+        order += [c for c in self.formats.values() if c not in order]
+        quant = self._tiled(make, order)
+        if quant is not None and perm is not None:
+            quant = PermutedInput(quant, perm)
         if quant is None:
-            quant = self._tiled(lambda cls, start, end: cls(self._floats(start, end)), [self._target(types)])
-        if quant is None:  # the format cannot pack this shape: the layer keeps a float32 weight
+            first = self.rows[0][1]
+            reason = ("activation order (g_idx) puts neighbouring input channels in different groups, in a different "
+                      "order for each part of the layer" if GroupQuantTensor.cat(pieces) is None and perm is None
+                      else "no format of this platform holds its codes, scales and zero points exactly")
+            logger.info("%s: %d-bit group-quantized weight %s dequantized to float: %s", self.name or "layer",
+                        first.bits, list(self.shape), reason)
+        else:
+            logger.debug("%s: group-quantized weight held as %s", self.name or "layer", type(quant).__qualname__)
+        self._install(quant)
+
+    def _install(self, quant: QuantizedWeight | None) -> None:
+        if quant is None:  # no format holds it or can pack this shape: the layer keeps a float weight
             self.layer.weight = _param_like(self.layer.weight, self._floats(0, self.shape[0]))
         else:
             self.layer.quant = quant
@@ -140,10 +200,10 @@ class QuantizedRowLoader:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _floats(self, start: int, end: int) -> torch.Tensor:
-        parts = [p.dequantize() if isinstance(p, GGUFQuantTensor) else p.float() for p in self._pieces(start, end)]
+        parts = [p.float() if isinstance(p, torch.Tensor) else p.dequantize() for p in self._pieces(start, end)]
         return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts)
 
-    def _target(self, types: set[str]) -> type[QuantizedWeight]:
+    def _target(self, types: set[str]) -> type[QuantizedWeight] | None:
         if "float" in types:
             return self.cls
         if types <= LOW_BIT_TYPES and "int4" in self.formats:
@@ -152,16 +212,22 @@ class QuantizedRowLoader:
 
 
 def _param_like(old: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
-    new = nn.Parameter(data, requires_grad=False)
+    new = nn.Parameter(data.to(old.dtype), requires_grad=False)
     loader = getattr(old, "weight_loader", None)
     if loader is not None:
         new.weight_loader = loader  # type: ignore[attr-defined]
     return new
 
 
-def prepare_quantized_loading(model: nn.Module, method: str) -> int:
+def prepare_quantized_loading(model: nn.Module, method: str | None, embedding_blocks: bool = True) -> int:
     """Make ``model``'s quantizable layers (those ``quantize_model`` would quantize) and its token embedding
-    take GGUF blocks while loading (module docstring). Tied weights stay tied (one meta parameter).
+    take GGUF blocks while loading (module docstring), or AWQ/GPTQ rows
+    (:class:`~tokenmill.model_loader.group_quant_tensor.GroupQuantTensor`). Tied weights stay tied (one meta
+    parameter).
+
+    Args:
+        method: the format for float weights; ``None`` keeps them float (and leaves the LM head alone).
+        embedding_blocks: the token embedding keeps GGUF blocks (a GGUF file).
 
     Returns:
         the number of layers prepared.
@@ -172,8 +238,8 @@ def prepare_quantized_loading(model: nn.Module, method: str) -> int:
     from tokenmill.config import QUANTIZATION_METHODS
     from tokenmill.layers.vocab_embedding import VocabParallelEmbedding
 
-    cls = get_quantized_weight_cls(method)
-    head_cls = get_quantized_weight_cls(cls.lm_head_method) if cls.lm_head_method else cls
+    cls = get_quantized_weight_cls(method) if method else None
+    head_cls = get_quantized_weight_cls(cls.lm_head_method) if cls and cls.lm_head_method else cls
     formats = {}
     for m in QUANTIZATION_METHODS:
         try:
@@ -191,18 +257,18 @@ def prepare_quantized_loading(model: nn.Module, method: str) -> int:
         module.weight = new
 
     count = 0
-    for module in model.modules():
-        if isinstance(module, VocabParallelEmbedding) and not getattr(module, "is_lm_head", False):
-            if module.tp_size == 1:
+    for name, module in model.named_modules():
+        head = getattr(module, "is_lm_head", False)
+        if isinstance(module, VocabParallelEmbedding) and not head:
+            if module.tp_size == 1 and embedding_blocks:
                 module.keep_blocks = True
                 to_meta(module)
             continue
         if not hasattr(module, "attach_quantized") or not getattr(module, "quantizable", True):
             continue
-        if getattr(module, "tp_size", 1) != 1:
+        if getattr(module, "tp_size", 1) != 1 or (head and head_cls is None):
             continue
-        module.quant_loader = QuantizedRowLoader(
-            module, head_cls if getattr(module, "is_lm_head", False) else cls, formats)
+        module.quant_loader = QuantizedRowLoader(module, head_cls if head else cls, formats, name)
         to_meta(module)
         count += 1
     embeddings = [m.weight for m in model.modules()

@@ -102,6 +102,24 @@ def _open_blocks(cls: type[QuantizedWeight], blocks: torch.Tensor, size: int, me
     return obj, b, b[..., :2].contiguous().view(torch.float16).reshape(n, nb)
 
 
+def _zero_point_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, method: str
+                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Group-quantized rows (``QuantizedWeight.from_zero_point``) as per-block scales ``d [N, K / 32]`` float16
+    and zero points ``[N, K / 32]`` int32, or ``None`` when groups are not whole blocks or a scale is not a
+    float16.
+
+    Raises:
+        UnsupportedShapeError: ``K`` is not a multiple of 32 or ``N`` of 16.
+    """
+    n, k = _check_shape(codes, method)
+    group = k // scales.shape[1]
+    d = scales.to(torch.float16)
+    if group % BLOCK or not torch.isfinite(d).all() or not torch.equal(d.to(scales.dtype), scales):
+        return None
+    rep = group // BLOCK
+    return d.repeat_interleave(rep, dim=1), zeros.to(torch.int32).repeat_interleave(rep, dim=1)
+
+
 def _concat_panels(cls: type[QuantizedWeight], parts: list[QuantizedWeight]) -> QuantizedWeight:
     """Row tiles (each a multiple of 16 rows) joined: every buffer is ``[N / 16, ...]``, panel-major."""
     obj = cls.__new__(cls)
@@ -165,6 +183,29 @@ class Q8Weight(QuantizedWeight):
         high = ((qh >> torch.arange(32, dtype=torch.int32)) & 1).to(torch.uint8) << 4
         codes = (torch.cat((qs & 0x0F, qs >> 4), dim=-1) | high) + (128 - 16)  # (q in 0..31) - 16 + 128
         obj._pack(codes.reshape(n, nb * BLOCK), d)
+        return obj
+
+    @classmethod
+    def from_zero_point(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int
+                        ) -> Q8Weight | None:
+        """AWQ/GPTQ rows (``QuantizedWeight.from_zero_point``), exactly: codes ``q - z`` with the group's scale
+        (groups a multiple of 32 channels, float16 scales); ``None`` when a ``q - z`` is outside -127..127 (an
+        8-bit code far from its zero point) or a scale is not a float16.
+
+        Raises:
+            UnsupportedShapeError: ``K`` is not a multiple of 32 or ``N`` of 16.
+        """
+        blocks = _zero_point_blocks(codes, scales, zeros, "int8")
+        if blocks is None:
+            return None
+        d, z = blocks
+        n, k = codes.shape
+        q = codes.to(torch.int32).reshape(n, k // BLOCK, BLOCK) - z[..., None]
+        if int(q.min()) < -127 or int(q.max()) > 127:
+            return None
+        obj = cls.__new__(cls)
+        QuantizedWeight.__init__(obj, torch.empty(n, k, device="meta"))
+        obj._pack((q + 128).to(torch.uint8).reshape(n, k), d)
         return obj
 
     @classmethod
@@ -274,6 +315,32 @@ class Q4Weight(QuantizedWeight):
         obj = cls.__new__(cls)
         QuantizedWeight.__init__(obj, torch.empty(n, ns * 256, device="meta"))
         obj._pack(codes, scale.reshape(n, ns * 8), low.reshape(n, ns * 8))
+        return obj
+
+    @classmethod
+    def from_zero_point(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int
+                        ) -> Q4Weight | None:
+        """4-bit AWQ/GPTQ rows (``QuantizedWeight.from_zero_point``), exactly: the same codes, ``d`` the group's
+        scale and ``m = -z d``; ``None`` for more than 4 bits, or when a ``z d`` is not a float16 (an odd zero
+        point times a scale with all 11 bits used: the loader then tries the int8 format, which holds any 4-bit
+        row exactly) or a scale is not a float16.
+
+        Raises:
+            UnsupportedShapeError: ``K`` is not a multiple of 32 or ``N`` of 16.
+        """
+        if bits > 4:
+            return None
+        blocks = _zero_point_blocks(codes, scales, zeros, "int4")
+        if blocks is None:
+            return None
+        d, z = blocks
+        m32 = -(z.float() * d.float())  # exact in float32: an 11-bit significand times a 5-bit integer
+        m = m32.to(torch.float16)
+        if not torch.isfinite(m).all() or not torch.equal(m.float(), m32):
+            return None
+        obj = cls.__new__(cls)
+        QuantizedWeight.__init__(obj, torch.empty(codes.shape, device="meta"))
+        obj._pack(codes.contiguous(), d, m)
         return obj
 
     @classmethod
