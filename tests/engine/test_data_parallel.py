@@ -183,13 +183,22 @@ def test_offline_llm_with_dp2_engine_cores_gives_the_single_engines_tokens(tiny_
         finally:
             concurrent.futures.Future.result = real_result
 
+        # the engine each request is sent to, as the balancer hands it over (engine_of(), asked after the send,
+        # already answers None when the output reader has seen a short request finish)
         seen: dict[str, int] = {}
-        original = client.add_request
+        sent_to: list[int] = []
+        balancer = client._client.balancer  # the synchronous client drives an asyncio client in its own thread
+        original, original_on_sent = client.add_request, balancer.on_sent
+
+        def on_sent(engine_index: int) -> None:
+            sent_to.append(engine_index)
+            original_on_sent(engine_index)
 
         def add(request):
             original(request)
-            seen[request.request_id] = client.engine_of(request.request_id)
+            seen[request.request_id] = sent_to[-1]
 
+        balancer.on_sent = on_sent
         client.add_request = add
         llm = LLM.from_llm_engine(engine)
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
