@@ -6,6 +6,7 @@ and subprocesses wait on each other), so those builds run from the start of the 
 the lowest priority with one compiler at a time, and the checks run last (``pytest_collection_modifyitems``
 moves them), by when the builds are usually cached. The first check stops a build that is still running and
 finishes it in the foreground (ninja keeps the objects already compiled); the result is the same either way.
+``TOKENMILL_TEST_PREBUILD=0`` turns the background builds off (the checks still run last).
 """
 
 from __future__ import annotations
@@ -41,9 +42,11 @@ def start(items: list[pytest.Item]) -> None:
     """Move the lower-ISA checks to the end of ``items`` and start their builds (once per session)."""
     global _process
     checks = [item for item in items if item.get_closest_marker(MARKER)]
-    if not checks or _process is not None or os.environ.get("TOKENMILL_CPU_KERNELS") == "0":
+    if not checks or _process is not None:
         return
     items[:] = [item for item in items if not item.get_closest_marker(MARKER)] + checks
+    if os.environ.get("TOKENMILL_CPU_KERNELS") == "0" or os.environ.get("TOKENMILL_TEST_PREBUILD") == "0":
+        return
     build = "from tokenmill_cpu import kernels; kernels.load()"
     # ATEN_CPU_CAPABILITY is read when torch is imported: one interpreter per capability, one after the other.
     script = "; ".join(f"ATEN_CPU_CAPABILITY={c} {shlex.quote(sys.executable)} -c {shlex.quote(build)}"
