@@ -1,12 +1,12 @@
-"""Compile tokenmill-cpu's lower instruction-set kernel builds in the background while the suite runs.
+"""Optionally compile tokenmill-cpu's lower instruction-set kernel builds in the background while the suite runs.
 
-The checks in tests/lower_isa.py each need a build of every C++ source for one ATen capability (about a
-minute of both cores per build on a cold cache). The suite leaves about a third of a 2-core machine idle (servers
-and subprocesses wait on each other), so those builds run from the start of the session in one process at
-the lowest priority with one compiler at a time, and the checks run last (``pytest_collection_modifyitems``
-moves them), by when the builds are usually cached. The first check stops a build that is still running and
-finishes it in the foreground (ninja keeps the objects already compiled); the result is the same either way.
-``TOKENMILL_TEST_PREBUILD=0`` turns the background builds off (the checks still run last).
+The checks in tests/lower_isa.py each need a build of every C++ source for one ATen capability (about 50 s of
+both cores per build on a cold cache). The checks always run last (``pytest_collection_modifyitems`` moves
+them). With ``TOKENMILL_TEST_PREBUILD=1`` the builds also start when the session starts, in one process at the
+lowest priority with one compiler at a time, and the first check stops a build still running and finishes it
+in the foreground (ninja keeps the objects already compiled). Off by default: on a 2-core machine the
+background compiler slowed the CPU-bound tests by more than it saved (docs/benchmarks.md, "Test suite time");
+on a machine with idle cores it saves the builds' time.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def start(items: list[pytest.Item]) -> None:
     if not checks or _process is not None:
         return
     items[:] = [item for item in items if not item.get_closest_marker(MARKER)] + checks
-    if os.environ.get("TOKENMILL_CPU_KERNELS") == "0" or os.environ.get("TOKENMILL_TEST_PREBUILD") == "0":
+    if os.environ.get("TOKENMILL_TEST_PREBUILD") != "1" or os.environ.get("TOKENMILL_CPU_KERNELS") == "0":
         return
     build = "from tokenmill_cpu import kernels; kernels.load()"
     # ATEN_CPU_CAPABILITY is read when torch is imported: one interpreter per capability, one after the other.
