@@ -13,7 +13,7 @@ pair dot product: a third or less of eager torch's or Inductor's time (``python 
 docs/benchmarks-history.md, "2026-11-30 Zen 4: decode attention kernel"; the current figures are in
 docs/benchmarks.md, "Decode attention kernel").
 
-The build (about 10 to 30 s, once per machine, torch version, instruction-set level and checkout; cached
+The build (about a minute on 2 cores, once per machine, torch version, instruction-set level and checkout; cached
 under torch's extension directory, ``TORCH_EXTENSIONS_DIR``) needs a C++ compiler and ``ninja``. Without them,
 or with ``TOKENMILL_CPU_KERNELS=0``, :func:`load` returns ``False``: attention stays on the torch path and
 ``--quantization`` uses torch's packed int8/int4 ops. :func:`load_async` starts the build in a background thread
@@ -185,7 +185,8 @@ def _build() -> bool:
     capability = torch.backends.cpu.get_cpu_capability()
     flags = compile_flags(capability)
     start = time.perf_counter()
-    logger.info("loading tokenmill-cpu's C++ kernels for %s (compiled on first use, 10-30 s; cached afterwards)", capability)
+    logger.info("loading tokenmill-cpu's C++ kernels for %s (compiled on first use, about a minute on 2 cores; "
+                "cached afterwards)", capability)
     try:
         ext_name, build_dir = build_directory(capability)
         build_dir.mkdir(parents=True, exist_ok=True)
