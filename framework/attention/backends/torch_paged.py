@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadata
-from tokenmill.attention.encoder_batches import bidirectional_attention
+from tokenmill.attention.encoder_batches import bidirectional_attention, sequence_ranges
 
 
 class TorchPagedAttentionBackend(AttentionBackend):
@@ -118,14 +118,7 @@ class TorchPagedAttentionImpl(AttentionImpl):
         q = query.view(num_tokens, self.num_heads, self.head_size)
         k = key.view(num_tokens, self.num_kv_heads, self.head_size)
         v = value.view(num_tokens, self.num_kv_heads, self.head_size)
-        if attn_metadata is None:
-            ranges = [(0, num_tokens)]
-        else:
-            qsl, seq_lens = attn_metadata.query_start_loc_cpu, attn_metadata.seq_lens_cpu
-            ranges = [(int(qsl[i]), int(qsl[i + 1])) for i in range(len(seq_lens))]
-            if any(end - start != seq_lens[i] for i, (start, end) in enumerate(ranges)):
-                raise ValueError("encoder-only attention needs each sequence whole in one step (chunked prefill "
-                                 "must be off for encoder models)")
+        ranges = sequence_ranges(attn_metadata, num_tokens)
         # sequences of similar length share one SDPA call (tokenmill.attention.encoder_batches)
         return bidirectional_attention(q, k, v, ranges, self.scale).reshape(num_tokens, -1)
 
