@@ -211,7 +211,7 @@ class TorchPagedAttentionImpl(AttentionImpl):
 
     def _softcap_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Attention with ``c * tanh(s / c)`` scores (SDPA has no soft cap), in float32: ``[Lq, Hq, D]``."""
-        lq, lk = q.shape[0], k.shape[0]
+        lq = q.shape[0]
         hkv, group = self.num_kv_heads, self.num_heads // self.num_kv_heads
         qg = q.float().transpose(0, 1).reshape(hkv, group, lq, self.head_size)
         kh = k.float().transpose(0, 1).unsqueeze(1)  # [Hkv, 1, Lk, D]
