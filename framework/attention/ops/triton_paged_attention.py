@@ -249,7 +249,7 @@ def _paged_attention_kernel(
         if CAUSAL:
             visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
         else:
-            visible = (offs_n[None, :] >= 0) & n_valid[None, :]
+            visible = (q_pos[:, None] >= 0) & n_valid[None, :]  # [BLOCK_M, BLOCK_N], as in the causal case
         if SLIDING_WINDOW > 0:
             visible = visible & (offs_n[None, :] > q_pos[:, None] - SLIDING_WINDOW)
         s = tl.where(visible, s, float("-inf"))
