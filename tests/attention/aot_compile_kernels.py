@@ -50,6 +50,8 @@ def main() -> int:
                 "encoder-gqa2-D64": dict(HEAD_SIZE=64, BLOCK_D=64, GROUP=2, GROUP_P2=2, BLOCK_Q=32, BLOCK_M=64,
                                          BLOCK_N=64, KV_BLOCK_SIZE=1, CAUSAL=False),
             }.items():
+                if label.startswith("encoder") and dt != "bf16":  # the mask differs, not the dtype handling
+                    continue
                 cfg.setdefault("SLIDING_WINDOW", 0)
                 cfg.setdefault("SOFT_CAP", False)
                 cfg.setdefault("CAUSAL", True)
