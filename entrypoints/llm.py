@@ -81,7 +81,9 @@ class LLM:
 
         Args:
             prompts: a text, a list of texts, one prompt as token ids (``list[int]``), a list of token-id
-                prompts, or ``{"prompt": text}`` / ``{"prompt_token_ids": ids}`` dicts.
+                prompts, or ``{"prompt": text}`` / ``{"prompt_token_ids": ids}`` dicts; a ``{"prompt": text}``
+                dict may carry vLLM's ``"multi_modal_data": {"image": PIL image or list}`` (the text holds the
+                model's image placeholder once per image) and ``"mm_processor_kwargs"`` (docs/multimodal.md).
             sampling_params: one for all prompts, or one per prompt (default: ``SamplingParams()``).
             use_tqdm: show a progress bar over requests.
             priority: one per prompt; lower runs earlier under ``scheduling_policy="priority"`` (ignored by
@@ -96,7 +98,7 @@ class LLM:
             ValueError: ``sampling_params`` or ``priority`` is a list of the wrong length.
         """
         return self._run(_normalize_prompts(prompts), sampling_params, use_tqdm, priority=priority,
-                         lora_request=lora_request)
+                         lora_request=lora_request, mm_inputs=_multimodal_inputs(prompts))
 
     def chat(
         self,
@@ -110,7 +112,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Answer one conversation (a list of ``{"role", "content"}`` messages) or a list of them.
 
-        The conversation is rendered with the tokenizer's chat template (or ``chat_template``).
+        The conversation is rendered with the tokenizer's chat template (or ``chat_template``). Content may be
+        OpenAI content parts: ``text``, ``image_url`` (data: URLs; file:// under ``allowed_local_media_path``) and
+        ``image_pil`` (a PIL image) for a model that takes images.
 
         Raises:
             ValueError: no chat template, or both ``add_generation_prompt`` and ``continue_final_message``.
@@ -124,18 +128,27 @@ class LLM:
         tokenizer = self.get_tokenizer()
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError("chat: the tokenizer has no chat template; pass chat_template=...")
+        from tokenmill.multimodal.chat_parts import render_messages_with_images
+        from tokenmill.multimodal.media import MediaConnector
+
+        mm = self.llm_engine.engine_config.multimodal_config
+        connector = MediaConnector(mm.allowed_local_media_path, mm.allow_http)
         prompts: list[str | list[int]] = []
+        mm_inputs: list[dict[str, Any] | None] = []
         for conversation in conversations:
+            rendered, images = render_messages_with_images(conversation, connector)
             prompts.append(
                 tokenizer.apply_chat_template(
-                    [_flatten_content(m) for m in conversation],
+                    rendered,
                     tokenize=False,
                     add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final_message,
                     chat_template=chat_template,
                 )
             )
-        return self._run(prompts, sampling_params, use_tqdm, add_special_tokens=False, prompt_param="messages")
+            mm_inputs.append({"multi_modal_data": {"image": images}} if images else None)
+        return self._run(prompts, sampling_params, use_tqdm, add_special_tokens=False, prompt_param="messages",
+                         mm_inputs=mm_inputs)
 
     def encode(
         self,
@@ -266,8 +279,10 @@ class LLM:
         prompt_param: str = "prompt",
         priority: Sequence[int] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        mm_inputs: Sequence[Mapping[str, Any] | None] | None = None,
     ) -> list[RequestOutput]:
         priorities = [0] * len(prompts) if priority is None else list(priority)
+        mm_list = list(mm_inputs) if mm_inputs is not None else [None] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"priority: got {len(priorities)} for {len(prompts)} prompts (give one per prompt)")
         if lora_request is None or isinstance(lora_request, LoRARequest):
@@ -290,7 +305,7 @@ class LLM:
         engine = self.llm_engine
         request_ids: list[str] = []
         try:
-            for prompt, params, prio, lora in zip(prompts, params_list, priorities, loras):
+            for prompt, params, prio, lora, mm in zip(prompts, params_list, priorities, loras, mm_list):
                 request_id = str(next(self._request_counter))
                 engine.add_request(
                     request_id,
@@ -300,6 +315,7 @@ class LLM:
                     add_special_tokens=add_special_tokens,
                     prompt_param=prompt_param,
                     lora_request=lora,
+                    **(mm or {}),
                 )
                 request_ids.append(request_id)
             finished = self._run_engine(len(request_ids), use_tqdm)
@@ -363,14 +379,20 @@ def _normalize_prompts(prompts: Any) -> list[str | list[int]]:
     return normalized
 
 
+def _multimodal_inputs(prompts: Any) -> list[dict[str, Any] | None] | None:
+    """Per prompt, the ``multi_modal_data`` / ``mm_processor_kwargs`` of a dict prompt (``None`` when no prompt
+    has any)."""
+    if isinstance(prompts, (str, Mapping)):
+        prompts = [prompts]
+    found: list[dict[str, Any] | None] = []
+    for prompt in prompts:
+        entry = None
+        if isinstance(prompt, Mapping) and (prompt.get("multi_modal_data") or prompt.get("mm_processor_kwargs")):
+            entry = {"multi_modal_data": prompt.get("multi_modal_data"),
+                     "mm_processor_kwargs": prompt.get("mm_processor_kwargs")}
+        found.append(entry)
+    return found if any(found) else None
+
+
 def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _flatten_content(message: Mapping[str, Any]) -> dict[str, Any]:
-    """OpenAI-style content parts (``[{"type": "text", "text": ...}]``) -> one string, as templates expect."""
-    content = message.get("content")
-    if isinstance(content, list):
-        texts = [part["text"] for part in content if isinstance(part, Mapping) and part.get("type") == "text"]
-        return {**message, "content": "\n".join(texts)}
-    return dict(message)

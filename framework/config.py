@@ -60,26 +60,33 @@ class ModelConfig:
         return list(getattr(self.hf_config, "architectures", None) or [])
 
     @property
+    def hf_text_config(self) -> Any:
+        """The config of the text decoder: ``hf_config`` itself, or a vision-language model's ``text_config``."""
+        return text_config_of(self.hf_config)
+
+    @property
     def vocab_size(self) -> int:
-        return int(self.hf_config.vocab_size)
+        return int(self.hf_text_config.vocab_size)
 
     @property
     def num_layers(self) -> int:
-        return int(self.hf_config.num_hidden_layers)
+        return int(self.hf_text_config.num_hidden_layers)
 
     @property
     def num_kv_heads(self) -> int:
-        cfg = self.hf_config
+        cfg = self.hf_text_config
         return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
 
     @property
     def head_dim(self) -> int:
-        cfg = self.hf_config
+        cfg = self.hf_text_config
         return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
 
     @property
     def eos_token_ids(self) -> list[int]:
         eos = getattr(self.hf_config, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(self.hf_text_config, "eos_token_id", None)
         if eos is None:
             return []
         return [int(e) for e in eos] if isinstance(eos, (list, tuple)) else [int(eos)]
@@ -202,6 +209,35 @@ class LoRAConfig:
     max_cpu_loras: int = 1
 
 
+def text_config_of(hf_config: Any) -> Any:
+    """``hf_config.get_text_config()`` where transformers offers it (a vision-language model's decoder config),
+    else ``hf_config``."""
+    get = getattr(hf_config, "get_text_config", None)
+    return get() if callable(get) else hf_config
+
+
+@dataclass
+class MultiModalConfig:
+    """Image inputs (docs/multimodal.md).
+
+    Attributes:
+        limit_per_prompt: the most items of each modality one prompt may hold (vLLM's ``--limit-mm-per-prompt``,
+            e.g. ``{"image": 2}``); a modality left out has no limit.
+        allowed_local_media_path: ``file://`` image URLs must point inside this folder (``None``: refused).
+        allow_http: fetch ``http(s)`` image URLs (off: such URLs are refused with a 400).
+        mm_processor_kwargs: keyword arguments for every call of the Hugging Face processor (e.g. image sizes).
+        encoder_cache_size: encoder outputs (embedding rows) the workers keep between steps, so an image whose
+            placeholder spans several prefill chunks is encoded once; also the most rows one step encodes (``0``:
+            the larger of 8192 and the scheduler's token budget).
+    """
+
+    limit_per_prompt: dict[str, int] = field(default_factory=dict)
+    allowed_local_media_path: str | None = None
+    allow_http: bool = False
+    mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)
+    encoder_cache_size: int = 0
+
+
 @dataclass
 class StructuredOutputsConfig:
     """Constrained decoding (JSON schemas, regexes, grammars; see docs/structured_outputs.md).
@@ -242,6 +278,7 @@ class EngineConfig:
     # "blocking": compile before serving; "background": serve eagerly and swap compiled graphs in when ready.
     compile_mode: str = "blocking"
     lora_config: LoRAConfig | None = None  # None: LoRA adapters are off
+    multimodal_config: MultiModalConfig = field(default_factory=MultiModalConfig)
     # speculative decoding (tokenmill.spec_decode.config.SpeculativeConfig), or None
     speculative_config: Any = None
 

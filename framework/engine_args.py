@@ -26,10 +26,12 @@ from tokenmill.config import (
     DeviceConfig,
     EngineConfig,
     LoRAConfig,
+    MultiModalConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
     StructuredOutputsConfig,
+    parse_json_object,
 )
 
 logger = logging.getLogger(__name__)
@@ -102,6 +104,10 @@ class EngineArgs:
     runner: str = "auto"
     convert: str = "auto"
     hf_overrides: dict[str, Any] | str | None = None
+    limit_mm_per_prompt: dict[str, int] | str | None = None
+    allowed_local_media_path: str | None = None
+    allow_image_http: bool = False
+    mm_processor_kwargs: dict[str, Any] | str | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -158,6 +164,15 @@ class EngineArgs:
                             "'{\"architectures\": [\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": "
                             "[\"no\", \"yes\"], \"is_original_qwen3_reranker\": true}' serves a Qwen3-Reranker "
                             "checkpoint as a reranker (docs/pooling.md).")
+        g.add_argument("--limit-mm-per-prompt", default=d.limit_mm_per_prompt, metavar="JSON",
+                       help='The most images one prompt may hold, as JSON (vLLM\'s flag), e.g. \'{"image": 2}\' '
+                            "(default: no limit; docs/multimodal.md).")
+        g.add_argument("--allowed-local-media-path", default=d.allowed_local_media_path, metavar="DIR",
+                       help="Allow file:// image URLs that point inside DIR (default: file:// URLs are refused).")
+        g.add_argument("--allow-image-http", action="store_true", default=d.allow_image_http,
+                       help="Fetch http(s) image URLs (default: refused with a 400; send base64 data: URLs).")
+        g.add_argument("--mm-processor-kwargs", default=d.mm_processor_kwargs, metavar="JSON",
+                       help="Keyword arguments for the model's Hugging Face processor, as a JSON object.")
         g.add_argument("--seed", type=int, default=d.seed)
         g.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager)
         g.add_argument("--compile-mode", default=d.compile_mode, choices=list(COMPILE_MODES),
@@ -340,6 +355,7 @@ class EngineArgs:
             logits_processor_pattern=_checked_pattern(self.logits_processor_pattern),
             compile_mode=self.compile_mode or "blocking",
             lora_config=self._create_lora_config(),
+            multimodal_config=self._create_multimodal_config(),
         )
         num_layers = model_config.num_layers
         if self.pipeline_parallel_size > num_layers:
@@ -353,6 +369,21 @@ class EngineArgs:
 
             config.speculative_config = create_speculative_config(self.speculative_config, config)
         return config
+
+    def _create_multimodal_config(self) -> MultiModalConfig:
+        """Raises: ValueError for a malformed ``limit_mm_per_prompt`` or ``mm_processor_kwargs``."""
+        limits = parse_json_object(self.limit_mm_per_prompt, "limit_mm_per_prompt") if self.limit_mm_per_prompt \
+            else {}
+        for modality, limit in limits.items():
+            if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+                raise ValueError(f"limit_mm_per_prompt: the limit of {modality!r} must be a non-negative integer, "
+                                 f"got {limit!r}")
+            if modality != "image":
+                raise ValueError(f"limit_mm_per_prompt: unsupported modality {modality!r} (only 'image')")
+        kwargs = parse_json_object(self.mm_processor_kwargs, "mm_processor_kwargs") if self.mm_processor_kwargs \
+            else {}
+        return MultiModalConfig(limit_per_prompt=limits, allowed_local_media_path=self.allowed_local_media_path,
+                                allow_http=self.allow_image_http, mm_processor_kwargs=kwargs)
 
     def _create_parallel_config(self) -> ParallelConfig:
         """The parallel layout, with the executor backend resolved.

@@ -8,8 +8,8 @@ the checkpoint through :meth:`CausalLM.load_weights`, then calls :meth:`CausalLM
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -53,6 +53,75 @@ class CausalLM(Protocol):
             left out as an error.
         """
         ...
+
+
+@runtime_checkable
+class SupportsMultiModal(Protocol):
+    """A model that also takes images (vLLM's ``SupportsMultiModal``), on top of :class:`CausalLM`.
+
+    The engine calls the class methods in the front end (before any model is built) to turn the Hugging Face
+    processor's output into per-image inputs and placeholder ranges, and the instance methods in the worker. Its
+    :meth:`forward` takes ``inputs_embeds`` (``[T, hidden]``) instead of looking ``input_ids`` up when given.
+    Documented for plugin authors in ``docs/multimodal.md``.
+    """
+
+    supports_multimodal: ClassVar[bool]
+
+    @classmethod
+    def get_image_token_id(cls, hf_config: Any) -> int:
+        """The token id the processor repeats for each of an image's embeddings (Llava's ``<image>``)."""
+        ...
+
+    @classmethod
+    def split_image_inputs(cls, hf_config: Any, processed: Mapping[str, torch.Tensor], num_images: int
+                           ) -> list[dict[str, torch.Tensor]]:
+        """The processor's batched image tensors (``pixel_values`` ``[N, 3, H, W]``, ...) -> one dict per image,
+        in prompt order, of what :meth:`get_multimodal_embeddings` takes for it.
+
+        Raises:
+            ValueError: the tensors do not hold ``num_images`` images.
+        """
+        ...
+
+    @classmethod
+    def get_num_image_tokens(cls, hf_config: Any, item: Mapping[str, torch.Tensor]) -> int:
+        """How many placeholder tokens (= embedding rows) the image ``item`` takes in the prompt."""
+        ...
+
+    def get_multimodal_embeddings(self, **item: torch.Tensor) -> torch.Tensor:
+        """Run the vision encoder and projector on one image (its tensors from :meth:`split_image_inputs`, on the
+        model's device): ``[get_num_image_tokens(item), hidden]`` in the model dtype."""
+        ...
+
+    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[T]`` int64 -> ``[T, hidden]`` text embeddings (what :meth:`forward` would look up)."""
+        ...
+
+
+def supports_multimodal(model: Any) -> bool:
+    """Whether a model class or instance declares the :class:`SupportsMultiModal` contract."""
+    return bool(getattr(model, "supports_multimodal", False))
+
+
+def merge_multimodal_embeddings(inputs_embeds: torch.Tensor, rows: torch.Tensor,
+                                embeddings: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Write image embeddings over the text embeddings of their placeholder tokens.
+
+    Args:
+        inputs_embeds: ``[T, hidden]`` the step's text embeddings (changed in place and returned).
+        rows: ``[N]`` int64, the batch rows the embeddings fill, in order.
+        embeddings: pieces whose rows, concatenated, are ``[N, hidden]``.
+
+    Raises:
+        ValueError: the embeddings do not have ``N`` rows.
+    """
+    if not embeddings:
+        return inputs_embeds
+    values = torch.cat(list(embeddings)) if len(embeddings) > 1 else embeddings[0]
+    if values.shape[0] != rows.shape[0]:
+        raise ValueError(f"{values.shape[0]} image embedding rows for {rows.shape[0]} placeholder positions")
+    inputs_embeds[rows] = values.to(inputs_embeds.dtype)
+    return inputs_embeds
 
 
 def check_model_class(cls: Any) -> None:

@@ -37,7 +37,8 @@ Contents, by what a plugin does with them:
   of ``tokenmill_register_reasoning_parsers``);
 * sampling: :class:`LogitsProcessor`, :class:`LogitsProcessorBatch`, :class:`LogitsProcessorRegistry`,
   :class:`SamplingParams` (its ``extra_args`` reach the processors), :class:`LoRARequest` (a request's adapter);
-* models: :class:`ModelRegistry`, the contract :class:`CausalLM`, every layer of ``tokenmill.layers``
+* models: :class:`ModelRegistry`, the contract :class:`CausalLM` (and :class:`SupportsMultiModal`,
+  :func:`supports_multimodal`, :func:`merge_multimodal_embeddings` for models that take images), every layer of ``tokenmill.layers``
   (:class:`Attention`, the tensor-parallel linear layers, :class:`RMSNorm`, :func:`get_rope`, the decoder
   blocks), the weight loader (:func:`load_checkpoint_weights`, :func:`default_weight_loader`,
   :data:`DEFAULT_STACKED_PARAMS`), the tensor-parallel helpers (:func:`get_tp_rank`, :func:`get_tp_size`,
@@ -132,6 +133,9 @@ _LAZY: dict[str, str] = {
     # models
     "ModelRegistry": "tokenmill.model_loader.registry",
     "CausalLM": "tokenmill.model_contract",
+    "SupportsMultiModal": "tokenmill.model_contract",
+    "supports_multimodal": "tokenmill.model_contract",
+    "merge_multimodal_embeddings": "tokenmill.model_contract",
     "load_checkpoint_weights": "tokenmill.model_loader.weight_utils",
     "get_tp_rank": "tokenmill.distributed",
     "get_tp_size": "tokenmill.distributed",
@@ -170,7 +174,7 @@ if TYPE_CHECKING:
     from tokenmill.layers.quantization import Int8WeightOnly, QuantizedWeight, UnsupportedShapeError
     from tokenmill.lora.ops import LoRABatchMapping, LoRAMethod, TorchLoRAMethod
     from tokenmill.lora.request import LoRARequest
-    from tokenmill.model_contract import CausalLM
+    from tokenmill.model_contract import CausalLM, SupportsMultiModal, merge_multimodal_embeddings, supports_multimodal
     from tokenmill.model_loader.registry import ModelRegistry
     from tokenmill.model_loader.weight_utils import load_checkpoint_weights
     from tokenmill.platforms.current import current_platform, get_current_platform

@@ -359,7 +359,8 @@ def check_logit_bias(logit_bias: dict[str, float]) -> None:
 
 class ChatMessage(OpenAIBaseModel):
     """One input message; ``content`` is a string or a list of ``{"type": "text", "text": ...}`` parts (the
-    same text as a string: parts are joined with newlines).
+    same text as a string: parts are joined with newlines) and, for chat completions with a model that takes
+    images, ``{"type": "image_url", "image_url": {"url": ...}}`` parts (docs/multimodal.md).
 
     ``role`` is one of OpenAI's (``system``, ``developer``, ``user``, ``assistant``, ``tool``) or any other
     non-empty name, passed to the chat template as it is (vLLM's custom roles). ``content`` may be left out
@@ -390,11 +391,22 @@ class ChatMessage(OpenAIBaseModel):
         for i, part in enumerate(value):
             if not isinstance(part, dict):
                 raise ValueError(f"content part {i} must be an object")  # noqa: TRY004
-            if part.get("type") != "text":
-                raise ValueError(f"content part {i}: type {part.get('type')!r} is not supported (only 'text')")
+            kind = part.get("type")
+            if kind == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str):
+                    raise ValueError(f"content part {i}: 'image_url' must be an object with a string 'url'")
+                continue
+            if kind != "text":
+                raise ValueError(f"content part {i}: type {kind!r} is not supported (only 'text' and 'image_url')")
             if not isinstance(part.get("text"), str):
                 raise ValueError(f"content part {i}: 'text' must be a string")  # noqa: TRY004
         return value
+
+    @property
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(p.get("type") == "image_url" for p in self.content)
 
     def text(self) -> str:
         """The content as one string (text parts joined by newlines; ``""`` when absent)."""
@@ -402,10 +414,20 @@ class ChatMessage(OpenAIBaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "\n".join(part["text"] for part in self.content)
+        return "\n".join(part["text"] for part in self.content if part.get("type") == "text")
 
-    def to_template_dict(self) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+    def to_template_dict(self, allow_images: bool = False) -> dict[str, Any]:
+        """The message for the chat template: content as one string, or (``allow_images``, with image parts)
+        the parts as given, for :func:`tokenmill.multimodal.chat_parts.render_messages_with_images`.
+
+        Raises:
+            InvalidRequestError: image parts where they are not allowed (``param="messages"``).
+        """
+        if self.has_images and not allow_images:
+            raise InvalidRequestError("messages: image content parts are accepted by /v1/chat/completions only",
+                                      param="messages")
+        content: Any = self.content if self.has_images else self.text()
+        message: dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name
         if self.tool_call_id is not None:

@@ -69,8 +69,9 @@ class OpenAIServingChat(OpenAIServing):
             self.check_token_ids(ids, param)
         reasoning = self.resolve_reasoning(request)
         tool_calling, constraint = await self.resolve_constraints(request)
-        prompt_ids = request.truncated(await self.tokenization.run(self._render_and_encode, request),
-                                       self.max_model_len)
+        prompt_ids, mm_features = await self.tokenization.run(self._render_and_encode, request)
+        if mm_features is None:
+            prompt_ids = request.truncated(prompt_ids, self.max_model_len)
         max_tokens = self.resolve_max_tokens(
             len(prompt_ids), request.requested_max_tokens, "messages", request.max_tokens_param
         )
@@ -85,7 +86,7 @@ class OpenAIServingChat(OpenAIServing):
         echo = request.messages[-1].text() if request.echo and request.messages[-1].role == "assistant" else ""
         self.log_request(request_id, raw_request, "%d prompt tokens, max_tokens %s", len(prompt_ids), max_tokens)
         gen = self.generate(prompt_ids, params, request_id, arrival, request.priority, model_name=model_name,
-                            cache_salt=request.cache_salt)
+                            cache_salt=request.cache_salt, mm_features=mm_features)
         if request.stream:
             return await self._stream(request, raw_request, gen, request_id, model_name, len(prompt_ids), echo,
                                       tool_calling, reasoning)
@@ -110,10 +111,11 @@ class OpenAIServingChat(OpenAIServing):
         return Reasoning(self.reasoning_parser_cls, self.tokenization.tokenizer, request.chat_template_kwargs,
                          request.include_reasoning, request.thinking_token_budget)
 
-    def _render_and_encode(self, request: ChatCompletionRequest) -> list[int]:
-        """Apply the chat template and tokenize (runs in the tokenizer thread)."""
-        return self.encode_chat(
-            template_messages([m.to_template_dict() for m in request.messages]),
+    def _render_and_encode(self, request: ChatCompletionRequest) -> tuple[list[int], list[Any] | None]:
+        """Apply the chat template and tokenize, with the images of the messages processed (runs in the
+        tokenizer thread): ``(token ids, image features or None)``."""
+        return self.encode_chat_with_images(
+            template_messages([m.to_template_dict(allow_images=True) for m in request.messages]),
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
             template_kwargs=request.chat_template_kwargs,

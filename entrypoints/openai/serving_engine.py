@@ -26,6 +26,7 @@ from tokenmill.entrypoints.openai.streaming import close_quietly, run_unless_dis
 from tokenmill.entrypoints.openai.structured_outputs import check_structured_outputs
 from tokenmill.entrypoints.openai.tool_choice import ToolCalling
 from tokenmill.tool_parsers import ToolParser
+from tokenmill.multimodal.media import MediaConnector
 from tokenmill.errors import EngineDeadError, EngineGenerateError, InvalidRequestError, ServerShuttingDownError
 from tokenmill.metrics.stats import RequestStatsTracker
 from tokenmill.outputs import CompletionOutput, RequestOutput
@@ -209,6 +210,9 @@ class OpenAIServing:
         self.structured_outputs_backend = str(getattr(so_config, "backend", "auto"))
         scheduler_config = getattr(getattr(engine, "engine_config", None), "scheduler_config", None)
         self.scheduling_policy = str(getattr(scheduler_config, "policy", "fcfs"))
+        mm_config = getattr(getattr(engine, "engine_config", None), "multimodal_config", None)
+        self.media = MediaConnector(getattr(mm_config, "allowed_local_media_path", None),
+                                    bool(getattr(mm_config, "allow_http", False)))
 
     def admit(self, request: GenerateRequest) -> str:
         """The first checks of a generating request; returns the resolved model name.
@@ -344,13 +348,42 @@ class OpenAIServing:
                                     tools=tools)
         return self.tokenization.encode(text, add_special_tokens=add_special_tokens)
 
+    def encode_chat_with_images(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
+                                continue_final_message: bool, template_kwargs: dict[str, Any] | None,
+                                add_special_tokens: bool, tools: list[dict[str, Any]] | None = None
+                                ) -> tuple[list[int], list[Any] | None]:
+        """:meth:`encode_chat` for messages that may hold image parts: ``(token ids, None)`` without images;
+        with images, the ids with each placeholder expanded by the model's processor and the images' features
+        (call through ``self.tokenization.run``).
+
+        Raises:
+            InvalidRequestError: an image that cannot be loaded or decoded (``param`` names the content part),
+                a text-only model, more images than ``--limit-mm-per-prompt``, or the template or processor
+                failed (``param="messages"``).
+        """
+        from tokenmill.multimodal.chat_parts import render_messages_with_images
+
+        rendered, images = render_messages_with_images(messages, self.media)
+        if not images:
+            return self.encode_chat(rendered, add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message, template_kwargs=template_kwargs,
+                                    add_special_tokens=add_special_tokens, tools=tools), None
+        processor = self.engine.input_processor.mm_processor  # type: ignore[attr-defined]
+        processor.check_images(len(images), "messages")
+        text = self.renderer.render(rendered, add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message, template_kwargs=template_kwargs,
+                                    tools=tools)
+        return processor.process(text, images, add_special_tokens=add_special_tokens, param="messages")
+
     def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str, arrival_time: float,
-                 priority: int = 0, *, model_name: str | None = None, cache_salt: str | None = None
-                 ) -> AsyncGenerator[RequestOutput, None]:
+                 priority: int = 0, *, model_name: str | None = None, cache_salt: str | None = None,
+                 mm_features: list[Any] | None = None) -> AsyncGenerator[RequestOutput, None]:
         """``engine.generate``, with the request's metrics recorded from its start to its end; ``model_name``
         (resolved) picks the LoRA adapter of that name, if it is one; ``cache_salt`` (the request's field)
-        isolates its prefix-cache blocks."""
+        isolates its prefix-cache blocks; ``mm_features`` are the prompt's processed images."""
         extra: dict[str, Any] = {"priority": priority} if priority else {}
+        if mm_features:
+            extra["mm_features"] = mm_features
         if cache_salt is not None:
             extra["cache_salt"] = cache_salt
         lora_request = self.models.lora_request(model_name)

@@ -43,7 +43,12 @@ class KVCacheManager:
         while (len(hashes) + 1) * bs <= request.num_tokens:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, request.all_token_ids[i * bs : (i + 1) * bs], extra))
+            block_extra = extra
+            if request.mm_features:
+                images = request.block_mm_hashes(i * bs, (i + 1) * bs)
+                if images:
+                    block_extra = (*extra, ("mm", images))
+            hashes.append(hash_block_tokens(parent, request.all_token_ids[i * bs : (i + 1) * bs], block_extra))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest run of cached full blocks at the start of the request's tokens.

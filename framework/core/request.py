@@ -13,6 +13,7 @@ from tokenmill.structured_output.request import StructuredOutputRequest
 if TYPE_CHECKING:
     from tokenmill.engine.messages import EngineCoreRequest
     from tokenmill.lora.request import LoRARequest
+    from tokenmill.multimodal.inputs import MultiModalFeature
     from tokenmill.pooling_params import PoolingParams
     from tokenmill.sampling_params import SamplingParams
 
@@ -68,6 +69,7 @@ class Request:
         error: why the engine failed the request (with ``FINISHED_ERROR``).
         pooling_params: set for a pooling request: it runs its prompt only and finishes with the pooled output
             once the last prompt chunk has run (``sampling_params`` is then a placeholder).
+        mm_features: its images in prompt order (placeholder ranges ascending; empty for a text prompt).
     """
 
     def __init__(
@@ -83,8 +85,10 @@ class Request:
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
         pooling_params: PoolingParams | None = None,
+        mm_features: list[MultiModalFeature] | None = None,
     ) -> None:
         self.request_id = request_id
+        self.mm_features: list[MultiModalFeature] = sorted(mm_features or [], key=lambda f: f.placeholder.offset)
         self.pooling_params = pooling_params
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -130,6 +134,7 @@ class Request:
             cache_salt=req.cache_salt,
             lora_request=req.lora_request,
             pooling_params=req.pooling_params,
+            mm_features=req.mm_features,
         )
 
     @property
@@ -145,6 +150,13 @@ class Request:
         if self.lora_request is not None:
             extra += (("lora", self.lora_request.lora_int_id, self.lora_request.lora_name),)
         return extra
+
+    def block_mm_hashes(self, start: int, end: int) -> tuple[str, ...]:
+        """The ``mm_hash`` of every image whose placeholder overlaps token positions ``[start, end)``: they key
+        the prefix-cache block of those tokens besides the (identical) placeholder ids, so prompts with the same
+        text and different images never share a block."""
+        return tuple(f.mm_hash for f in self.mm_features
+                     if f.placeholder.offset < end and f.placeholder.end > start)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -8,6 +8,7 @@ import numpy as np
 
 from tokenmill.engine.messages import PooledData
 from tokenmill.lora.request import LoRARequest
+from tokenmill.multimodal.inputs import MultiModalFeature
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
@@ -26,6 +27,7 @@ class NewRequestData:
         eos_token_id: the EOS id the sampler masks until ``min_tokens`` (``None``: none, or ``ignore_eos``).
         lora_request: its LoRA adapter (``None``: the base model).
         pooling_params: set for a pooling request (nothing is sampled; its prompt's hidden states are pooled).
+        mm_features: its images (placeholder ranges and encoder inputs; ``None`` for a text prompt).
     """
 
     req_id: str
@@ -37,6 +39,7 @@ class NewRequestData:
     eos_token_id: int | None = None
     lora_request: LoRARequest | None = None
     pooling_params: PoolingParams | None = None
+    mm_features: list[MultiModalFeature] | None = None
 
 
 @dataclass
@@ -75,6 +78,9 @@ class SchedulerOutput:
         grammar_bitmask: ``[len(structured_output_request_ids), ceil(vocab_size / 32)]`` int32, row ``i`` the
             tokens allowed next for ``structured_output_request_ids[i]`` (bit ``t % 32`` of word ``t // 32``);
             ``None`` when no constrained request samples this step.
+        scheduled_encoder_inputs: per request id, the indices of its images (``mm_features``) whose encoder
+            runs this step; their outputs stay in the workers' encoder cache, keyed by ``mm_hash``.
+        free_encoder_mm_hashes: encoder-cache entries the workers drop before this step's encoding.
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -85,6 +91,8 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     structured_output_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: np.ndarray | None = None
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    free_encoder_mm_hashes: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -26,6 +26,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from tokenmill.config import EngineConfig
+from tokenmill.core.encoder_cache_manager import EncoderCacheManager
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sched_output import (
@@ -45,6 +46,11 @@ from tokenmill.engine.messages import (
 from tokenmill.errors import InvalidRequestError
 from tokenmill.spec_decode.metrics import SpecDecodingStats
 from tokenmill.structured_output.manager import StructuredOutputManager
+
+
+# Encoder-cache rows (and per-step encoder budget) unless MultiModalConfig.encoder_cache_size says otherwise: a
+# few large images' worth (a 336-px CLIP image is 576 rows; a Qwen2.5-VL image up to a few thousand).
+DEFAULT_ENCODER_CACHE_ROWS = 8192
 
 
 class Scheduler:
@@ -91,6 +97,11 @@ class Scheduler:
         self.structured_output_manager = structured_output_manager or StructuredOutputManager(config)
         # Outputs of requests failed outside a model step (a grammar that did not compile), sent with the next.
         self._pending_outputs: list[EngineCoreOutput] = []
+        # Image encoder outputs (docs/multimodal.md): the per-step budget of encoded rows is the cache's size.
+        mm_config = getattr(config, "multimodal_config", None)
+        encoder_rows = getattr(mm_config, "encoder_cache_size", 0) or max(DEFAULT_ENCODER_CACHE_ROWS,
+                                                                          self.max_num_batched_tokens)
+        self.encoder_cache_manager = EncoderCacheManager(encoder_rows)
 
     # ------------------------------------------------------------------ admission
 
@@ -121,6 +132,11 @@ class Scheduler:
                 "KV cache (--kv-cache-memory)",
                 "prompt",
             )
+        for feature in request.mm_features:
+            if feature.placeholder.length > self.encoder_cache_manager.cache_size:
+                raise InvalidRequestError(
+                    f"an image of the prompt takes {feature.placeholder.length} tokens, more than the encoder cache "
+                    f"holds ({self.encoder_cache_manager.cache_size} rows)", "prompt")
         longest = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
         if request.pooling_params is None and not self.kv_cache_manager.can_fit(longest):
             raise InvalidRequestError(
@@ -177,6 +193,8 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        if request.mm_features:
+            self.encoder_cache_manager.free(request)
         if request.use_structured_output:
             self.structured_output_manager.free(request)
         del self.requests[request.request_id]
@@ -194,11 +212,17 @@ class Scheduler:
         cached = CachedRequestData()
         preempted_any = False
         spec_tokens: dict[str, list[int]] = {}
+        encoder_budget = self.encoder_cache_manager.cache_size
+        encoder_inputs: dict[str, list[int]] = {}
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = self._num_tokens_to_schedule(request, budget)
+            to_encode: list[int] = []
+            if request.mm_features:
+                to_encode, num_new, encoder_budget = self._schedule_encoder_inputs(
+                    request, request.num_computed_tokens, num_new, encoder_budget)
             if num_new == 0:
                 i += 1
                 continue
@@ -216,6 +240,7 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break  # the request preempted itself; nothing after it in `running` can fit either
+            self._allocate_encoder_inputs(request, to_encode, encoder_inputs)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
             if num_drafts > 0:
@@ -260,6 +285,12 @@ class Scheduler:
             num_new = min(remaining, budget)
             if self.long_prefill_token_threshold > 0:
                 num_new = min(num_new, self.long_prefill_token_threshold)
+            to_encode = []
+            if request.mm_features:
+                to_encode, num_new, encoder_budget = self._schedule_encoder_inputs(
+                    request, request.num_computed_tokens + num_hit_tokens, num_new, encoder_budget)
+                if num_new == 0:
+                    break  # its next image does not fit this step's encoder budget or cache
             new_blocks = self.kv_cache_manager.allocate_slots(
                 request, num_new, hits, num_hit_tokens,
                 num_lookahead_tokens=self._lookahead(request, num_hit_tokens + num_new),
@@ -267,6 +298,7 @@ class Scheduler:
             if new_blocks is None:
                 break
             self.waiting.popleft()
+            self._allocate_encoder_inputs(request, to_encode, encoder_inputs)
             if looked_up:
                 # Counted here, once per admission: a request that waits several steps is looked up each time.
                 self.kv_cache_manager.record_prefix_cache_lookup(request.num_tokens, num_hit_tokens)
@@ -289,6 +321,8 @@ class Scheduler:
             n = num_scheduled.get(request.request_id)
             if n is not None:
                 request.num_computed_tokens += n
+                if request.mm_features:
+                    self._release_computed_images(request)
         so_request_ids, bitmask = self._grammar_bitmask(num_scheduled)
         finished = self.finished_req_ids
         self.finished_req_ids = set()
@@ -301,7 +335,56 @@ class Scheduler:
             structured_output_request_ids=so_request_ids,
             grammar_bitmask=bitmask,
             scheduled_spec_decode_tokens=spec_tokens,
+            scheduled_encoder_inputs=encoder_inputs,
+            free_encoder_mm_hashes=self.encoder_cache_manager.get_freed_mm_hashes(),
         )
+
+    def _schedule_encoder_inputs(self, request: Request, num_computed: int, num_new: int, budget: int
+                                 ) -> tuple[list[int], int, int]:
+        """The images whose placeholders the chunk ``[num_computed, num_computed + num_new)`` reaches and that
+        must be encoded this step (not cached), within the encoder ``budget``; the chunk stops before the first
+        image that does not fit. Returns ``(image indices to encode, num_new, budget left)``. Cached images the
+        chunk reaches get the request's reference here."""
+        manager = self.encoder_cache_manager
+        end = num_computed + num_new
+        to_encode: list[int] = []
+        planned: set[str] = set()
+        for index, feature in enumerate(request.mm_features):
+            start, rows = feature.placeholder.offset, feature.placeholder.length
+            if start >= end:
+                break
+            if start + rows <= num_computed:
+                continue  # its embeddings are in the KV cache already
+            if feature.mm_hash in planned or manager.check_and_update_cache(request, index):
+                continue
+            if not manager.can_allocate(rows, budget):
+                num_new = max(0, start - num_computed)
+                break
+            to_encode.append(index)
+            planned.add(feature.mm_hash)
+            budget -= rows
+        return to_encode, num_new, budget
+
+    def _allocate_encoder_inputs(self, request: Request, to_encode: list[int],
+                                 encoder_inputs: dict[str, list[int]]) -> None:
+        """Reserve the encoder cache for the images a scheduled chunk encodes (and reference repeats of them
+        in the same prompt)."""
+        if not to_encode:
+            return
+        manager = self.encoder_cache_manager
+        for index in to_encode:
+            manager.allocate(request, index)
+        encoder_inputs[request.request_id] = to_encode
+        encoded = {request.mm_features[i].mm_hash for i in to_encode}
+        for index, feature in enumerate(request.mm_features):
+            if index not in to_encode and feature.mm_hash in encoded:
+                manager.check_and_update_cache(request, index)
+
+    def _release_computed_images(self, request: Request) -> None:
+        """Drop the request's reference to every image whose placeholder is now wholly computed."""
+        for index, feature in enumerate(request.mm_features):
+            if feature.placeholder.end <= request.num_computed_tokens:
+                self.encoder_cache_manager.free_encoder_input(request, index)
 
     def _lookahead(self, request: Request, num_new: int) -> int:
         """KV slots a draft model writes past this step's tokens, capped where the request must end anyway
@@ -386,6 +469,7 @@ class Scheduler:
             eos_token_id=None if request.sampling_params.ignore_eos else request.eos_token_id,
             lora_request=request.lora_request,
             pooling_params=request.pooling_params,
+            mm_features=request.mm_features or None,
         )
 
     def _pick_victim(self, first_unscheduled: int) -> Request:
@@ -398,6 +482,8 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv_cache_manager.free(request)
+        if request.mm_features:
+            self.encoder_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.record_event(EngineCoreEventType.PREEMPTED)
         request.num_computed_tokens = 0

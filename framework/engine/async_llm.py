@@ -69,6 +69,7 @@ class AsyncLLM:
             self.model_config, tokenizer, engine_config.cache_config, engine_config.structured_outputs_config,
             logits_processor_pattern=engine_config.logits_processor_pattern,
             speculative=engine_config.speculative_config is not None,
+            mm_config=engine_config.multimodal_config,
         )
         self.output_processor = OutputProcessor(tokenizer)
         self._output_handler: asyncio.Task[None] | None = None

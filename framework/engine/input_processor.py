@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from tokenmill.config import CacheConfig, ModelConfig, StructuredOutputsConfig
+from tokenmill.config import CacheConfig, ModelConfig, MultiModalConfig, StructuredOutputsConfig
 from tokenmill.engine.messages import EngineCoreRequest
 from tokenmill.errors import InvalidRequestError
 from tokenmill.lora.request import LoRARequest
+from tokenmill.multimodal.inputs import MultiModalFeature
 from tokenmill.pooler_config import check_pooling_params
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
@@ -40,6 +41,11 @@ class RequestInput:
         lora_request: the LoRA adapter to use (``None``: the base model).
         cache_salt: mixed into the prefix-cache hashes of the request's blocks, so that only requests with the
             same salt share cached blocks (``None``: no salt).
+        multi_modal_data: vLLM's ``{"image": PIL image or list}`` for a text prompt holding the model's image
+            placeholders; the model's processor expands them (docs/multimodal.md).
+        mm_processor_kwargs: per-request options for that processor.
+        mm_features: images already processed (by the server's tokenizer thread); ``prompt`` is then the
+            expanded token ids.
     """
 
     request_id: str
@@ -51,6 +57,9 @@ class RequestInput:
     prompt_param: str = "prompt"
     lora_request: LoRARequest | None = None
     cache_salt: str | None = None
+    multi_modal_data: Mapping[str, Any] | None = None
+    mm_processor_kwargs: Mapping[str, Any] | None = None
+    mm_features: list[MultiModalFeature] | None = None
 
 
 @dataclass
@@ -89,12 +98,16 @@ class InputProcessor:
             ``auto`` resolved, here; default ``auto``).
         logits_processor_pattern: which per-request logits processors requests may name (``None``: none).
         speculative: the engine decodes speculatively (per-request logits processors are then refused).
+        mm_config: image limits and processor options (default: no limits).
     """
 
     def __init__(self, model_config: ModelConfig, tokenizer: Any, cache_config: CacheConfig | None = None,
                  structured_outputs_config: StructuredOutputsConfig | None = None, *,
-                 logits_processor_pattern: str | None = None, speculative: bool = False) -> None:
+                 logits_processor_pattern: str | None = None, speculative: bool = False,
+                 mm_config: MultiModalConfig | None = None) -> None:
         self.model_config = model_config
+        self.mm_config = mm_config or MultiModalConfig()
+        self._mm_processor: Any = None
         self.logits_processor_pattern = logits_processor_pattern
         self.speculative = speculative
         self.structured_outputs_backend = (structured_outputs_config or StructuredOutputsConfig()).backend
@@ -128,7 +141,7 @@ class InputProcessor:
                 param="model",
             )
         arrival = time.time() if request.arrival_time is None else request.arrival_time
-        prompt_text, token_ids = self._tokenize(prompt, request.add_special_tokens, prompt_param)
+        prompt_text, token_ids, mm_features = self._tokenize_with_images(request)
         self._check_prompt(token_ids, prompt_param)
         check_token_ids_in_vocab(params, self.model_config.vocab_size)
         if params.logits_processors:
@@ -143,7 +156,7 @@ class InputProcessor:
             params=params,
             arrival_time=arrival,
             engine_requests=self._engine_requests(request_id, token_ids, params, arrival, request.priority,
-                                                  request.lora_request, request.cache_salt),
+                                                  request.lora_request, request.cache_salt, mm_features),
         )
 
     def process_pooling(self, request: RequestInput) -> ProcessedRequest:
@@ -199,6 +212,38 @@ class InputProcessor:
             request_id=request_id, prompt=prompt_text, prompt_token_ids=token_ids, params=placeholder,
             arrival_time=arrival, engine_requests=[engine_request], pooling_params=params,
         )
+
+    @property
+    def mm_processor(self) -> Any:
+        """The :class:`~tokenmill.multimodal.processing.MultiModalProcessor` (built on first use)."""
+        if self._mm_processor is None:
+            from tokenmill.multimodal.processing import MultiModalProcessor
+
+            self._mm_processor = MultiModalProcessor(self.model_config, self.mm_config)
+        return self._mm_processor
+
+    def _tokenize_with_images(self, request: RequestInput
+                              ) -> tuple[str | None, list[int], list[MultiModalFeature] | None]:
+        """``(text, token ids, image features)``: the images of ``multi_modal_data`` processed with the prompt,
+        or ``mm_features`` a front end already processed (checked against the model and the limit)."""
+        param = request.prompt_param
+        if request.mm_features:
+            self.mm_processor.check_images(len(request.mm_features), param)
+            prompt_text, token_ids = self._tokenize(request.prompt, request.add_special_tokens, param)
+            return prompt_text, token_ids, list(request.mm_features)
+        if request.multi_modal_data:
+            from tokenmill.multimodal.processing import image_list
+
+            images = image_list(request.multi_modal_data, param)
+            if images:
+                if isinstance(request.prompt, str):
+                    _check_encodable(request.prompt, param)
+                token_ids, features = self.mm_processor.process(
+                    request.prompt, images, add_special_tokens=request.add_special_tokens, param=param,  # type: ignore[arg-type]
+                    mm_processor_kwargs=request.mm_processor_kwargs)
+                return request.prompt, token_ids, features  # type: ignore[return-value]
+        prompt_text, token_ids = self._tokenize(request.prompt, request.add_special_tokens, param)
+        return prompt_text, token_ids, None
 
     def _tokenize(self, prompt: str | Sequence[int], add_special_tokens: bool, prompt_param: str
                   ) -> tuple[str | None, list[int]]:
@@ -295,6 +340,7 @@ class InputProcessor:
     def _engine_requests(
         self, request_id: str, token_ids: list[int], params: SamplingParams, arrival: float, priority: int,
         lora_request: LoRARequest | None = None, cache_salt: str | None = None,
+        mm_features: list[MultiModalFeature] | None = None,
     ) -> list[EngineCoreRequest]:
         base = params
         if self._extra_eos_ids and not params.ignore_eos:
@@ -320,6 +366,7 @@ class InputProcessor:
                 priority=priority,
                 lora_request=lora_request,
                 cache_salt=cache_salt,
+                mm_features=mm_features,
             )
             for rid, p in ids_and_params
         ]

@@ -54,6 +54,7 @@ class LLMEngine:
             self.model_config, tokenizer, engine_config.cache_config, engine_config.structured_outputs_config,
             logits_processor_pattern=engine_config.logits_processor_pattern,
             speculative=engine_config.speculative_config is not None,
+            mm_config=engine_config.multimodal_config,
         )
         self.output_processor = OutputProcessor(tokenizer)
         spec = engine_config.speculative_config

@@ -11,6 +11,7 @@ import enum
 import msgspec
 
 from tokenmill.lora.request import LoRARequest
+from tokenmill.multimodal.inputs import MultiModalFeature
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.metrics import SpecDecodingStats
@@ -71,6 +72,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
         lora_request: the LoRA adapter to run with (``None``: the base model).
         pooling_params: set for a pooling request (embedding, classification): its prompt is run and pooled,
             nothing is sampled (``sampling_params`` is then a placeholder with ``max_tokens=1``).
+        mm_features: the prompt's images, in prompt order (``prompt_token_ids`` already holds each one's
+            placeholder tokens; docs/multimodal.md).
     """
 
     request_id: str
@@ -82,6 +85,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     cache_salt: str | None = None
     lora_request: LoRARequest | None = None
     pooling_params: PoolingParams | None = None
+    mm_features: list[MultiModalFeature] | None = None
 
 
 class PooledData(msgspec.Struct, array_like=True):

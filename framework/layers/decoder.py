@@ -176,23 +176,31 @@ class DecoderModel(nn.Module):
         ropes = {id(m): m for m in self.modules() if isinstance(m, RotaryEmbedding)}
         self._rotary_embs: tuple[RotaryEmbedding, ...] = tuple(ropes.values())  # plain attribute: not registered
 
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[T]`` int64 -> ``[T, H]`` token embeddings, scaled by ``embedding_multiplier``."""
+        hidden_states = self.embed_tokens(input_ids)
+        if self.embedding_multiplier is not None:
+            hidden_states = hidden_states * self.embedding_multiplier
+        return hidden_states
+
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | IntermediateTensors:
         """``input_ids``, ``positions``: ``[T]`` int64 -> hidden states ``[T, H]`` (a non-last pipeline stage:
-        ``IntermediateTensors`` for the next stage; a non-first one continues from ``intermediate_tensors``)."""
+        ``IntermediateTensors`` for the next stage; a non-first one continues from ``intermediate_tensors``).
+        ``inputs_embeds`` ``[T, H]``: the first layer's input as it is, instead of :meth:`embed_input_ids`
+        (a vision-language model's text embeddings with image rows merged in)."""
         pp = get_pp_group()
         eager = not torch.compiler.is_compiling()
         if eager:  # one cos/sin lookup per rope per forward pass, recorded by a graph capture around it
             for rope in self._rotary_embs:
                 rope.begin_step(positions)
         if pp.is_first_rank:
-            hidden_states = self.embed_tokens(input_ids)
-            if self.embedding_multiplier is not None:
-                hidden_states = hidden_states * self.embedding_multiplier
+            hidden_states = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
             residual = None
         else:
             if intermediate_tensors is None:

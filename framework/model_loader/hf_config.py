@@ -134,11 +134,15 @@ def load_hf_config(directory: str, gguf_file: str | None, *, trust_remote_code: 
 
 def derived_max_model_len(hf_config: Any) -> int:
     """The context length (tokens) a transformers config declares: the first positive integer of
-    ``max_position_embeddings``, ``n_positions``, ``max_seq_len``, ``seq_length``; 2048 when it names none."""
-    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
-        value = getattr(hf_config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
+    ``max_position_embeddings``, ``n_positions``, ``max_seq_len``, ``seq_length`` (of the config, then of its text
+    config); 2048 when it names none."""
+    from tokenmill.config import text_config_of
+
+    for cfg in (hf_config, text_config_of(hf_config)):  # a vision-language model declares it in its text_config
+        for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+            value = getattr(cfg, key, None)
+            if isinstance(value, int) and value > 0:
+                return value
     return 2048
 
 

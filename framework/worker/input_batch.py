@@ -28,7 +28,7 @@ class CachedRequestState(NewRequestData):
         """The worker's own copy of a scheduled new request (its lists are copied: they grow here)."""
         return cls(new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
                    list(new.block_ids), new.num_computed_tokens, new.eos_token_id, new.lora_request,
-                   new.pooling_params)
+                   new.pooling_params, new.mm_features)
 
     @property
     def num_output_tokens(self) -> int:

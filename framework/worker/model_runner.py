@@ -20,7 +20,9 @@ from tokenmill.layers.quantization import quantize_model
 from tokenmill.lora.manager import LoRAModelManager
 from tokenmill.dtypes import str_to_dtype
 from tokenmill.model_loader.loader import get_model
+from tokenmill.model_contract import supports_multimodal
 from tokenmill.worker.compiled_runner import CompiledRunner
+from tokenmill.worker.encoder_runner import EncoderRunner
 from tokenmill.worker.grammar_bitmask import apply_grammar_bitmask
 from tokenmill.worker.graph_runner import GraphRunner
 from tokenmill.worker.input_batch import CachedRequestState, build_batch_inputs, build_sampling_metadata
@@ -74,6 +76,7 @@ class ModelRunner:
         self.process_logits = bool(self.logits_processors) or self.logits_processor_pattern is not None
         self.process_weights = True  # False in the compile worker: it traces, never runs, so nothing is prepacked
         self.pooling_collector: PoolingCollector | None = None  # with the pooling runner (docs/pooling.md)
+        self.encoder_runner: EncoderRunner | None = None  # a model that takes images (docs/multimodal.md)
 
     def load_model(self) -> None:
         """Build and load the model, attach quantized copies, then the platform's linear method (which may
@@ -88,6 +91,8 @@ class ModelRunner:
             self.lora_manager = LoRAModelManager(self.model, lc.max_loras, lc.max_lora_rank, lc.max_cpu_loras)
         if self.spec_decoder is not None:
             self.spec_decoder.load_model(process_weights=self.process_weights)
+        if supports_multimodal(self.model):
+            self.encoder_runner = EncoderRunner(self.model, self.device)
         mc = self.config.model_config
         if mc.runner_type == "pooling":
             self.pooling_collector = PoolingCollector(build_pooler(self.model, mc.pooler_config, mc.convert))
@@ -153,8 +158,8 @@ class ModelRunner:
         if self.spec_decoder is not None:
             self.spec_decoder.initialize_kv_cache(num_blocks)
         # PP: the captured / compiled forwards take no intermediate tensors; LoRA: the per-step adapter mapping is
-        # not a graph input. Both run eagerly.
-        if get_pp_size() == 1 and self.lora_manager is None:
+        # not a graph input. Both run eagerly, as do models that take images (their steps may carry embeddings).
+        if get_pp_size() == 1 and self.lora_manager is None and self.encoder_runner is None:
             self.graph_runner = GraphRunner.create_if_enabled(self)  # captures against the new cache
             if self.graph_runner is None:
                 self.compiled_runner = CompiledRunner.create_if_enabled(self)
@@ -213,6 +218,11 @@ class ModelRunner:
         spec = so.scheduled_spec_decode_tokens
         drafts = [spec.get(r, []) for r in req_ids] if spec else None
         batch = build_batch_inputs(states, counts, self.block_size, self.device, spec_token_ids=drafts)
+        inputs_embeds = None
+        if self.encoder_runner is not None:
+            self.encoder_runner.execute(so, self.requests)
+            inputs_embeds = self.encoder_runner.input_embeddings(batch.input_ids, states, counts,
+                                                                 batch.attn_metadata.query_start_loc_cpu)
         if self.lora_manager is not None:
             # per token of the batch (drafts included: the target verifies them with the request's adapter)
             self.lora_manager.prepare_step([s.lora_request for s in states], counts, self.device)
@@ -220,6 +230,9 @@ class ModelRunner:
             hidden = self.graph_runner.run(batch)  # decode-only step: replay the captured graph (padded)
         elif self.compiled_runner is not None and self.compiled_runner.can_run(batch):
             hidden = self.compiled_runner.run(batch)
+        elif inputs_embeds is not None:
+            with set_forward_context(batch.attn_metadata):
+                hidden = self.model(batch.input_ids, batch.positions, inputs_embeds=inputs_embeds)
         elif get_pp_size() > 1:
             with set_forward_context(batch.attn_metadata):
                 hidden = self.model(batch.input_ids, batch.positions, intermediate_tensors)

@@ -37,6 +37,7 @@ LAYER_OF: dict[str, str] = {
     "tokenizer": "model",
     "tool_parsers": "model",
     "reasoning": "model",
+    "multimodal": "model",
     # core/worker/engine: scheduling, execution, the engine and its configuration.
     "core": "engine",
     "worker": "engine",

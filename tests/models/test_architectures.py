@@ -19,11 +19,13 @@ FAMILY_ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Q
 POOLING_ARCHS = ["Qwen3Model", "Qwen2Model", "LlamaModel", "Qwen3ForSequenceClassification",
                  "Qwen2ForSequenceClassification", "LlamaForSequenceClassification", "BertModel", "XLMRobertaModel",
                  "BertForSequenceClassification", "XLMRobertaForSequenceClassification"]
+# vision-language models (docs/multimodal.md), tested in tests/models/test_vision_models.py
+VISION_ARCHS = ["LlavaForConditionalGeneration"]
 
 
 def test_every_family_is_registered_through_the_entry_point_and_imports():
-    assert sorted(BUILTIN_MODELS) == sorted(FAMILY_ARCHS + POOLING_ARCHS)
-    for arch in FAMILY_ARCHS + POOLING_ARCHS:
+    assert sorted(BUILTIN_MODELS) == sorted(FAMILY_ARCHS + POOLING_ARCHS + VISION_ARCHS)
+    for arch in FAMILY_ARCHS + POOLING_ARCHS + VISION_ARCHS:
         assert ModelRegistry.is_registered(arch)
         assert ModelRegistry.resolve_model_cls([arch]).__name__ == arch
 

@@ -1,0 +1,85 @@
+"""The per-image inputs of a request, as msgspec structs that cross the engine-core hop unchanged.
+
+vLLM's names: a request's ``mm_features`` list one :class:`MultiModalFeature` per image, each with its content
+hash (``mm_hash``), the prompt positions its embeddings fill (:class:`PlaceholderRange`) and the processor's
+tensors for that image (pixel values and whatever else the model's encoder takes).
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import torch
+
+# torch dtype name <-> numpy dtype of the tensors a processor returns (bfloat16 travels as its raw 16 bits).
+_NUMPY_DTYPES = {
+    "float32": np.float32, "float16": np.float16, "float64": np.float64, "int64": np.int64, "int32": np.int32,
+    "bool": np.bool_, "uint8": np.uint8,
+}
+
+
+class TensorData(msgspec.Struct, array_like=True):
+    """A tensor on the wire: its bytes in C order, its shape and dtype name.
+
+    Attributes:
+        data: the raw little-endian bytes.
+        shape: the tensor's shape.
+        dtype: a torch dtype name (``"float32"``, ``"int64"``, ``"bfloat16"``, ...).
+    """
+
+    data: bytes
+    shape: list[int]
+    dtype: str
+
+    @classmethod
+    def from_tensor(cls, tensor: torch.Tensor) -> TensorData:
+        """Raises: ValueError for a dtype that has no wire form here."""
+        t = tensor.detach().to("cpu").contiguous()
+        name = str(t.dtype).removeprefix("torch.")
+        if name == "bfloat16":
+            raw = t.view(torch.int16).numpy().tobytes()
+        elif name in _NUMPY_DTYPES:
+            raw = t.numpy().tobytes()
+        else:
+            raise ValueError(f"multimodal tensors of dtype {name} cannot be sent to the engine core")
+        return cls(raw, list(t.shape), name)
+
+    def to_tensor(self) -> torch.Tensor:
+        """The tensor (CPU, a fresh copy)."""
+        if self.dtype == "bfloat16":
+            arr = np.frombuffer(self.data, dtype=np.int16).reshape(self.shape)
+            return torch.from_numpy(arr.copy()).view(torch.bfloat16)
+        arr = np.frombuffer(self.data, dtype=_NUMPY_DTYPES[self.dtype]).reshape(self.shape)
+        return torch.from_numpy(arr.copy())
+
+
+class PlaceholderRange(msgspec.Struct, array_like=True, frozen=True):
+    """The prompt positions ``[offset, offset + length)`` that one image's embeddings replace, in order."""
+
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+class MultiModalFeature(msgspec.Struct, array_like=True):
+    """One image of a request.
+
+    Attributes:
+        modality: ``"image"``.
+        mm_hash: hex digest of the processed image (and the processor options that shaped it): equal hashes
+            mean equal encoder outputs, so it keys the encoder cache and enters the prefix-cache block hashes.
+        placeholder: where in the prompt its embeddings go (``length`` = the encoder's output rows).
+        data: the model encoder's inputs for this image by name (e.g. ``pixel_values`` ``[1, 3, H, W]``).
+    """
+
+    modality: str
+    mm_hash: str
+    placeholder: PlaceholderRange
+    data: dict[str, TensorData]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """``data`` as CPU tensors."""
+        return {name: value.to_tensor() for name, value in self.data.items()}

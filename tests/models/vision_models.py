@@ -1,0 +1,75 @@
+"""Tiny random vision-language checkpoints saved with their processors (built here, no downloads), and test
+images; shared by the model tests and the server test."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+from typing import Any
+
+# Renders image parts as the model's placeholder; text-only content as it is.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>{% else %}{{ p['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def random_image(seed: int, width: int, height: int) -> Any:
+    """A random RGB ``PIL.Image.Image``."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray((rng.random((height, width, 3)) * 255).astype("uint8"))
+
+
+def data_url(image: Any, fmt: str = "PNG") -> str:
+    """``image`` as a base64 ``data:`` URL."""
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def build_llava(path: str) -> str:
+    """A 2-layer CLIP tower (28 px images, 7 px patches: 16 image tokens) + projector + 2-layer Llama, float32,
+    saved with a ``LlavaProcessor`` (the byte-level test tokenizer plus ``<image>``) and a chat template."""
+    import torch
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    from tests.engine.engine_fakes import byte_level_tokenizer
+
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    tok = byte_level_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<special>", "<image>"]})
+    tok.chat_template = CHAT_TEMPLATE
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                              image_size=28, patch_size=7)
+    text = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=tok.convert_tokens_to_ids("<image>"),
+                         image_seq_length=16, architectures=["LlavaForConditionalGeneration"])
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # random norms/biases too, so a wrong placement shows
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+        # image embeddings as large as text ones (random init leaves them ~50x smaller), so answers depend on them
+        model.model.multi_modal_projector.linear_2.weight.mul_(50.0)
+    processor = LlavaProcessor(
+        image_processor=CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}),
+        tokenizer=tok, patch_size=7, vision_feature_select_strategy="default", image_token="<image>",
+        num_additional_image_tokens=1, chat_template=CHAT_TEMPLATE)
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return path
