@@ -115,7 +115,7 @@ class ResponsesRequest(RequestModel):
 
     ``input`` is a string (one user message) or a list of items: messages (``{"role", "content"}``, with or
     without ``"type": "message"``; content a string or ``input_text`` / ``output_text`` / ``refusal``
-    parts), ``function_call`` items (an earlier turn's tool calls) and ``function_call_output`` items (their
+    parts, and ``input_image`` parts with a ``data:`` URL for a model that takes images), ``function_call`` items (an earlier turn's tool calls) and ``function_call_output`` items (their
     results). ``instructions`` becomes a leading system message. ``max_output_tokens`` left out means "up
     to the context length". vLLM-style sampling extras (``top_k``, ``min_p``, ``repetition_penalty``,
     ``seed``, ``stop``, ``ignore_eos``, ``priority``, ``chat_template_kwargs``, ``cache_salt``) are accepted as in
@@ -299,30 +299,42 @@ class ResponsesRequest(RequestModel):
         return DEFAULT_TOP_P if self.top_p is None else self.top_p
 
 
-def _text_of(content: Any, path: str) -> str:
-    """The text of a message's ``content``: a string, or text parts joined by newlines."""
+def _text_of(content: Any, path: str) -> str | list[dict[str, Any]]:
+    """The text of a message's ``content``: a string, or text parts joined by newlines; with ``input_image``
+    parts, chat content parts (``text`` and ``image_url``) for the chat template (docs/multimodal.md)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise InvalidRequestError(f"{path}: must be a string or a list of content parts", param=path)
     texts = []
+    parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
         where = f"{path}.[{j}]"
         if not isinstance(part, dict):
             raise InvalidRequestError(f"{where}: a content part must be an object", param=where)
         kind = part.get("type")
+        if kind == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                raise InvalidRequestError(f"{where}.image_url: must be a string (a data: URL; file_id is not "
+                                          "supported)", param=f"{where}.image_url")
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+            continue
         if kind in _TEXT_PARTS:
             text = part.get("text")
         elif kind == "refusal":
             text = part.get("refusal")
         else:
             raise InvalidRequestError(
-                f"{where}.type: content part type {kind!r} is not supported (only text: input_text, output_text, "
-                "refusal)", param=f"{where}.type")
+                f"{where}.type: content part type {kind!r} is not supported (input_text, output_text, refusal, "
+                "input_image)", param=f"{where}.type")
         if not isinstance(text, str):
             field = "refusal" if kind == "refusal" else "text"
             raise InvalidRequestError(f"{where}.{field}: must be a string", param=f"{where}.{field}")
         texts.append(text)
+        parts.append({"type": "text", "text": text})
+    if any(p["type"] == "image_url" for p in parts):
+        return parts
     return "\n".join(texts)
 
 

@@ -189,7 +189,7 @@ class OpenAIServingResponses(OpenAIServing):
             self.reasoning_parser_cls, self.tokenization.tokenizer, request.chat_template_kwargs)
         tool_calling, constraint = await self.resolve_constraints(request)
         messages = request.input_messages()
-        prompt_ids = await self.tokenization.run(self._render_and_encode, messages, request)
+        prompt_ids, mm_features = await self.tokenization.run(self._render_and_encode, messages, request)
         max_tokens = self.resolve_max_tokens(len(prompt_ids), request.max_output_tokens, "input",
                                              "max_output_tokens")
         kind = output_kind(request.stream)
@@ -204,7 +204,7 @@ class OpenAIServingResponses(OpenAIServing):
         resp_id = response_id("resp")
         self.log_request(resp_id, raw_request, "%d input tokens, max_output_tokens %s", len(prompt_ids), max_tokens)
         gen = self.generate(prompt_ids, params, resp_id, arrival, request.priority, model_name=model_name,
-                            cache_salt=request.cache_salt)
+                            cache_salt=request.cache_salt, mm_features=mm_features)
         state = _ResponseState(self, request, resp_id, model_name, len(prompt_ids), tool_calling, reasoning)
         if request.stream:
             firsts = await self.first_outputs(raw_request, [gen], resp_id)
@@ -235,22 +235,25 @@ class OpenAIServingResponses(OpenAIServing):
         return tool_calling, await self.resolve_structured_outputs(constraint, source, tool_calling,
                                                                     conflict_param="text.format")
 
-    def _render_and_encode(self, messages: list[dict[str, Any]], request: ResponsesRequest) -> list[int]:
-        """Apply the chat template (with the request's function tools) and tokenize (runs in the tokenizer
-        thread).
+    def _render_and_encode(self, messages: list[dict[str, Any]], request: ResponsesRequest
+                           ) -> tuple[list[int], list[Any] | None]:
+        """Apply the chat template (with the request's function tools) and tokenize, with the images of
+        ``input_image`` parts processed (runs in the tokenizer thread): ``(token ids, image features or None)``.
 
         Raises:
-            InvalidRequestError: the template failed (``param="input"``) or reserved ``chat_template_kwargs``.
+            InvalidRequestError: the template failed, or an image cannot be used (``param="input"``), or
+                reserved ``chat_template_kwargs``.
         """
         tools = [t.to_chat_tool() for t in request.tools] if request.tools else None
         try:
-            return self.encode_chat(template_messages(messages), add_generation_prompt=True,
-                                    continue_final_message=False, template_kwargs=request.chat_template_kwargs,
-                                    tools=tools, add_special_tokens=False)
+            return self.encode_chat_with_images(template_messages(messages), add_generation_prompt=True,
+                                                continue_final_message=False,
+                                                template_kwargs=request.chat_template_kwargs, tools=tools,
+                                                add_special_tokens=False)
         except InvalidRequestError as exc:
-            if exc.param != "messages":
+            if not (exc.param or "").startswith("messages"):  # the messages' indices differ from input's
                 raise
-            message = str(exc).removeprefix("messages: ")
+            message = str(exc).split(": ", 1)[-1]
             raise InvalidRequestError(f"input: {message}", param="input") from exc
 
     async def _events(self, gen: Gen, first: RequestOutput | None, state: _ResponseState

@@ -87,3 +87,17 @@ def test_image_to_text_only_model_is_400(real_server):
     _assert_400(lambda: _ask(client, data_url(random_image(14, 28, 28)), model=model), "messages")
     out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert out.choices[0].message.content is not None
+
+
+def test_responses_input_image_answers_as_chat(llava_server):
+    client = _client(llava_server)
+    url = data_url(random_image(15, 36, 36))
+    chat = _ask(client, url)
+    response = client.responses.create(
+        model=MODEL, max_output_tokens=12, temperature=0, extra_body={"ignore_eos": True},
+        input=[{"role": "user", "content": [{"type": "input_text", "text": QUESTION},
+                                            {"type": "input_image", "image_url": url}]}])
+    assert response.output_text == chat.choices[0].message.content
+    _assert_400(lambda: client.responses.create(
+        model=MODEL, input=[{"role": "user", "content": [{"type": "input_image", "image_url": "data:,x"}]}]),
+        "input")
