@@ -1,0 +1,97 @@
+"""The scheduler's side of image inputs, without a model: which steps encode which images (once per image,
+within the encoder budget, chunks stopping before an image that does not fit), encoder-cache references and
+eviction, and image hashes in prefix-cache block hashes (docs/multimodal.md)."""
+
+from __future__ import annotations
+
+from tests.core.test_scheduler import fake_run, make_request, make_scheduler
+from tokenmill.config import MultiModalConfig
+from tokenmill.multimodal.inputs import MultiModalFeature, PlaceholderRange
+
+IMG = 9  # the placeholder token id of these tests
+
+
+def image(mm_hash: str, offset: int, length: int) -> MultiModalFeature:
+    return MultiModalFeature("image", mm_hash, PlaceholderRange(offset, length), {})
+
+
+def image_request(prompt_len: int, images: list[MultiModalFeature], rid: str | None = None, max_tokens: int = 2):
+    prompt = [1] * prompt_len
+    for f in images:
+        prompt[f.placeholder.offset : f.placeholder.end] = [IMG] * f.placeholder.length
+    request = make_request(prompt, max_tokens=max_tokens, rid=rid)
+    request.mm_features = images
+    return request
+
+
+def run_to_end(sched, steps: list) -> None:
+    while sched.has_unfinished_requests():
+        so = sched.schedule()
+        steps.append(so)
+        sched.update_from_output(so, fake_run(sched, so))
+
+
+def test_a_chunked_image_is_encoded_once_and_released():
+    sched = make_scheduler(budget=8, block_size=4)
+    request = image_request(30, [image("a", 4, 12)], rid="r")
+    sched.add_request(request)
+    steps: list = []
+    run_to_end(sched, steps)
+    encoded = [so.scheduled_encoder_inputs for so in steps if so.scheduled_encoder_inputs]
+    assert encoded == [{"r": [0]}]  # its 12 placeholder tokens span two 8-token chunks
+    manager = sched.encoder_cache_manager
+    assert manager.refs["a"] == set() and "a" in manager.freeable  # still cached for a later request
+    again = image_request(30, [image("a", 4, 12)], rid="again")
+    sched.add_request(again)
+    steps = []
+    run_to_end(sched, steps)
+    assert not any(so.scheduled_encoder_inputs for so in steps)  # served from the encoder cache
+
+
+def test_chunk_stops_before_an_image_over_the_encoder_budget():
+    sched = make_scheduler(budget=16)
+    sched.encoder_cache_manager.cache_size = 10  # per-step budget: one 6-row image, not two
+    sched.encoder_cache_manager.num_free_rows = 10
+    request = image_request(20, [image("a", 2, 6), image("b", 10, 6)], rid="r")
+    sched.add_request(request)
+    first = sched.schedule()
+    assert first.scheduled_encoder_inputs == {"r": [0]}
+    assert first.num_scheduled_tokens["r"] == 10  # up to image b's placeholder
+    sched.update_from_output(first, fake_run(sched, first))
+    second = sched.schedule()
+    assert second.scheduled_encoder_inputs == {"r": [1]}
+    assert second.free_encoder_mm_hashes == ["a"]  # a's rows were needed for b
+    sched.update_from_output(second, fake_run(sched, second))
+
+
+def test_the_same_image_in_two_requests_of_one_step_is_encoded_once():
+    sched = make_scheduler(budget=64, caching=False)
+    sched.add_request(image_request(12, [image("x", 2, 6)], rid="p"))
+    sched.add_request(image_request(14, [image("x", 4, 6)], rid="q"))
+    so = sched.schedule()
+    assert so.scheduled_encoder_inputs == {"p": [0]}
+    # both placeholders are computed in this step, so neither request holds the entry afterwards
+    assert sched.encoder_cache_manager.refs["x"] == set() and "x" in sched.encoder_cache_manager.freeable
+
+
+def test_block_hashes_depend_on_the_images():
+    sched = make_scheduler(block_size=4)
+    kv = sched.kv_cache_manager
+    a, b, c = (image_request(12, [image(h, 4, 4)]) for h in ("one", "two", "one"))
+    for r in (a, b, c):
+        kv._update_block_hashes(r)
+    assert a.block_hashes[0] == b.block_hashes[0]  # text before the image: shared
+    assert a.block_hashes[1] != b.block_hashes[1] and a.block_hashes[2] != b.block_hashes[2]
+    assert a.block_hashes == c.block_hashes
+
+
+def test_an_image_larger_than_the_encoder_cache_is_refused():
+    import pytest
+
+    from tokenmill.errors import InvalidRequestError
+
+    sched = make_scheduler()
+    sched.encoder_cache_manager.cache_size = 8
+    with pytest.raises(InvalidRequestError, match="encoder cache"):
+        sched.add_request(image_request(20, [image("big", 2, 9)]))
+    assert MultiModalConfig().encoder_cache_size == 0
