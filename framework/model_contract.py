@@ -62,7 +62,11 @@ class SupportsMultiModal(Protocol):
     The engine calls the class methods in the front end (before any model is built) to turn the Hugging Face
     processor's output into per-image inputs and placeholder ranges, and the instance methods in the worker. Its
     :meth:`forward` takes ``inputs_embeds`` (``[T, hidden]``) instead of looking ``input_ids`` up when given.
-    Documented for plugin authors in ``docs/multimodal.md``.
+    Optional: a class method ``build_hf_processor(model_config)`` (a callable taking ``text=[prompt],
+    images=[...]`` and returning ``input_ids`` ``[1, L]`` plus the image tensors) replaces
+    ``transformers.AutoProcessor``; ``uses_mrope = True`` with ``get_mrope_input_positions(token_ids, mm_features)
+    -> ([3, P] int64 positions, delta)`` makes the worker pass ``[3, T]`` positions (M-RoPE). Documented for
+    plugin authors in ``docs/multimodal.md``.
     """
 
     supports_multimodal: ClassVar[bool]

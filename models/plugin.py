@@ -23,6 +23,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "Qwen3MoeForCausalLM": "tokenmill.models.qwen3_moe:Qwen3MoeForCausalLM",
     # vision-language models (docs/multimodal.md)
     "LlavaForConditionalGeneration": "tokenmill.models.llava:LlavaForConditionalGeneration",
+    "Qwen2VLForConditionalGeneration": "tokenmill.models.qwen2_vl:Qwen2VLForConditionalGeneration",
     # pooling models (docs/pooling.md)
     "Qwen3Model": "tokenmill.models.pooling_adapters:Qwen3Model",
     "Qwen2Model": "tokenmill.models.pooling_adapters:Qwen2Model",

@@ -271,10 +271,11 @@ class DecoderForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | IntermediateTensors:
         """``input_ids``, ``positions``: ``[T]`` int64 -> hidden states ``[T, hidden]`` (see
-        :meth:`DecoderModel.forward` for pipeline stages)."""
-        return self.model(input_ids, positions, intermediate_tensors)
+        :meth:`DecoderModel.forward` for pipeline stages and ``inputs_embeds``)."""
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> ``[N, vocab]`` logits (the weights' dtype; the sampler widens to float32 as needed)."""

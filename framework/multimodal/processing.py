@@ -114,10 +114,14 @@ class MultiModalProcessor:
         if self._processor is None:
             with self._lock:
                 if self._processor is None:
-                    from transformers import AutoProcessor
+                    build = getattr(self.model_cls, "build_hf_processor", None)
+                    if build is not None:  # the model's own prompt processor (SupportsMultiModal, optional)
+                        self._processor = build(self.model_config)
+                    else:
+                        from transformers import AutoProcessor
 
-                    self._processor = AutoProcessor.from_pretrained(
-                        self.model_config.tokenizer, trust_remote_code=self.model_config.trust_remote_code)
+                        self._processor = AutoProcessor.from_pretrained(
+                            self.model_config.tokenizer, trust_remote_code=self.model_config.trust_remote_code)
         return self._processor
 
     def process(self, prompt: str, images: Sequence[Any], *, add_special_tokens: bool, param: str,

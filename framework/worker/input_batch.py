@@ -22,6 +22,9 @@ class CachedRequestState(NewRequestData):
     # Its per-request logits processors once built (tokenmill.worker.request_logits_processors.RequestProcessors;
     # None: none yet).
     request_processors: Any = None
+    # M-RoPE models: the prompt's [3, P] positions and the offset of later tokens (computed on first use)
+    mrope_positions: Any = None
+    mrope_delta: int = 0
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> CachedRequestState:

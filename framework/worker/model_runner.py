@@ -77,6 +77,7 @@ class ModelRunner:
         self.process_weights = True  # False in the compile worker: it traces, never runs, so nothing is prepacked
         self.pooling_collector: PoolingCollector | None = None  # with the pooling runner (docs/pooling.md)
         self.encoder_runner: EncoderRunner | None = None  # a model that takes images (docs/multimodal.md)
+        self.uses_mrope = False  # 3-D rotary positions (Qwen2-VL): the model gets [3, T] positions
 
     def load_model(self) -> None:
         """Build and load the model, attach quantized copies, then the platform's linear method (which may
@@ -93,6 +94,7 @@ class ModelRunner:
             self.spec_decoder.load_model(process_weights=self.process_weights)
         if supports_multimodal(self.model):
             self.encoder_runner = EncoderRunner(self.model, self.device)
+        self.uses_mrope = bool(getattr(self.model, "uses_mrope", False))
         mc = self.config.model_config
         if mc.runner_type == "pooling":
             self.pooling_collector = PoolingCollector(build_pooler(self.model, mc.pooler_config, mc.convert))
@@ -218,6 +220,9 @@ class ModelRunner:
         spec = so.scheduled_spec_decode_tokens
         drafts = [spec.get(r, []) for r in req_ids] if spec else None
         batch = build_batch_inputs(states, counts, self.block_size, self.device, spec_token_ids=drafts)
+        positions = batch.positions
+        if self.uses_mrope:
+            positions = self._mrope_positions(states, counts)
         inputs_embeds = None
         if self.encoder_runner is not None:
             self.encoder_runner.execute(so, self.requests)
@@ -232,7 +237,7 @@ class ModelRunner:
             hidden = self.compiled_runner.run(batch)
         elif inputs_embeds is not None:
             with set_forward_context(batch.attn_metadata):
-                hidden = self.model(batch.input_ids, batch.positions, inputs_embeds=inputs_embeds)
+                hidden = self.model(batch.input_ids, positions, inputs_embeds=inputs_embeds)
         elif get_pp_size() > 1:
             with set_forward_context(batch.attn_metadata):
                 hidden = self.model(batch.input_ids, batch.positions, intermediate_tensors)
@@ -243,7 +248,7 @@ class ModelRunner:
         else:
             eager = self.compiled_runner.eager_step() if self.compiled_runner is not None else nullcontext()
             with eager, set_forward_context(batch.attn_metadata):
-                hidden = self.model(batch.input_ids, batch.positions)
+                hidden = self.model(batch.input_ids, positions)
         self._accumulate_prompt_logprobs(states, counts, batch.attn_metadata.query_start_loc_cpu, hidden)
         sample_rows = [i for i, m in enumerate(batch.sample_mask) if m]
         pooler_output = None
@@ -321,6 +326,23 @@ class ModelRunner:
             req_ids=req_ids, sampled_token_ids=sampled_ids, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             spec_token_ids=spec_token_ids, pooler_output=pooler_output,
         )
+
+    def _mrope_positions(self, states: list[CachedRequestState], counts: list[int]) -> torch.Tensor:
+        """``[3, T]`` M-RoPE positions of the step's tokens: the prompt's from the model's
+        ``get_mrope_input_positions`` (once per request), later tokens ``index + delta`` on all three axes."""
+        assert self.model is not None
+        pieces: list[torch.Tensor] = []
+        for state, n in zip(states, counts):
+            if state.mrope_positions is None:
+                state.mrope_positions, state.mrope_delta = self.model.get_mrope_input_positions(  # type: ignore[operator]
+                    state.token_ids[: state.num_prompt_tokens], state.mm_features or [])
+            start, end = state.num_computed_tokens, state.num_computed_tokens + n
+            prompt_len = state.mrope_positions.shape[1]
+            if start < prompt_len:
+                pieces.append(state.mrope_positions[:, start : min(end, prompt_len)])
+            if end > prompt_len:
+                pieces.append((torch.arange(max(start, prompt_len), end) + state.mrope_delta).expand(3, -1))
+        return torch.cat(pieces, dim=1).to(self.device)
 
     def _process_logits(self, logits: torch.Tensor, states: list[CachedRequestState]) -> torch.Tensor:
         batch = LogitsProcessorBatch(

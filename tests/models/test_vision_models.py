@@ -5,10 +5,13 @@ once (docs/multimodal.md)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Callable
+
 import pytest
 import torch
 
-from tests.models.vision_models import build_llava, random_image
+from tests.models.vision_models import build_llava, build_qwen2_vl, data_url, random_image
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
 
@@ -16,31 +19,48 @@ MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def llava_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return build_llava(str(tmp_path_factory.mktemp("llava")))
+@dataclass(frozen=True)
+class VisionSpec:
+    name: str
+    build: Callable[[str], str]
+    placeholder: str  # what a prompt holds once per image
+    hf_class: str
 
 
-@pytest.fixture(scope="module")
-def llava(llava_dir: str):
+SPECS = [
+    VisionSpec("llava", build_llava, "<image>", "LlavaForConditionalGeneration"),
+    VisionSpec("qwen2_vl", build_qwen2_vl, "<|vision_start|><|image_pad|><|vision_end|>",
+               "Qwen2VLForConditionalGeneration"),
+]
+
+
+@pytest.fixture(scope="module", params=SPECS, ids=[s.name for s in SPECS])
+def vlm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     from tokenmill.entrypoints.llm import LLM
 
-    # 6-token steps and 4-token blocks: every 16-token image placeholder spans several prefill chunks and blocks
-    llm = LLM(llava_dir, dtype="float32", block_size=4, max_num_batched_tokens=6, num_gpu_blocks_override=256,
+    spec: VisionSpec = request.param
+    model_dir = spec.build(str(tmp_path_factory.mktemp(spec.name)))
+    # 5-token steps and 4-token blocks: image placeholders span several prefill chunks and blocks
+    llm = LLM(model_dir, dtype="float32", block_size=4, max_num_batched_tokens=5, num_gpu_blocks_override=256,
               enable_prefix_caching=True, limit_mm_per_prompt='{"image": 2}')
-    yield llm
+    yield spec, model_dir, llm
     llm.llm_engine.shutdown()
 
 
-def hf_greedy(model_dir: str, cases: list[tuple[str, list]]) -> list[list[int]]:
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
+def hf_greedy(spec: VisionSpec, model_dir: str, llm: Any, cases: list[tuple[str, list]]) -> list[list[int]]:
+    """transformers' greedy tokens, its inputs made by the model's processor (transformers' own processor class
+    for Llava; for Qwen2-VL, whose processor class needs torchvision, the engine's equivalent of it)."""
+    import transformers
 
-    processor = AutoProcessor.from_pretrained(model_dir)
-    model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    processor = llm.llm_engine.input_processor.mm_processor.processor()
+    model = getattr(transformers, spec.hf_class).from_pretrained(model_dir, dtype=torch.float32).eval()
     out = []
     with torch.no_grad():
         for text, images in cases:
-            inputs = processor(text=[text], images=images or None, return_tensors="pt")
+            inputs = dict(processor(text=[text], images=images or None, return_tensors="pt"))
+            inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+            if spec.name == "qwen2_vl":
+                inputs["mm_token_type_ids"] = (inputs["input_ids"] == model.config.image_token_id).int()
             ids = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
                                  pad_token_id=0)
             out.append(ids[0, inputs["input_ids"].shape[1]:].tolist())
@@ -56,59 +76,64 @@ def _inputs(cases: list[tuple[str, list]]) -> list[dict]:
             for text, images in cases]
 
 
-def test_llava_greedy_matches_transformers(llava, llava_dir):
+def test_greedy_matches_transformers(vlm):
+    spec, model_dir, llm = vlm
+    p = spec.placeholder
     red, wide, tall = random_image(1, 40, 30), random_image(2, 64, 20), random_image(3, 17, 45)
     cases = [
-        ("a picture: <image> what does it show?", [red]),
+        (f"a picture: {p} what does it show?", [red]),
         ("plain text, no image at all", []),
-        ("<image> first, then <image> second; compare", [wide, tall]),
-        ("a picture: <image> what does it show?", [tall]),  # the same text as the first, another image
+        (f"{p} first, then {p} second; compare", [wide, tall]),
+        (f"a picture: {p} what does it show?", [tall]),  # the same text as the first, another image
     ]
-    want = hf_greedy(llava_dir, cases)
-    runner = _runner(llava)
+    want = hf_greedy(spec, model_dir, llm, cases)
+    runner = _runner(llm)
     runs_before = runner.encoder_runner.num_encoder_runs
-    first = llava.generate(_inputs(cases), GREEDY, use_tqdm=False)
+    first = llm.generate(_inputs(cases), GREEDY, use_tqdm=False)
     for i, out in enumerate(first):
         assert list(out.outputs[0].token_ids) == want[i], f"prompt {i}"
-    assert len(first[0].prompt_token_ids) == len(first[3].prompt_token_ids) > 16  # the placeholder is expanded
     assert want[0] != want[3]  # the image matters to the answer
-    # each distinct image once (`tall` is in two prompts), though every placeholder is split across chunks
+    # each distinct image once (`tall` is in two prompts), though placeholders are split across chunks
     assert runner.encoder_runner.num_encoder_runs - runs_before == 3
-    image_start = first[0].prompt_token_ids.index(llava.llm_engine.model_config.hf_config.image_token_index)
+    image_id = type(runner.model).get_image_token_id(llm.llm_engine.model_config.hf_config)
+    image_start = first[0].prompt_token_ids.index(image_id)
+    image_len = first[0].prompt_token_ids.count(image_id)
+    assert image_len > 5  # longer than a step: split across chunks
     assert first[3].num_cached_tokens <= image_start  # another image: nothing past its placeholder is shared
 
-    again = llava.generate(_inputs(cases), GREEDY, use_tqdm=False)
+    again = llm.generate(_inputs(cases), GREEDY, use_tqdm=False)
     for i, out in enumerate(again):
         assert list(out.outputs[0].token_ids) == want[i], f"prompt {i} with prefix-cache hits"
-    assert again[0].num_cached_tokens > image_start + 16  # the same image: its blocks are reused
-    assert again[2].num_cached_tokens >= 32
-    pool = llava.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+    assert again[0].num_cached_tokens >= image_start + image_len  # the same image: its blocks are reused
+    pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_blocks
 
 
-def test_llava_chat_with_image_parts(llava, llava_dir):
-    from tests.models.vision_models import CHAT_TEMPLATE, data_url
+def test_chat_with_image_parts(vlm):
+    spec, model_dir, llm = vlm
+    image = random_image(4, 33, 47)
+    content = [{"type": "text", "text": "describe "}, {"type": "image_url", "image_url": {"url": data_url(image)}}]
+    out = llm.chat([{"role": "user", "content": content}], GREEDY, use_tqdm=False)[0]
+    tokenizer = llm.get_tokenizer()
+    text = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "describe "},
+                                                                       {"type": "image"}]}],
+                                         tokenize=False, add_generation_prompt=True)
+    assert spec.placeholder in text
+    assert list(out.outputs[0].token_ids) == hf_greedy(spec, model_dir, llm, [(text, [image])])[0]
 
-    image = random_image(4, 33, 33)
-    messages = [{"role": "user", "content": [{"type": "text", "text": "describe "},
-                                              {"type": "image_url", "image_url": {"url": data_url(image)}}]}]
-    out = llava.chat(messages, GREEDY, use_tqdm=False)[0]
-    want = hf_greedy(llava_dir, [("user: describe <image>\nassistant:", [image])])[0]
-    assert "<image>" in CHAT_TEMPLATE and list(out.outputs[0].token_ids) == want
 
-
-def test_llava_bad_image_inputs(llava):
-    image = random_image(5, 28, 28)
+def test_bad_image_inputs(vlm):
+    spec, _, llm = vlm
+    image, p = random_image(5, 28, 28), spec.placeholder
     with pytest.raises(InvalidRequestError, match="limit of 2") as err:
-        llava.generate({"prompt": "<image> <image> <image>", "multi_modal_data": {"image": [image] * 3}}, GREEDY,
-                       use_tqdm=False)
+        llm.generate({"prompt": f"{p} {p} {p}", "multi_modal_data": {"image": [image] * 3}}, GREEDY, use_tqdm=False)
     assert err.value.param == "prompt"
-    with pytest.raises(InvalidRequestError, match="processor") as err:
-        llava.generate({"prompt": "no placeholder", "multi_modal_data": {"image": [image]}}, GREEDY, use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="processor"):
+        llm.generate({"prompt": "no placeholder", "multi_modal_data": {"image": [image]}}, GREEDY, use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="could not be decoded") as err:
-        llava.chat([{"role": "user", "content": [{"type": "image_url",
-                                                   "image_url": {"url": "data:image/png;base64,AAAA"}}]}],
-                   GREEDY, use_tqdm=False)
+        llm.chat([{"role": "user", "content": [{"type": "image_url",
+                                                 "image_url": {"url": "data:image/png;base64,AAAA"}}]}],
+                 GREEDY, use_tqdm=False)
     assert err.value.param == "messages[0].content[0]"
-    out = llava.generate("still serving", GREEDY, use_tqdm=False)  # the engine keeps working
+    out = llm.generate("still serving", GREEDY, use_tqdm=False)  # the engine keeps working
     assert len(out[0].outputs[0].token_ids) == MAX_TOKENS

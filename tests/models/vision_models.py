@@ -73,3 +73,50 @@ def build_llava(path: str) -> str:
     model.save_pretrained(path)
     processor.save_pretrained(path)
     return path
+
+
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_qwen2_vl(path: str) -> str:
+    """A 2-block vision tower (7 px patches, 2x2 merge, images resized to 28..56 px) + a 2-layer Qwen2 decoder
+    with M-RoPE (sections 2/3/3 of head_dim 16), float32, saved with its image processor and the byte-level test
+    tokenizer plus Qwen2-VL's vision tokens."""
+    import torch
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from tests.engine.engine_fakes import byte_level_tokenizer
+
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    tok = byte_level_tokenizer()
+    specials = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>", "<|im_start|>", "<|im_end|>"]
+    tok.add_special_tokens({"additional_special_tokens": ["<special>", *specials]})
+    tok.chat_template = QWEN2_VL_CHAT_TEMPLATE
+    ids = {t: tok.convert_tokens_to_ids(t) for t in specials}
+    text = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, bos_token_id=None, eos_token_id=2,
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0})
+    vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=7,
+                  spatial_merge_size=2, temporal_patch_size=2)
+    config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                           video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                           vision_end_token_id=ids["<|vision_end|>"], bos_token_id=None, eos_token_id=2)
+    torch.manual_seed(0)
+    model = Qwen2VLForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+        model.model.visual.merger.mlp[2].weight.mul_(50.0)  # image embeddings as large as text ones
+    model.save_pretrained(path)
+    Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=56 * 56, patch_size=7, merge_size=2,
+                             temporal_patch_size=2).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
