@@ -24,6 +24,7 @@ BUILTIN_MODELS: dict[str, str] = {
     # vision-language models (docs/multimodal.md)
     "LlavaForConditionalGeneration": "tokenmill.models.llava:LlavaForConditionalGeneration",
     "Qwen2VLForConditionalGeneration": "tokenmill.models.qwen2_vl:Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration": "tokenmill.models.qwen2_5_vl:Qwen2_5_VLForConditionalGeneration",
     # pooling models (docs/pooling.md)
     "Qwen3Model": "tokenmill.models.pooling_adapters:Qwen3Model",
     "Qwen2Model": "tokenmill.models.pooling_adapters:Qwen2Model",

@@ -51,7 +51,8 @@ def vision_positions(grid_thw: Sequence[int], merge: int) -> torch.Tensor:
 
 
 class Qwen2VisionAttention(nn.Module):
-    """Bidirectional attention over one frame's patches with 2-D rotary positions (fused ``qkv``, ``proj``)."""
+    """Bidirectional attention within runs of patches (a frame, or a window) with 2-D rotary positions (fused
+    ``qkv``, ``proj``)."""
 
     def __init__(self, dim: int, num_heads: int) -> None:
         super().__init__()
@@ -60,17 +61,17 @@ class Qwen2VisionAttention(nn.Module):
         self.proj = RowParallelLinear(dim, dim, bias=True)
         self.num_heads = num_heads // get_tp_size()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, frame: int) -> torch.Tensor:
-        """``x`` ``[N, dim]``; ``cos``/``sin`` ``[N, head_dim]`` float32; attention within runs of ``frame``
-        patches."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bounds: Sequence[int]) -> torch.Tensor:
+        """``x`` ``[N, dim]``; ``cos``/``sin`` ``[N, head_dim]`` float32; each patch attends to the patches of
+        its run ``[bounds[i], bounds[i + 1])``."""
         n = x.shape[0]
         q, k, v = (t.reshape(n, self.num_heads, self.head_dim) for t in self.qkv(x).chunk(3, dim=-1))
         c, s = cos.unsqueeze(1), sin.unsqueeze(1)
         q = (q.float() * c + _rotate_half(q.float()) * s).to(x.dtype)
         k = (k.float() * c + _rotate_half(k.float()) * s).to(x.dtype)
         outs = []
-        for start in range(0, n, frame):
-            qs, ks, vs = (t[start : start + frame].transpose(0, 1) for t in (q, k, v))
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
             outs.append(F.scaled_dot_product_attention(qs, ks, vs).transpose(0, 1))
         return self.proj(torch.cat(outs).reshape(n, -1))
 
@@ -83,18 +84,18 @@ class Qwen2VisionBlock(nn.Module):
         self.attn = Qwen2VisionAttention(cfg.embed_dim, cfg.num_heads)
         self.mlp = VisionMLP(cfg.embed_dim, int(cfg.embed_dim * cfg.mlp_ratio), cfg.hidden_act)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, frame: int) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, frame)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bounds: Sequence[int]) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, bounds)
         return x + self.mlp(self.norm2(x))
 
 
 class Qwen2PatchMerger(nn.Module):
-    """LayerNorm, then each ``merge x merge`` block of patches (consecutive rows) -> one text-sized token."""
+    """``norm``, then each ``merge x merge`` block of patches (consecutive rows) -> one text-sized token."""
 
-    def __init__(self, dim: int, context_dim: int, merge: int) -> None:
+    def __init__(self, dim: int, context_dim: int, merge: int, norm: nn.Module) -> None:
         super().__init__()
         self.hidden = context_dim * merge * merge
-        self.ln_q = nn.LayerNorm(context_dim, eps=1e-6)
+        self.ln_q = norm
         self.mlp = nn.Sequential(ColumnParallelLinear(self.hidden, self.hidden, bias=True), nn.GELU(),
                                  RowParallelLinear(self.hidden, dim, bias=True))
 
@@ -107,33 +108,53 @@ class Qwen2VisionTransformer(nn.Module):
 
     def __init__(self, cfg: Any) -> None:
         super().__init__()
+        embed_dim, out_dim = self.dims(cfg)
         self.merge = cfg.spatial_merge_size
         self.patch_embed = nn.Module()
         kernel = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
-        self.patch_embed.proj = nn.Conv3d(cfg.in_channels, cfg.embed_dim, kernel, kernel, bias=False)
+        self.patch_embed.proj = nn.Conv3d(cfg.in_channels, embed_dim, kernel, kernel, bias=False)
         self.kernel = (cfg.in_channels, *kernel)
-        self.blocks = nn.ModuleList(Qwen2VisionBlock(cfg) for _ in range(cfg.depth))
-        self.merger = Qwen2PatchMerger(cfg.hidden_size, cfg.embed_dim, self.merge)
-        head_dim = cfg.embed_dim // cfg.num_heads
+        self.blocks = nn.ModuleList(self.make_block(cfg) for _ in range(cfg.depth))
+        self.merger = Qwen2PatchMerger(out_dim, embed_dim, self.merge, self.make_norm(embed_dim))
+        head_dim = embed_dim // cfg.num_heads
         params = getattr(cfg, "rope_parameters", None) or {}
         theta = float(params.get("rope_theta", 10000.0))
         spatial = head_dim // 2
         self.register_buffer("inv_freq", 1.0 / theta ** (torch.arange(0, spatial, 2, dtype=torch.float32) / spatial),
                              persistent=False)
 
+    @staticmethod
+    def dims(cfg: Any) -> tuple[int, int]:
+        """(the tower's width, the text model's hidden size)."""
+        return cfg.embed_dim, cfg.hidden_size
+
+    def make_block(self, cfg: Any) -> nn.Module:
+        return Qwen2VisionBlock(cfg)
+
+    def make_norm(self, dim: int) -> nn.Module:
+        return nn.LayerNorm(dim, eps=1e-6)
+
     def forward(self, pixel_values: torch.Tensor, grid_thw: Sequence[int]) -> torch.Tensor:
         """``pixel_values`` ``[t*h*w, C*T*P*P]`` (the processor's patch rows), ``grid_thw`` ``(t, h, w)`` ->
         ``[t*h*w / merge^2, text hidden]``."""
-        weight = self.patch_embed.proj.weight
-        x = self.patch_embed.proj(pixel_values.to(weight.dtype).view(-1, *self.kernel)).view(pixel_values.shape[0], -1)
-        freqs = vision_positions(grid_thw, self.merge).to(x.device).unsqueeze(-1).float() * self.inv_freq
-        freqs = freqs.flatten(1)  # [N, head_dim / 2]: the row's frequencies, then the column's
-        angles = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = angles.cos(), angles.sin()
+        x = self.embed_patches(pixel_values)
+        cos, sin = self.rotary(grid_thw, x.device)
         frame = int(grid_thw[1]) * int(grid_thw[2])
+        bounds = list(range(0, x.shape[0] + 1, frame))
         for block in self.blocks:
-            x = block(x, cos, sin, frame)
+            x = block(x, cos, sin, bounds)
         return self.merger(x)
+
+    def embed_patches(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """``[N, C*T*P*P]`` patch rows -> ``[N, embed_dim]``."""
+        weight = self.patch_embed.proj.weight
+        return self.patch_embed.proj(pixel_values.to(weight.dtype).view(-1, *self.kernel)).view(pixel_values.shape[0], -1)
+
+    def rotary(self, grid_thw: Sequence[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[N, head_dim]`` float32 of each patch: the row's frequencies, then the column's, twice."""
+        freqs = vision_positions(grid_thw, self.merge).to(device).unsqueeze(-1).float() * self.inv_freq
+        angles = torch.cat((freqs.flatten(1), freqs.flatten(1)), dim=-1)
+        return angles.cos(), angles.sin()
 
 
 class Qwen2VLDecoderLayer(DecoderLayer):
@@ -190,13 +211,14 @@ class Qwen2VLForConditionalGeneration(DecoderForCausalLM):
     supports_pp: ClassVar[bool] = False
     checkpoint_name_remap: ClassVar[Mapping[str, str]] = {"model.language_model.": "model.", "model.visual.": "visual."}
     image_token: ClassVar[str] = "<|image_pad|>"
+    vision_tower_cls: ClassVar[type[nn.Module]] = Qwen2VisionTransformer
 
     def __init__(self, config: Any, prefix: str = "") -> None:
         full = config.hf_config
         text = getattr(full, "text_config", None) or full
         super().__init__(dataclasses.replace(config, hf_config=text), prefix)
         self.full_config = full
-        self.visual = Qwen2VisionTransformer(full.vision_config)
+        self.visual = self.vision_tower_cls(full.vision_config)
 
     # ---------------------------------------------------------------- SupportsMultiModal (front end)
 

@@ -11,7 +11,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from tests.models.vision_models import build_llava, build_qwen2_vl, data_url, random_image
+from tests.models.vision_models import build_llava, build_qwen2_5_vl, build_qwen2_vl, data_url, random_image
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
 
@@ -31,6 +31,8 @@ SPECS = [
     VisionSpec("llava", build_llava, "<image>", "LlavaForConditionalGeneration"),
     VisionSpec("qwen2_vl", build_qwen2_vl, "<|vision_start|><|image_pad|><|vision_end|>",
                "Qwen2VLForConditionalGeneration"),
+    VisionSpec("qwen2_5_vl", build_qwen2_5_vl, "<|vision_start|><|image_pad|><|vision_end|>",
+               "Qwen2_5_VLForConditionalGeneration"),
 ]
 
 
@@ -59,7 +61,7 @@ def hf_greedy(spec: VisionSpec, model_dir: str, llm: Any, cases: list[tuple[str,
         for text, images in cases:
             inputs = dict(processor(text=[text], images=images or None, return_tensors="pt"))
             inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
-            if spec.name == "qwen2_vl":
+            if spec.name.startswith("qwen"):
                 inputs["mm_token_type_ids"] = (inputs["input_ids"] == model.config.image_token_id).int()
             ids = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
                                  pad_token_id=0)

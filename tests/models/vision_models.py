@@ -120,3 +120,37 @@ def build_qwen2_vl(path: str) -> str:
                              temporal_patch_size=2).save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+def build_qwen2_5_vl(path: str) -> str:
+    """:func:`build_qwen2_vl`'s sizes with Qwen2.5-VL's tower: 3 blocks, windows of 28 px (2x2 merged units,
+    so images above 28 px have several windows), block 1 with full attention."""
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    build_qwen2_vl(path)  # tokenizer, image processor and the text config's sizes
+    with open(os.path.join(path, "config.json")) as f:
+        import json
+
+        saved = json.load(f)
+    vision = dict(depth=3, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=4, patch_size=7,
+                  spatial_merge_size=2, temporal_patch_size=2, window_size=28, fullatt_block_indexes=[1],
+                  hidden_act="silu")
+    config = Qwen2_5_VLConfig(text_config=saved["text_config"], vision_config=vision,
+                              image_token_id=saved["image_token_id"], video_token_id=saved["video_token_id"],
+                              vision_start_token_id=saved["vision_start_token_id"],
+                              vision_end_token_id=saved["vision_end_token_id"], bos_token_id=None, eos_token_id=2)
+    torch.manual_seed(2)
+    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+        model.model.visual.merger.mlp[2].weight.mul_(50.0)
+    for name in os.listdir(path):
+        if name.endswith(".safetensors") or name == "config.json":
+            os.remove(os.path.join(path, name))
+    model.save_pretrained(path)
+    return path
