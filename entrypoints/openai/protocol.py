@@ -489,6 +489,7 @@ class ChatCompletionRequest(_ChatTemplateFields, _SamplingRequest):
         },
     )
 
+    mm_processor_kwargs: dict[str, Any] | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False

@@ -121,6 +121,7 @@ class OpenAIServingChat(OpenAIServing):
             template_kwargs=request.chat_template_kwargs,
             tools=[t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None,
             add_special_tokens=request.add_special_tokens,
+            mm_processor_kwargs=request.mm_processor_kwargs,
         )
 
     # ----------------------------------------------------------------------- tools and structured outputs

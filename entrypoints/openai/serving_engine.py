@@ -350,7 +350,8 @@ class OpenAIServing:
 
     def encode_chat_with_images(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
                                 continue_final_message: bool, template_kwargs: dict[str, Any] | None,
-                                add_special_tokens: bool, tools: list[dict[str, Any]] | None = None
+                                add_special_tokens: bool, tools: list[dict[str, Any]] | None = None,
+                                mm_processor_kwargs: dict[str, Any] | None = None
                                 ) -> tuple[list[int], list[Any] | None]:
         """:meth:`encode_chat` for messages that may hold image parts: ``(token ids, None)`` without images;
         with images, the ids with each placeholder expanded by the model's processor and the images' features
@@ -373,7 +374,8 @@ class OpenAIServing:
         text = self.renderer.render(rendered, add_generation_prompt=add_generation_prompt,
                                     continue_final_message=continue_final_message, template_kwargs=template_kwargs,
                                     tools=tools)
-        return processor.process(text, images, add_special_tokens=add_special_tokens, param="messages")
+        return processor.process(text, images, add_special_tokens=add_special_tokens, param="messages",
+                                 mm_processor_kwargs=mm_processor_kwargs)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str, arrival_time: float,
                  priority: int = 0, *, model_name: str | None = None, cache_salt: str | None = None,

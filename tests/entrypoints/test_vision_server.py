@@ -101,3 +101,14 @@ def test_responses_input_image_answers_as_chat(llava_server):
     _assert_400(lambda: client.responses.create(
         model=MODEL, input=[{"role": "user", "content": [{"type": "input_image", "image_url": "data:,x"}]}]),
         "input")
+
+
+def test_mm_processor_kwargs_reach_the_processor(llava_server):
+    client = _client(llava_server)
+    url = data_url(random_image(16, 30, 30))
+    plain = _ask(client, url).choices[0].message.content
+    content = [{"type": "text", "text": QUESTION}, {"type": "image_url", "image_url": {"url": url}}]
+    raw = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=12,
+                                         temperature=0, extra_body={"ignore_eos": True,
+                                                                    "mm_processor_kwargs": {"do_normalize": False}})
+    assert raw.choices[0].message.content != plain  # other pixel values, another answer
