@@ -53,3 +53,27 @@ def test_tensor_data_round_trip():
     for t in (torch.randn(2, 3), torch.arange(6).reshape(3, 2), torch.randn(4).to(torch.bfloat16)):
         back = TensorData.from_tensor(t).to_tensor()
         assert back.dtype == t.dtype and torch.equal(back, t)
+
+
+def test_http_fetch_when_allowed(tmp_path, monkeypatch):
+    import functools
+    import http.server
+    import threading
+
+    for proxy in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(proxy, raising=False)
+    random_image(6, 8, 6).save(tmp_path / "cat.png")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        assert MediaConnector(allow_http=True).load_image(f"{base}/cat.png", "p").size == (8, 6)
+        with pytest.raises(InvalidRequestError, match="could not fetch"):
+            MediaConnector(allow_http=True).load_image(f"{base}/missing.png", "p")
+        with pytest.raises(InvalidRequestError, match="larger than"):
+            MediaConnector(allow_http=True, max_bytes=10).load_image(f"{base}/cat.png", "p")
+    finally:
+        server.shutdown()
+        server.server_close()
