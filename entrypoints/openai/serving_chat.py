@@ -72,6 +72,9 @@ class OpenAIServingChat(OpenAIServing):
         prompt_ids, mm_features = await self.tokenization.run(self._render_and_encode, request)
         if mm_features is None:
             prompt_ids = request.truncated(prompt_ids, self.max_model_len)
+        elif request.truncate_prompt_tokens is not None:  # cutting the prompt could split an image's placeholder
+            raise InvalidRequestError("truncate_prompt_tokens: not supported for prompts with images",
+                                      param="truncate_prompt_tokens")
         max_tokens = self.resolve_max_tokens(
             len(prompt_ids), request.requested_max_tokens, "messages", request.max_tokens_param
         )

@@ -78,6 +78,10 @@ def test_bad_images_are_400s(llava_server):
     _assert_400(lambda: _ask(client, "http://127.0.0.1:1/cat.png"), "messages[0].content[1]")
     _assert_400(lambda: _ask(client, "file:///etc/hostname"), "messages[0].content[1]")
     _assert_400(lambda: _ask(client, image, image, image), "messages")
+    content = [{"type": "text", "text": QUESTION}, {"type": "image_url", "image_url": {"url": image}}]
+    _assert_400(lambda: client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                                       extra_body={"truncate_prompt_tokens": 8}),
+                "truncate_prompt_tokens")
     assert _ask(client, image).choices[0].message.content  # still serving
 
 
