@@ -61,6 +61,15 @@ class EncoderCacheManager:
         self.sizes[feature.mm_hash] = rows
         self.refs[feature.mm_hash] = {(request.request_id, index)}
 
+    def cancel(self, request: Request, index: int) -> None:
+        """Undo :meth:`allocate` of image ``index`` of ``request`` when its chunk is not scheduled after all (the
+        workers never computed it, so nothing goes to them)."""
+        mm_hash = request.mm_features[index].mm_hash
+        self.refs[mm_hash].discard((request.request_id, index))
+        if not self.refs[mm_hash]:
+            self.num_free_rows += self.sizes.pop(mm_hash)
+            del self.refs[mm_hash]
+
     def free_encoder_input(self, request: Request, index: int) -> None:
         """``request`` no longer needs image ``index`` (its placeholder is computed, or it left the batch)."""
         mm_hash = request.mm_features[index].mm_hash

@@ -234,13 +234,16 @@ class Scheduler:
                 if new_blocks is not None:
                     break
                 victim = self._pick_victim(i)
+                if victim is request:
+                    self._cancel_encoder_inputs(request, to_encode)
                 self._preempt(victim)
                 preempted_any = True
                 if victim is request:
                     break
             if new_blocks is None:
                 break  # the request preempted itself; nothing after it in `running` can fit either
-            self._allocate_encoder_inputs(request, to_encode, encoder_inputs)
+            if to_encode:
+                encoder_inputs[request.request_id] = to_encode
             num_scheduled[request.request_id] = num_new
             budget -= num_new
             if num_drafts > 0:
@@ -296,9 +299,11 @@ class Scheduler:
                 num_lookahead_tokens=self._lookahead(request, num_hit_tokens + num_new),
             )
             if new_blocks is None:
+                self._cancel_encoder_inputs(request, to_encode)
                 break
             self.waiting.popleft()
-            self._allocate_encoder_inputs(request, to_encode, encoder_inputs)
+            if to_encode:
+                encoder_inputs[request.request_id] = to_encode
             if looked_up:
                 # Counted here, once per admission: a request that waits several steps is looked up each time.
                 self.kv_cache_manager.record_prefix_cache_lookup(request.num_tokens, num_hit_tokens)
@@ -343,42 +348,31 @@ class Scheduler:
                                  ) -> tuple[list[int], int, int]:
         """The images whose placeholders the chunk ``[num_computed, num_computed + num_new)`` reaches and that
         must be encoded this step (not cached), within the encoder ``budget``; the chunk stops before the first
-        image that does not fit. Returns ``(image indices to encode, num_new, budget left)``. Cached images the
-        chunk reaches get the request's reference here."""
+        image that does not fit. Their encoder-cache room is allocated here (undo with
+        :meth:`_cancel_encoder_inputs` if the chunk is not scheduled), and cached images the chunk reaches get
+        the request's reference. Returns ``(image indices to encode, num_new, budget left)``."""
         manager = self.encoder_cache_manager
         end = num_computed + num_new
         to_encode: list[int] = []
-        planned: set[str] = set()
         for index, feature in enumerate(request.mm_features):
             start, rows = feature.placeholder.offset, feature.placeholder.length
             if start >= end:
                 break
             if start + rows <= num_computed:
                 continue  # its embeddings are in the KV cache already
-            if feature.mm_hash in planned or manager.check_and_update_cache(request, index):
-                continue
+            if manager.check_and_update_cache(request, index):
+                continue  # cached, or encoded this step (an earlier image of the prompt, or another request)
             if not manager.can_allocate(rows, budget):
                 num_new = max(0, start - num_computed)
                 break
+            manager.allocate(request, index)
             to_encode.append(index)
-            planned.add(feature.mm_hash)
             budget -= rows
         return to_encode, num_new, budget
 
-    def _allocate_encoder_inputs(self, request: Request, to_encode: list[int],
-                                 encoder_inputs: dict[str, list[int]]) -> None:
-        """Reserve the encoder cache for the images a scheduled chunk encodes (and reference repeats of them
-        in the same prompt)."""
-        if not to_encode:
-            return
-        manager = self.encoder_cache_manager
+    def _cancel_encoder_inputs(self, request: Request, to_encode: list[int]) -> None:
         for index in to_encode:
-            manager.allocate(request, index)
-        encoder_inputs[request.request_id] = to_encode
-        encoded = {request.mm_features[i].mm_hash for i in to_encode}
-        for index, feature in enumerate(request.mm_features):
-            if index not in to_encode and feature.mm_hash in encoded:
-                manager.check_and_update_cache(request, index)
+            self.encoder_cache_manager.cancel(request, index)
 
     def _release_computed_images(self, request: Request) -> None:
         """Drop the request's reference to every image whose placeholder is now wholly computed."""

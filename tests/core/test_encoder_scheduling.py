@@ -95,3 +95,17 @@ def test_an_image_larger_than_the_encoder_cache_is_refused():
     with pytest.raises(InvalidRequestError, match="encoder cache"):
         sched.add_request(image_request(20, [image("big", 2, 9)]))
     assert MultiModalConfig().encoder_cache_size == 0
+
+
+def test_encoder_room_is_given_back_when_the_chunk_gets_no_kv_blocks():
+    sched = make_scheduler(num_blocks=6, block_size=4, budget=32, caching=False)
+    sched.add_request(make_request([1] * 16, max_tokens=2, rid="text"))
+    sched.add_request(image_request(12, [image("img", 2, 6)], rid="pic"))
+    first = sched.schedule()
+    assert list(first.num_scheduled_tokens) == ["text"]  # no blocks left for "pic"
+    assert "img" not in sched.encoder_cache_manager.sizes  # its encoder room was given back, not leaked
+    assert sched.encoder_cache_manager.num_free_rows == sched.encoder_cache_manager.cache_size
+    sched.update_from_output(first, fake_run(sched, first))
+    steps = [first]
+    run_to_end(sched, steps)
+    assert [so.scheduled_encoder_inputs for so in steps if so.scheduled_encoder_inputs] == [{"pic": [0]}]
