@@ -1,0 +1,236 @@
+"""Portable torch implementations of the state-space ops of Mamba2-style layers (Dao & Gu 2024, "Transformers
+are SSMs", the state space duality).
+
+Each op runs for one request (prefill) or a batch of requests one token each (decode), and returns the state it
+leaves behind instead of writing it, so the caller decides where states live (slots of the state cache). All
+arithmetic of the scan and the recurrence runs in float32 (float64 when the inputs are float64, for the
+reference tests); outputs have the input dtype.
+
+Shapes: ``L`` tokens, ``D`` conv channels, ``K`` conv kernel width, ``H`` heads of ``P`` channels, ``G`` groups of
+``B``/``C`` (``H % G == 0``; head ``h`` uses group ``h // (H / G)``), ``N`` state size per head channel.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32, or float64 for float64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _activate(x: torch.Tensor, activation: str | None) -> torch.Tensor:
+    if activation is None:
+        return x
+    if activation in ("silu", "swish"):
+        return F.silu(x)
+    raise ValueError(f"activation: only 'silu' is supported in the causal conv1d, got {activation!r}")
+
+
+def causal_conv1d_fn(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor | None,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal convolution over one sequence, continuing from ``conv_state``.
+
+    Args:
+        x: ``[L, D]`` the sequence's new inputs.
+        weight: ``[D, K]`` per-channel kernels (the checkpoint's ``conv1d.weight [D, 1, K]`` squeezed).
+        bias: ``[D]`` or ``None``.
+        conv_state: ``[D, K - 1]`` the last ``K - 1`` inputs before ``x`` (``None``: zeros, a fresh sequence).
+        activation: ``"silu"`` or ``None``.
+
+    Returns:
+        ``([L, D]`` outputs in ``x``'s dtype, ``[D, K - 1]`` the new conv state (the last ``K - 1`` inputs)).
+    """
+    dim, width = weight.shape
+    xt = x.t().to(weight.dtype)
+    prev = conv_state.to(weight.dtype) if conv_state is not None else xt.new_zeros(dim, width - 1)
+    full = torch.cat([prev, xt], dim=-1)
+    out = F.conv1d(full.unsqueeze(0), weight.unsqueeze(1), bias, groups=dim).squeeze(0)
+    return _activate(out, activation).t().to(x.dtype), full[:, full.shape[1] - (width - 1):]
+
+
+def causal_conv1d_update(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step of the causal convolution for a batch of sequences.
+
+    Args:
+        x: ``[B, D]`` one new input per sequence.
+        conv_state: ``[B, D, K - 1]`` each sequence's last ``K - 1`` inputs.
+        weight, bias, activation: as :func:`causal_conv1d_fn`.
+
+    Returns:
+        ``([B, D]`` outputs, ``[B, D, K - 1]`` new conv states).
+    """
+    full = torch.cat([conv_state.to(weight.dtype), x.to(weight.dtype).unsqueeze(-1)], dim=-1)
+    out = (full * weight).sum(-1)
+    if bias is not None:
+        out = out + bias
+    return _activate(out, activation).to(x.dtype), full[..., 1:]
+
+
+def _discretize_dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool,
+                   dt_limit: tuple[float, float], dtype: torch.dtype) -> torch.Tensor:
+    dt = dt.to(dtype)
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dtype)
+    if dt_softplus:
+        dt = F.softplus(dt)
+    lo, hi = dt_limit
+    if lo > 0.0 or hi != float("inf"):
+        dt = dt.clamp(min=lo, max=hi)
+    return dt
+
+
+def _per_head(t: torch.Tensor, num_heads: int, dim: int) -> torch.Tensor:
+    return t.repeat_interleave(num_heads // t.shape[dim], dim=dim)
+
+
+def selective_state_update(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = True,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of the Mamba2 recurrence for a batch of sequences (decode).
+
+    ``h' = exp(dt A) h + dt x (x) B``, ``y = h' . C + D x`` per head, with ``dt = softplus(dt + dt_bias)``
+    clamped to ``dt_limit``.
+
+    Args:
+        state: ``[B, H, P, N]`` each sequence's SSM state.
+        x: ``[B, H, P]``.
+        dt: ``[B, H]`` raw time steps (before bias and softplus).
+        A: ``[H]`` (negative; ``-exp(A_log)``).
+        B, C: ``[B, G, N]``.
+        D: ``[H]`` skip connection or ``None``.
+        dt_bias: ``[H]`` or ``None``.
+
+    Returns:
+        ``([B, H, P]`` outputs in ``x``'s dtype, ``[B, H, P, N]`` new states in the compute dtype).
+    """
+    ct = compute_dtype(x.dtype)
+    heads = x.shape[1]
+    dt = _discretize_dt(dt, dt_bias, dt_softplus, dt_limit, ct)
+    decay = torch.exp(dt * A.to(ct))
+    Bh, Ch = _per_head(B.to(ct), heads, 1), _per_head(C.to(ct), heads, 1)
+    xf = x.to(ct)
+    new = state.to(ct) * decay[..., None, None] + (xf * dt[..., None]).unsqueeze(-1) * Bh.unsqueeze(2)
+    y = torch.einsum("bhpn,bhn->bhp", new, Ch)
+    if D is not None:
+        y = y + xf * D.to(ct)[:, None]
+    return y.to(x.dtype), new
+
+
+def mamba_chunk_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    chunk_size: int,
+    D: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    dt_softplus: bool = True,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Mamba2 recurrence over one sequence, chunk by chunk (prefill).
+
+    Inside a chunk of ``Q = chunk_size`` tokens the outputs come from the quadratic (attention-like) form
+    ``y_i = sum_{j<=i} exp(a_j+1 + ... + a_i) (C_i . B_j) dt_j x_j`` plus the chunk's incoming state decayed to
+    token ``i``; the state then moves to the end of the chunk in one update. Cost ``O(L Q)`` per head, and the
+    same result as :func:`selective_state_update` applied token by token.
+
+    Args:
+        x: ``[L, H, P]``.
+        dt: ``[L, H]`` raw time steps.
+        A: ``[H]``.
+        B, C: ``[L, G, N]``.
+        chunk_size: ``Q`` (at least 1).
+        D, dt_bias, dt_softplus, dt_limit: as :func:`selective_state_update`.
+        initial_state: ``[H, P, N]`` the state before the first token (``None``: zeros).
+
+    Returns:
+        ``([L, H, P]`` outputs in ``x``'s dtype, ``[H, P, N]`` the state after the last token, compute dtype).
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size: must be at least 1, got {chunk_size}")
+    ct = compute_dtype(x.dtype)
+    length, heads, head_dim = x.shape
+    dt = _discretize_dt(dt, dt_bias, dt_softplus, dt_limit, ct)
+    log_decay = dt * A.to(ct)  # [L, H]
+    xf = x.to(ct)
+    xdt = xf * dt[..., None]
+    Bh, Ch = _per_head(B.to(ct), heads, 1), _per_head(C.to(ct), heads, 1)
+    state = (initial_state.to(ct) if initial_state is not None
+             else xf.new_zeros(heads, head_dim, B.shape[-1]))
+    y = torch.empty_like(xf)
+    for start in range(0, length, chunk_size):
+        end = min(start + chunk_size, length)
+        cum = torch.cumsum(log_decay[start:end], dim=0)  # [q, H]
+        q = end - start
+        causal = torch.ones(q, q, dtype=torch.bool, device=x.device).tril()
+        seg = (cum[:, None, :] - cum[None, :, :]).masked_fill(~causal[..., None], float("-inf"))
+        scores = torch.einsum("ihn,jhn->ijh", Ch[start:end], Bh[start:end]) * torch.exp(seg)
+        y_chunk = torch.einsum("ijh,jhp->ihp", scores, xdt[start:end])
+        y_chunk = y_chunk + torch.einsum("ihn,hpn->ihp", Ch[start:end], state) * torch.exp(cum)[..., None]
+        y[start:end] = y_chunk
+        to_end = torch.exp(cum[-1][None, :] - cum)  # [q, H]: decay from token j to the chunk's end
+        state = state * torch.exp(cum[-1])[:, None, None] + torch.einsum(
+            "jh,jhp,jhn->hpn", to_end, xdt[start:end], Bh[start:end])
+    if D is not None:
+        y = y + xf * D.to(ct)[:, None]
+    return y.to(x.dtype), state
+
+
+def rms_norm_gated(
+    x: torch.Tensor,
+    gate: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    group_size: int,
+    norm_before_gate: bool = False,
+) -> torch.Tensor:
+    """Gated RMSNorm of Mamba2's output, per group of ``group_size`` channels, in float32.
+
+    ``norm_before_gate=False`` (Mamba2, Granite 4.0-H, transformers' ``MambaRMSNormGated``):
+    ``weight * norm(x * silu(gate))``; ``True``: ``weight * norm(x) * silu(gate)``.
+
+    Args:
+        x, gate: ``[T, D]`` (``D % group_size == 0``); ``gate`` may be ``None``.
+        weight: ``[D]``.
+
+    Returns:
+        ``[T, D]`` in ``x``'s dtype (the normalised value is cast before the weight multiplies it, as in
+        transformers).
+    """
+    dtype = x.dtype
+    h = x.to(compute_dtype(dtype))
+    g = F.silu(gate.to(h.dtype)) if gate is not None else None
+    if g is not None and not norm_before_gate:
+        h = h * g
+    shape = h.shape
+    grouped = h.reshape(*shape[:-1], shape[-1] // group_size, group_size)
+    grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)
+    h = grouped.reshape(shape)
+    if g is not None and norm_before_gate:
+        h = h * g
+    return weight * h.to(dtype)
