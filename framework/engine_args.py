@@ -341,6 +341,9 @@ class EngineArgs:
             compile_mode=self.compile_mode or "blocking",
             lora_config=self._create_lora_config(),
         )
+        from tokenmill.model_loader.hybrid_setup import configure_hybrid_cache
+
+        configure_hybrid_cache(config)
         num_layers = model_config.num_layers
         if self.pipeline_parallel_size > num_layers:
             raise ValueError(

@@ -21,6 +21,8 @@ BUILTIN_MODELS: dict[str, str] = {
     "Olmo2ForCausalLM": "tokenmill.models.olmo2:Olmo2ForCausalLM",
     "MixtralForCausalLM": "tokenmill.models.mixtral:MixtralForCausalLM",
     "Qwen3MoeForCausalLM": "tokenmill.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "Mamba2ForCausalLM": "tokenmill.models.mamba2:Mamba2ForCausalLM",
+    "GraniteMoeHybridForCausalLM": "tokenmill.models.granitemoehybrid:GraniteMoeHybridForCausalLM",
     # pooling models (docs/pooling.md)
     "Qwen3Model": "tokenmill.models.pooling_adapters:Qwen3Model",
     "Qwen2Model": "tokenmill.models.pooling_adapters:Qwen2Model",

@@ -75,6 +75,8 @@ class SchedulerOutput:
         grammar_bitmask: ``[len(structured_output_request_ids), ceil(vocab_size / 32)]`` int32, row ``i`` the
             tokens allowed next for ``structured_output_request_ids[i]`` (bit ``t % 32`` of word ``t // 32``);
             ``None`` when no constrained request samples this step.
+        new_state_slots: hybrid models: the state slot of each request in ``scheduled_new_reqs`` (its slot
+            until it finishes or is preempted; a resumed request starts from a fresh state).
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -85,6 +87,7 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     structured_output_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: np.ndarray | None = None
+    new_state_slots: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
