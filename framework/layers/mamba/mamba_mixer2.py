@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed import get_tp_size
@@ -48,6 +49,10 @@ class MambaMixer2(MambaBase):
     time_step_limit: ``dt`` is clamped to it after softplus.
     activation: of the conv (``"silu"``).
     norm_before_gate: see :class:`~tokenmill.layers.mamba.state_ops.RMSNormGated`.
+    use_rms_norm: ``False``: no gated norm, ``y * silu(z)`` instead (Falcon-H1's ``mamba_rms_norm=False``).
+    in_multiplier: the input is scaled by it before ``in_proj`` (Falcon-H1's ``ssm_in_multiplier``).
+    proj_multipliers: five factors on ``in_proj``'s output sections ``z``, ``x``, ``B``, ``C``, ``dt``
+        (Falcon-H1's ``ssm_multipliers``, its "mup vector"); ``None``: all one.
 
     Raises:
         ValueError: tensor parallelism (state layers run on one rank), or sizes that do not divide.
@@ -70,6 +75,9 @@ class MambaMixer2(MambaBase):
         time_step_limit: Sequence[float] = (0.0, float("inf")),
         activation: str = "silu",
         norm_before_gate: bool = False,
+        use_rms_norm: bool = True,
+        in_multiplier: float = 1.0,
+        proj_multipliers: Sequence[float] | None = None,
     ) -> None:
         super().__init__()
         if get_tp_size() > 1:
@@ -94,8 +102,18 @@ class MambaMixer2(MambaBase):
         self.dt_bias = nn.Parameter(torch.ones(num_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(num_heads), requires_grad=False)
         self.D = nn.Parameter(torch.ones(num_heads), requires_grad=False)
-        self.norm = RMSNormGated(intermediate_size, rms_norm_eps, group_size=intermediate_size // n_groups,
-                                 norm_before_gate=norm_before_gate)
+        self.norm = (RMSNormGated(intermediate_size, rms_norm_eps, group_size=intermediate_size // n_groups,
+                                  norm_before_gate=norm_before_gate) if use_rms_norm else None)
+        self.in_multiplier = float(in_multiplier)
+        vector = None
+        if proj_multipliers is not None and any(float(m) != 1.0 for m in proj_multipliers):
+            if len(proj_multipliers) != 5:
+                raise ValueError(f"proj_multipliers: need 5 factors (z, x, B, C, dt), got {len(proj_multipliers)}")
+            gn = n_groups * ssm_state_size
+            sizes = (intermediate_size, intermediate_size, gn, gn, num_heads)
+            vector = torch.cat([torch.full((n,), float(m)) for n, m in zip(sizes, proj_multipliers)])
+        self.proj_multipliers: torch.Tensor | None
+        self.register_buffer("proj_multipliers", vector, persistent=False)
         self.out_proj = ReplicatedLinear(intermediate_size, hidden_size, bias=use_bias)
         self.conv_op = CausalConv1d()
         self.ssd_op = MambaSSD()
@@ -113,7 +131,11 @@ class MambaMixer2(MambaBase):
             md: StateMetadata | None = get_forward_context().state_metadata
         except RuntimeError:
             md = None
+        if self.in_multiplier != 1.0:
+            hidden_states = hidden_states * self.in_multiplier
         proj = self.in_proj(hidden_states)
+        if self.proj_multipliers is not None:
+            proj = proj * self.proj_multipliers.to(proj.dtype)
         gate, xbc, dt = proj.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
         A = -torch.exp(self.A_log.float())
         weight = self.conv1d.weight.squeeze(1)
@@ -138,6 +160,8 @@ class MambaMixer2(MambaBase):
                     conv_cache[slot] if init else None, ssm_cache[slot] if init else None)
                 conv_cache[slot] = conv_state
                 ssm_cache[slot] = ssm_state
+        if self.norm is None:
+            return self.out_proj(y * F.silu(gate))
         return self.out_proj(self.norm(y, gate))
 
     def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
