@@ -30,6 +30,7 @@ op name                       base class                                        
 ``causal_conv1d``             :class:`tokenmill.layers.mamba.CausalConv1d`        state layers' causal conv1d
 ``mamba_ssd``                 :class:`tokenmill.layers.mamba.MambaSSD`            Mamba2 scan and recurrence
 ``rms_norm_gated``            :class:`tokenmill.layers.mamba.RMSNormGated`        Mamba2's gated output norm
+``gated_delta_rule``          :class:`tokenmill.layers.mamba.GatedDeltaRule`      gated DeltaNet recurrence
 ============================  ==================================================  =============================
 
 ``quant_linear.*``, ``fused_moe`` and ``unquantized_linear`` are not modules built by model code but the kernel classes the layers call; they resolve
@@ -64,6 +65,7 @@ CUSTOM_OPS: dict[str, str] = {
     "causal_conv1d": "tokenmill.layers.mamba.state_ops:CausalConv1d",
     "mamba_ssd": "tokenmill.layers.mamba.state_ops:MambaSSD",
     "rms_norm_gated": "tokenmill.layers.mamba.state_ops:RMSNormGated",
+    "gated_delta_rule": "tokenmill.layers.mamba.state_ops:GatedDeltaRule",
 }
 
 

@@ -18,13 +18,14 @@ from typing import Any
 import pytest
 import torch
 
+from tests.models.test_families import hf_reference
 from tokenmill.engine.messages import EngineCoreEventType, EngineCoreOutput, EngineCoreRequest
 from tokenmill.sampling_params import SamplingParams
 
 MAX_TOKENS = 24
 BASE = [(i * 37 + 11) % 500 + 3 for i in range(40)]
 PROMPTS = [BASE[:33], BASE[:20] + [5, 6, 7], [3, 4], BASE[:9], [7] * 13, BASE]
-COMMON = dict(vocab_size=512, hidden_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+COMMON = dict(vocab_size=512, hidden_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=2, initializer_range=0.1,
               tie_word_embeddings=False)
 
 
@@ -68,6 +69,16 @@ SPECS = [
                     key_multiplier=0.7, attention_in_multiplier=1.2, attention_out_multiplier=0.9,
                     ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.3], ssm_in_multiplier=0.7, ssm_out_multiplier=1.4),
                num_blocks=24),
+    # gated DeltaNet, gated attention, DeltaNet, gated attention; 2 key heads for 4 value heads; MoE with a
+    # shared expert on layers 0-2, a dense MLP on layer 3; partial rotary 0.25
+    HybridSpec("qwen3_next", "Qwen3NextConfig", "Qwen3NextForCausalLM",
+               dict(num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                    linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+                    moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[3],
+                    max_position_embeddings=256),
+               num_blocks=24),
 ]
 
 
@@ -90,24 +101,6 @@ def build(spec: HybridSpec, path: str) -> str:
     return path
 
 
-def hf_reference(model_dir: str) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """transformers' greedy continuation of the prompts (one left-padded ``generate`` batch: its padding masks
-    zero the padded tokens' conv inputs and state updates, and gave the same tokens as one unpadded ``generate``
-    per prompt for every model here; EOS is an ordinary token) and the log-softmax rows over each prompt
-    (``[len(prompt), V]`` float32, unpadded)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    width = max(map(len, PROMPTS))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
-        rows = [torch.log_softmax(model(torch.tensor([p])).logits[0].float(), dim=-1) for p in PROMPTS]
-    return out[:, width:].tolist(), rows
-
-
 @pytest.fixture(scope="module", params=SPECS, ids=[s.name for s in SPECS])
 def hybrid(request, tmp_path_factory):
     from tokenmill.entrypoints.llm import LLM
@@ -116,7 +109,9 @@ def hybrid(request, tmp_path_factory):
     model_dir = build(spec, str(tmp_path_factory.mktemp(spec.name)))
     llm = LLM(model_dir, dtype="float32", block_size=4, max_num_batched_tokens=16, max_num_seqs=4,
               num_gpu_blocks_override=spec.num_blocks)
-    yield spec, llm, hf_reference(model_dir)
+    # one left-padded generate batch: the padding masks zero the padded tokens' conv inputs and state updates,
+    # which gave the same tokens as one unpadded generate per prompt for every model here
+    yield spec, llm, hf_reference(model_dir, PROMPTS, MAX_TOKENS)
     llm.llm_engine.shutdown()
 
 

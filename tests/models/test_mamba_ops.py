@@ -123,3 +123,43 @@ def test_rms_norm_gated_per_group(norm_before_gate):
     torch.testing.assert_close(norm(x, z), want)
     with pytest.raises(ValueError, match="group_size"):
         RMSNormGated(12, group_size=5)
+
+
+def ref_delta_rule(q, k, v, g, beta, s0):
+    """``S <- exp(g) S``; ``S <- S + k (beta (v - S^T k))^T``; ``o = S^T q / sqrt(Dk)``, q and k L2-normalised."""
+    s = s0.clone()
+    outs = []
+    for t in range(q.shape[0]):
+        qt = q[t] / q[t].norm(dim=-1, keepdim=True) / q.shape[-1] ** 0.5
+        kt = k[t] / k[t].norm(dim=-1, keepdim=True)
+        s = s * torch.exp(g[t])[:, None, None]
+        err = v[t] - torch.einsum("hkv,hk->hv", s, kt)
+        s = s + kt[:, :, None] * (beta[t][:, None] * err)[:, None, :]
+        outs.append(torch.einsum("hkv,hk->hv", s, qt))
+    return torch.stack(outs), s
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-6), (torch.float32, 1e-4)])
+def test_gated_delta_rule_prefill_split_and_decode(dtype, tol):
+    from tokenmill.layers.mamba.state_ops import GatedDeltaRule
+
+    g_ = torch.Generator().manual_seed(2)
+    length, heads, dk, dv = 11, 3, 4, 5
+    q, k = torch.randn(length, heads, dk, generator=g_, dtype=torch.float64), torch.randn(
+        length, heads, dk, generator=g_, dtype=torch.float64)
+    v = torch.randn(length, heads, dv, generator=g_, dtype=torch.float64)
+    g = -torch.rand(length, heads, generator=g_, dtype=torch.float64)
+    beta = torch.rand(length, heads, generator=g_, dtype=torch.float64)
+    s0 = torch.randn(heads, dk, dv, generator=g_, dtype=torch.float64) * 0.3
+    want_o, want_s = ref_delta_rule(q, k, v, g, beta, s0)
+    op = GatedDeltaRule()
+    cut = 7  # a prompt in two prefill chunks, then the last tokens one at a time (decode of a batch of one)
+    o1, s = op(*(x[:cut].to(dtype) for x in (q, k, v, g, beta)), s0.to(dtype))
+    o2, s = op(*(x[cut:9].to(dtype) for x in (q, k, v, g, beta)), s)
+    outs = [o1, o2]
+    for t in range(9, length):
+        o, s = op.update(s[None], *(x[t : t + 1].to(dtype) for x in (q, k, v, g, beta)))
+        s = s[0]
+        outs.append(o)
+    torch.testing.assert_close(torch.cat(outs).double(), want_o, atol=tol, rtol=tol)
+    torch.testing.assert_close(s.double(), want_s, atol=tol, rtol=tol)

@@ -3,8 +3,13 @@ growing KV cache."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
+
+from tokenmill.forward_context import get_forward_context
+from tokenmill.layers.mamba.state_metadata import StateMetadata
 
 
 class MambaBase(nn.Module):
@@ -23,6 +28,32 @@ class MambaBase(nn.Module):
     def get_state_shapes(self) -> tuple[tuple[int, ...], ...]:
         """Per-request shapes of the layer's state tensors (e.g. ``((D, K - 1), (H, P, N))``: conv, SSM)."""
         raise NotImplementedError
+
+    def run_requests(
+        self,
+        num_tokens: int,
+        prefill: Callable[[int, int, int | None, bool], None],
+        decode: Callable[[StateMetadata], None],
+    ) -> None:
+        """Dispatch the step's requests: ``decode(md)`` once for the requests that run one token from an
+        existing state (``md.decode_token_index`` / ``md.decode_slots``), then ``prefill(start, end, slot,
+        has_initial_state)`` for each other request's rows ``[start, end)``. Without state metadata or cache (a
+        dummy run) the whole batch is one fresh sequence with no slot (``prefill(0, num_tokens, None, False)``).
+        """
+        try:
+            md: StateMetadata | None = get_forward_context().state_metadata
+        except RuntimeError:
+            md = None
+        if md is None or not self.state_cache:
+            prefill(0, num_tokens, None, False)
+            return
+        if md.decode_rows:
+            decode(md)
+        decode_rows = set(md.decode_rows)
+        for r, slot in enumerate(md.state_slots):
+            start, end = md.query_start_loc[r], md.query_start_loc[r + 1]
+            if r not in decode_rows and end > start:
+                prefill(start, end, slot, md.has_initial_state[r])
 
 
 def state_bytes_per_slot(layers: list[MambaBase], dtype: torch.dtype) -> int:

@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed import get_tp_size
-from tokenmill.forward_context import get_forward_context
 from tokenmill.layers.linear import ReplicatedLinear
 from tokenmill.layers.mamba.abstract import MambaBase
 from tokenmill.layers.mamba.state_metadata import StateMetadata
@@ -127,10 +126,6 @@ class MambaMixer2(MambaBase):
         """``[T, hidden]`` -> ``[T, hidden]`` for the step's flattened batch (state slots from the forward
         context; without state metadata, a dummy run, the whole batch is one fresh sequence and no state is
         kept)."""
-        try:
-            md: StateMetadata | None = get_forward_context().state_metadata
-        except RuntimeError:
-            md = None
         if self.in_multiplier != 1.0:
             hidden_states = hidden_states * self.in_multiplier
         proj = self.in_proj(hidden_states)
@@ -141,25 +136,20 @@ class MambaMixer2(MambaBase):
         weight = self.conv1d.weight.squeeze(1)
         y = torch.empty(hidden_states.shape[0], self.intermediate_size, dtype=hidden_states.dtype,
                         device=hidden_states.device)
-        if md is None or not self.state_cache:
-            y[:] = self._prefill(xbc, dt, A, weight, None, None)[0]
-        else:
-            conv_cache, ssm_cache = self.state_cache
-            decode = set(md.decode_rows)
-            if md.decode_rows:
-                self._decode(xbc, dt, A, weight, md, conv_cache, ssm_cache, y)
-            for r, slot in enumerate(md.state_slots):
-                if r in decode:
-                    continue
-                start, end = md.query_start_loc[r], md.query_start_loc[r + 1]
-                if end == start:
-                    continue
-                init = md.has_initial_state[r]
-                y[start:end], conv_state, ssm_state = self._prefill(
-                    xbc[start:end], dt[start:end], A, weight,
-                    conv_cache[slot] if init else None, ssm_cache[slot] if init else None)
+
+        def prefill(start: int, end: int, slot: int | None, init: bool) -> None:
+            conv_cache, ssm_cache = self.state_cache if slot is not None else (None, None)
+            y[start:end], conv_state, ssm_state = self._prefill(
+                xbc[start:end], dt[start:end], A, weight,
+                conv_cache[slot] if init else None, ssm_cache[slot] if init else None)
+            if slot is not None:
                 conv_cache[slot] = conv_state
                 ssm_cache[slot] = ssm_state
+
+        def decode(md: StateMetadata) -> None:
+            self._decode(xbc, dt, A, weight, md, *self.state_cache, y)
+
+        self.run_requests(hidden_states.shape[0], prefill, decode)
         if self.norm is None:
             return self.out_proj(y * F.silu(gate))
         return self.out_proj(self.norm(y, gate))

@@ -234,3 +234,84 @@ def rms_norm_gated(
     if g is not None and norm_before_gate:
         h = h * g
     return weight * h.to(dtype)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dimension (FLA's and transformers' convention)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _delta_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, use_qk_l2norm: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ct = compute_dtype(v.dtype)
+    q, k, v = q.to(ct), k.to(ct), v.to(ct)
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    return q * q.shape[-1] ** -0.5, k, v
+
+
+def _delta_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    state = state * torch.exp(g)[..., None, None]
+    delta = (v - torch.einsum("...kv,...k->...v", state, k)) * beta[..., None]
+    state = state + k[..., :, None] * delta[..., None, :]
+    return torch.einsum("...kv,...k->...v", state, q), state
+
+
+def gated_delta_rule_update(
+    state: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    use_qk_l2norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of the gated delta rule (Yang et al. 2024, "Gated Delta Networks") for a batch (decode).
+
+    ``S' = exp(g) S + k (beta (v - (exp(g) S)^T k))^T``, ``o = S'^T q / sqrt(Dk)`` per head, with ``q`` and
+    ``k`` L2-normalised first when ``use_qk_l2norm``.
+
+    Args:
+        state: ``[B, H, Dk, Dv]``.
+        q, k: ``[B, H, Dk]`` (already repeated to the value heads).
+        v: ``[B, H, Dv]``.
+        g: ``[B, H]`` log decay (``<= 0``).
+        beta: ``[B, H]`` write strength in ``(0, 1)``.
+
+    Returns:
+        ``([B, H, Dv]`` outputs in ``v``'s dtype, ``[B, H, Dk, Dv]`` new states in the compute dtype).
+    """
+    qf, kf, vf = _delta_inputs(q, k, v, use_qk_l2norm)
+    ct = vf.dtype
+    o, new = _delta_step(state.to(ct), qf, kf, vf, g.to(ct), beta.to(ct))
+    return o.to(v.dtype), new
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    use_qk_l2norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over one sequence (prefill), token by token from ``initial_state``.
+
+    Args:
+        q, k: ``[L, H, Dk]``; v: ``[L, H, Dv]``; g, beta: ``[L, H]`` (as :func:`gated_delta_rule_update`).
+        initial_state: ``[H, Dk, Dv]`` or ``None`` (zeros).
+
+    Returns:
+        ``([L, H, Dv]`` outputs in ``v``'s dtype, ``[H, Dk, Dv]`` the final state in the compute dtype).
+    """
+    qf, kf, vf = _delta_inputs(q, k, v, use_qk_l2norm)
+    ct = vf.dtype
+    g, beta = g.to(ct), beta.to(ct)
+    state = (initial_state.to(ct) if initial_state is not None
+             else vf.new_zeros(v.shape[1], q.shape[-1], v.shape[-1]))
+    out = torch.empty_like(vf)
+    for t in range(q.shape[0]):
+        out[t], state = _delta_step(state, qf[t], kf[t], vf[t], g[t], beta[t])
+    return out.to(v.dtype), state

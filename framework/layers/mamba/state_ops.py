@@ -1,16 +1,14 @@
 """The state-space ops as custom ops (:mod:`tokenmill.layers.custom_op`), so a platform or plugin supplies fast
 kernels without editing model code.
 
-==================  ==============================  ====================================================
-op name             class                           methods (portable versions in :mod:`.ops`)
-==================  ==============================  ====================================================
-``causal_conv1d``   :class:`CausalConv1d`           ``forward`` (prefill of one sequence), ``update`` (decode)
-``mamba_ssd``       :class:`MambaSSD`               ``forward`` (chunked scan), ``update`` (one-step recurrence)
-``rms_norm_gated``  :class:`RMSNormGated`           ``forward`` (gated, grouped RMSNorm; holds ``weight``)
-==================  ==============================  ====================================================
+- ``causal_conv1d``: :class:`CausalConv1d`, ``forward`` (prefill of one sequence) and ``update`` (decode);
+- ``mamba_ssd``: :class:`MambaSSD`, ``forward`` (chunked scan) and ``update`` (one-step recurrence);
+- ``rms_norm_gated``: :class:`RMSNormGated`, ``forward`` (gated, grouped RMSNorm; holds ``weight``);
+- ``gated_delta_rule``: :class:`GatedDeltaRule`, ``forward`` (prefill) and ``update`` (decode).
 
-A replacement subclasses the class, overrides the methods its kernels cover and may call the ``*_native``
-methods for the rest; ``tests/layers/test_mamba_ops.py`` holds the float64 references they must agree with.
+The portable versions are in :mod:`.ops`. A replacement subclasses the class, overrides the methods its kernels
+cover and may call the ``*_native`` methods for the rest; ``tests/models/test_mamba_ops.py`` holds the float64
+references they must agree with.
 """
 
 from __future__ import annotations
@@ -92,3 +90,25 @@ class RMSNormGated(CustomOp):
     def forward_native(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         """``x``, ``gate``: ``[T, D]`` -> ``[T, D]`` in ``x``'s dtype."""
         return ops.rms_norm_gated(x, gate, self.weight, self.eps, self.group_size, self.norm_before_gate)
+
+
+class GatedDeltaRule(CustomOp):
+    """The gated delta rule of gated DeltaNet layers (Qwen3-Next). The portable prefill runs the recurrence
+    token by token; a platform's kernel may use the chunked (WY) form instead."""
+
+    op_name = "gated_delta_rule"
+
+    def forward_native(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                       beta: torch.Tensor, initial_state: torch.Tensor | None = None, use_qk_l2norm: bool = True
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill of one sequence; see :func:`tokenmill.layers.mamba.ops.gated_delta_rule`."""
+        return ops.gated_delta_rule(q, k, v, g, beta, initial_state, use_qk_l2norm)
+
+    def update_native(self, state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      g: torch.Tensor, beta: torch.Tensor, use_qk_l2norm: bool = True
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode of a batch; see :func:`tokenmill.layers.mamba.ops.gated_delta_rule_update`."""
+        return ops.gated_delta_rule_update(state, q, k, v, g, beta, use_qk_l2norm)
+
+    def update(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.update_native(*args, **kwargs)
