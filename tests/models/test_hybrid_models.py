@@ -4,7 +4,7 @@ Per architecture one engine (module scope) runs six prompts of 2 to 40 tokens, g
 chunked prefill (16-token budget, 4-token blocks, so long prompts span several steps and carry their state
 across chunks), requests joining the running batch while others decode, fewer state slots than requests (slots
 are reused), and preemption (a tiny KV cache for models with attention layers; a forced preemption for the
-attention-free one) after which the request is recomputed into a fresh slot. Tokens must equal transformers'
+attention-free one) after which the request is recomputed into a fresh slot, and a running request aborted. Tokens must equal transformers'
 ``generate(do_sample=False)``, prompt logprobs must be within 1e-4 (float32), and
 every KV block and state slot must be free at the end.
 """
@@ -111,20 +111,26 @@ def hybrid(request, tmp_path_factory):
               num_gpu_blocks_override=spec.num_blocks)
     # one left-padded generate batch: the padding masks zero the padded tokens' conv inputs and state updates,
     # which gave the same tokens as one unpadded generate per prompt for every model here
-    yield spec, llm, hf_reference(model_dir, PROMPTS, MAX_TOKENS)
+    yield spec, llm, hf_reference(model_dir, PROMPTS, MAX_TOKENS), model_dir
     llm.llm_engine.shutdown()
 
 
 def run(core, requests: list[EngineCoreRequest], join_after: int, preempt_at: int | None
         ) -> dict[str, list[EngineCoreOutput]]:
-    """Add the first half of ``requests``, step ``join_after`` times, add the rest; step until all finish.
-    ``preempt_at``: at that step, preempt the newest running request (as the scheduler does when short of
-    blocks)."""
+    """Add the first half of ``requests`` and one more that is aborted once it runs, step ``join_after``
+    times, add the rest; step until all finish. ``preempt_at``: at that step, preempt the newest running request
+    (as the scheduler does when short of blocks)."""
     half = len(requests) // 2
     for r in requests[:half]:
         core.add_request(r)
+    core.add_request(EngineCoreRequest("aborted", BASE[:30], SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+                                       eos_token_id=None))
     outs: dict[str, list[EngineCoreOutput]] = {r.request_id: [] for r in requests}
     for step in range(10_000):
+        victim = core.scheduler.requests.get("aborted")
+        if victim is not None and victim.num_computed_tokens > 0:  # running, holding a slot: abort it
+            assert core.scheduler.kv_cache_manager.get_state_slot("aborted") is not None
+            core.abort_requests(["aborted"])
         if step == join_after:
             for r in requests[half:]:
                 core.add_request(r)
@@ -133,12 +139,13 @@ def run(core, requests: list[EngineCoreRequest], join_after: int, preempt_at: in
         if step > join_after and not core.has_unfinished_requests():
             break
         for o in core.step().outputs:
-            outs[o.request_id].append(o)
+            if o.request_id != "aborted":
+                outs[o.request_id].append(o)
     return outs
 
 
 def test_greedy_tokens_and_prompt_logprobs_match_transformers(hybrid):
-    spec, llm, (greedy, rows) = hybrid
+    spec, llm, (greedy, rows), _ = hybrid
     core = llm.llm_engine.engine_core.engine_core
     runner = core.executor.worker.model_runner
     assert type(runner.model).__name__ == spec.model_cls
@@ -149,6 +156,7 @@ def test_greedy_tokens_and_prompt_logprobs_match_transformers(hybrid):
                 for i, p in enumerate(PROMPTS)]
     attention_free = core.config.cache_config.attention_free
     outs = run(core, requests, join_after=3, preempt_at=6 if attention_free else None)
+    assert "aborted" not in core.scheduler.requests
     preempted = sum(e.type == EngineCoreEventType.PREEMPTED for o in outs.values() for out in o for e in (out.events or []))
     assert preempted > 0, "the test must exercise preemption"
     for i, prompt in enumerate(PROMPTS):
@@ -163,3 +171,31 @@ def test_greedy_tokens_and_prompt_logprobs_match_transformers(hybrid):
     assert kv.block_pool.get_num_free_blocks() == kv.block_pool.num_blocks, "KV blocks leaked"
     assert kv.mamba_manager.get_num_free_slots() == kv.mamba_manager.num_slots, "state slots leaked"
 
+
+
+def test_state_slots_come_out_of_the_kv_cache_memory(hybrid):
+    """With ``kv_cache_memory`` the state slots (``max_num_seqs`` of them) are paid first and the KV blocks get
+    the rest; a budget that cannot hold the slots is refused, naming them."""
+    from tokenmill.engine.core import EngineCore
+    from tokenmill.engine_args import EngineArgs
+
+    spec, llm, _, model_dir = hybrid
+    runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
+    per_slot, per_block = runner.state_bytes_per_slot(), runner.kv_cache_bytes_per_block()
+    assert per_slot > 0
+    budget = 4 * per_slot + 50 * per_block + 7 if per_block else 4 * per_slot + 7
+    config = EngineArgs(model=model_dir, dtype="float32", block_size=4, max_num_seqs=4,
+                        kv_cache_memory=str(budget)).create_engine_config()
+    assert config.cache_config.num_state_slots == 4 and not config.cache_config.enable_prefix_caching
+    core = EngineCore(config)
+    try:
+        if per_block:
+            assert config.cache_config.num_gpu_blocks == 50
+        else:  # attention-free: the blocks only count tokens, enough for the whole context
+            assert config.cache_config.num_gpu_blocks * 4 >= config.model_config.max_model_len
+    finally:
+        core.shutdown()
+    small = EngineArgs(model=model_dir, dtype="float32", block_size=4, max_num_seqs=4,
+                       kv_cache_memory=str(3 * per_slot)).create_engine_config()
+    with pytest.raises(ValueError, match="state slots"):
+        EngineCore(small)
