@@ -6,6 +6,7 @@ expert scaled by ``sigmoid(shared_expert_gate(x))`` (dense MLPs on ``mlp_only_la
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -109,5 +110,5 @@ class Qwen3NextForCausalLM(DecoderForCausalLM):
     def model_kwargs(self, hf_config: Any) -> dict[str, Any]:
         return dict(norm_offset=1.0, norm_in_float32=True)
 
-    def load_weights(self, weights):  # noqa: ANN001, ANN201 - the contract's signature
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return super().load_weights((n, t) for n, t in weights if not n.startswith("mtp."))
