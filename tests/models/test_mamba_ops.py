@@ -163,3 +163,18 @@ def test_gated_delta_rule_prefill_split_and_decode(dtype, tol):
         outs.append(o)
     torch.testing.assert_close(torch.cat(outs).double(), want_o, atol=tol, rtol=tol)
     torch.testing.assert_close(s.double(), want_s, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 64])
+def test_gated_delta_rule_chunks_match_the_recurrence(chunk):
+    g_ = torch.Generator().manual_seed(3)
+    length, heads, dk, dv = 21, 2, 4, 3
+    q, k = (torch.randn(length, heads, dk, generator=g_, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(length, heads, dv, generator=g_, dtype=torch.float64)
+    g = -torch.rand(length, heads, generator=g_, dtype=torch.float64) * 2
+    beta = torch.rand(length, heads, generator=g_, dtype=torch.float64)
+    s0 = torch.randn(heads, dk, dv, generator=g_, dtype=torch.float64)
+    want_o, want_s = ref_delta_rule(q, k, v, g, beta, s0)
+    o, s = ops.gated_delta_rule(q, k, v, g, beta, s0, chunk_size=chunk)
+    torch.testing.assert_close(o, want_o, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(s, want_s, atol=1e-6, rtol=1e-6)

@@ -176,26 +176,27 @@ def mamba_chunk_scan(
     ct = compute_dtype(x.dtype)
     length, heads, head_dim = x.shape
     dt = _discretize_dt(dt, dt_bias, dt_softplus, dt_limit, ct)
-    log_decay = dt * A.to(ct)  # [L, H]
     xf = x.to(ct)
-    xdt = xf * dt[..., None]
-    Bh, Ch = _per_head(B.to(ct), heads, 1), _per_head(C.to(ct), heads, 1)
+    # heads first, so every product below is a batched matmul over heads
+    log_decay = (dt * A.to(ct)).t().contiguous()  # [H, L]
+    xdt = (xf * dt[..., None]).transpose(0, 1).contiguous()  # [H, L, P]
+    Bh = _per_head(B.to(ct), heads, 1).transpose(0, 1).contiguous()  # [H, L, N]
+    Ch = _per_head(C.to(ct), heads, 1).transpose(0, 1).contiguous()
     state = (initial_state.to(ct) if initial_state is not None
-             else xf.new_zeros(heads, head_dim, B.shape[-1]))
-    y = torch.empty_like(xf)
+             else xf.new_zeros(heads, head_dim, B.shape[-1]))  # [H, P, N]
+    y = torch.empty(heads, length, head_dim, dtype=ct, device=x.device)
     for start in range(0, length, chunk_size):
         end = min(start + chunk_size, length)
-        cum = torch.cumsum(log_decay[start:end], dim=0)  # [q, H]
+        cum = torch.cumsum(log_decay[:, start:end], dim=-1)  # [H, q]
         q = end - start
         causal = torch.ones(q, q, dtype=torch.bool, device=x.device).tril()
-        seg = (cum[:, None, :] - cum[None, :, :]).masked_fill(~causal[..., None], float("-inf"))
-        scores = torch.einsum("ihn,jhn->ijh", Ch[start:end], Bh[start:end]) * torch.exp(seg)
-        y_chunk = torch.einsum("ijh,jhp->ihp", scores, xdt[start:end])
-        y_chunk = y_chunk + torch.einsum("ihn,hpn->ihp", Ch[start:end], state) * torch.exp(cum)[..., None]
-        y[start:end] = y_chunk
-        to_end = torch.exp(cum[-1][None, :] - cum)  # [q, H]: decay from token j to the chunk's end
-        state = state * torch.exp(cum[-1])[:, None, None] + torch.einsum(
-            "jh,jhp,jhn->hpn", to_end, xdt[start:end], Bh[start:end])
+        decay = torch.exp((cum[:, :, None] - cum[:, None, :]).masked_fill(~causal, float("-inf")))  # [H, i, j]
+        c, b, u = Ch[:, start:end], Bh[:, start:end], xdt[:, start:end]
+        y[:, start:end] = ((c @ b.transpose(-1, -2)) * decay) @ u + (c @ state.transpose(-1, -2)) * torch.exp(
+            cum)[..., None]
+        to_end = torch.exp(cum[:, -1:] - cum)[..., None]  # [H, q, 1]: decay from token j to the chunk's end
+        state = state * torch.exp(cum[:, -1])[:, None, None] + (u * to_end).transpose(-1, -2) @ b
+    y = y.transpose(0, 1)
     if D is not None:
         y = y + xf * D.to(ct)[:, None]
     return y.to(x.dtype), state
@@ -296,22 +297,50 @@ def gated_delta_rule(
     beta: torch.Tensor,
     initial_state: torch.Tensor | None = None,
     use_qk_l2norm: bool = True,
+    chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated delta rule over one sequence (prefill), token by token from ``initial_state``.
+    """The gated delta rule over one sequence (prefill), chunk by chunk from ``initial_state``.
+
+    Per head, with ``G_t`` the cumulative log decay inside a chunk (``Gamma_t = exp(G_t)``) and ``S_0`` the
+    state entering it, the state after token ``t`` is ``Gamma_t S_0 + sum_{j<=t} (Gamma_t / Gamma_j) k_j d_j^T``
+    where the corrections ``d`` solve the unit lower-triangular system
+    ``d_t + beta_t sum_{j<t} (Gamma_t / Gamma_j) (k_t . k_j) d_j = beta_t (v_t - Gamma_t S_0^T k_t)``; outputs
+    are ``o_t = Gamma_t S_0^T q_t + sum_{j<=t} (Gamma_t / Gamma_j) (q_t . k_j) d_j``. Same result as
+    :func:`gated_delta_rule_update` token by token, with one triangular solve per chunk instead of a loop.
 
     Args:
         q, k: ``[L, H, Dk]``; v: ``[L, H, Dv]``; g, beta: ``[L, H]`` (as :func:`gated_delta_rule_update`).
         initial_state: ``[H, Dk, Dv]`` or ``None`` (zeros).
+        chunk_size: tokens per chunk (at least 1).
 
     Returns:
         ``([L, H, Dv]`` outputs in ``v``'s dtype, ``[H, Dk, Dv]`` the final state in the compute dtype).
+
+    Raises:
+        ValueError: ``chunk_size < 1``.
     """
-    qf, kf, vf = _delta_inputs(q, k, v, use_qk_l2norm)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size: must be at least 1, got {chunk_size}")
+    qf, kf, vf = (x.transpose(0, 1) for x in _delta_inputs(q, k, v, use_qk_l2norm))  # [H, L, D]
     ct = vf.dtype
-    g, beta = g.to(ct), beta.to(ct)
+    g, beta = g.to(ct).t(), beta.to(ct).t()  # [H, L]
     state = (initial_state.to(ct) if initial_state is not None
              else vf.new_zeros(v.shape[1], q.shape[-1], v.shape[-1]))
     out = torch.empty_like(vf)
-    for t in range(q.shape[0]):
-        out[t], state = _delta_step(state, qf[t], kf[t], vf[t], g[t], beta[t])
-    return out.to(v.dtype), state
+    for start in range(0, q.shape[0], chunk_size):
+        end = min(start + chunk_size, q.shape[0])
+        qc, kc, vc, bc = qf[:, start:end], kf[:, start:end], vf[:, start:end], beta[:, start:end]
+        cum = torch.cumsum(g[:, start:end], dim=-1)  # [H, c]
+        n = end - start
+        lower = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        diff = cum[:, :, None] - cum[:, None, :]  # [H, t, j]
+        within = torch.exp(diff.masked_fill(~lower, float("-inf")))  # Gamma_t / Gamma_j for j <= t
+        strict = within.masked_fill(torch.eye(n, dtype=torch.bool, device=q.device), 0.0)  # j < t only
+        system = bc[..., None] * strict * (kc @ kc.transpose(-1, -2))
+        decay = torch.exp(cum)[..., None]  # [H, c, 1]
+        rhs = bc[..., None] * (vc - decay * (kc @ state))
+        d = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+        out[:, start:end] = decay * (qc @ state) + (within * (qc @ kc.transpose(-1, -2))) @ d
+        to_end = torch.exp(cum[:, -1:] - cum)[..., None]  # [H, c, 1]
+        state = torch.exp(cum[:, -1])[:, None, None] * state + (kc * to_end).transpose(-1, -2) @ d
+    return out.transpose(0, 1).to(v.dtype), state

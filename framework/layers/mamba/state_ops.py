@@ -93,8 +93,8 @@ class RMSNormGated(CustomOp):
 
 
 class GatedDeltaRule(CustomOp):
-    """The gated delta rule of gated DeltaNet layers (Qwen3-Next). The portable prefill runs the recurrence
-    token by token; a platform's kernel may use the chunked (WY) form instead."""
+    """The gated delta rule of gated DeltaNet layers (Qwen3-Next): chunked prefill (one triangular solve per
+    chunk), one-step decode."""
 
     op_name = "gated_delta_rule"
 
