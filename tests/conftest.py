@@ -94,10 +94,19 @@ def hf_default_tokenizer(default_model_path: str):
 def hf_default_model(default_model_path: str):
     """transformers' float32 copy of the embedded default model, dequantized from its GGUF once per test session
     (tens of seconds). Shared: a test that changes it works on ``copy.deepcopy`` of it."""
+    import functools
+
+    import gguf
     from transformers import AutoModelForCausalLM
 
     folder, name = os.path.split(default_model_path)
-    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    from tokenmill.model_loader.gguf_cache import reuse_gguf_readers
+
+    # transformers reads the file's metadata twice (config, weights) and builds gguf's (pure) tensor-name map
+    # once per tensor: seconds of the load, done once here.
+    with pytest.MonkeyPatch.context() as patch, reuse_gguf_readers():
+        patch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
+        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
 
 
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int, **load_kwargs) -> list[list[int]]:

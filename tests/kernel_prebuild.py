@@ -53,9 +53,11 @@ def start(items: list[pytest.Item]) -> None:
                        for c in capabilities_to_build())
     if not script:
         return
+    from tests.lower_isa import BUILD_FLAGS
+
     _process = subprocess.Popen(["nice", "-n", "19", "sh", "-c", script], cwd=ROOT,
-                                env=dict(os.environ, MAX_JOBS="1"), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
+                                env=dict(os.environ, MAX_JOBS="1", TOKENMILL_CPU_CFLAGS=BUILD_FLAGS),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
 def stop() -> None:

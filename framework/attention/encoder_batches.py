@@ -11,11 +11,33 @@ into a padded batch with a key-padding mask. Padding query rows are computed and
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+if TYPE_CHECKING:
+    from tokenmill.attention.backend import AttentionMetadata
+
 MAX_PADDING = 1.25  # a bucket's padded tokens / real tokens
+
+
+def sequence_ranges(attn_metadata: AttentionMetadata | None, num_tokens: int) -> list[tuple[int, int]]:
+    """``(start, end)`` rows of each sequence of an encoder step (``None`` metadata, the profiling pass: the whole
+    batch is one sequence).
+
+    Raises:
+        ValueError: a sequence continues a previous step (a chunked prompt: bidirectional attention needs the
+            whole sequence at once).
+    """
+    if attn_metadata is None:
+        return [(0, num_tokens)]
+    qsl, seq_lens = attn_metadata.query_start_loc_cpu, attn_metadata.seq_lens_cpu
+    ranges = [(int(qsl[i]), int(qsl[i + 1])) for i in range(len(seq_lens))]
+    if any(end - start != seq_lens[i] for i, (start, end) in enumerate(ranges)):
+        raise ValueError("encoder-only attention needs each sequence whole in one step (chunked prefill must be "
+                         "off for encoder models)")
+    return ranges
 
 
 def length_buckets(lengths: Sequence[int], max_padding: float = MAX_PADDING) -> list[list[int]]:

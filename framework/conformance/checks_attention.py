@@ -73,7 +73,7 @@ def check_backend(t: ConformanceTarget) -> None:
     t.note(f"layout {backend.get_kv_cache_shape(**_PROBE)} for (blocks 7, block_size 3, heads 5, head_size 11): "
            + ("readable by the kit" if layout else "not a permutation of [2, blocks, offsets, heads, dims]"))
     flags = [f for f in ("supports_graph_capture", "supports_compile", "supports_sliding_window",
-                         "supports_logits_soft_cap") if getattr(backend, f, False)]
+                         "supports_logits_soft_cap", "supports_encoder_only") if getattr(backend, f, False)]
     t.note("claims: " + (", ".join(flags) or "nothing optional"))
 
 

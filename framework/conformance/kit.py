@@ -101,7 +101,7 @@ class ConformanceReport:
 
 
 def _items() -> list[tuple[str, str, CheckFn]]:
-    from tokenmill.conformance import checks_attention, checks_engine, checks_ops, checks_platform
+    from tokenmill.conformance import checks_attention, checks_encoder, checks_engine, checks_ops, checks_platform
 
     return [
         ("detect", "detect() is cheap, initialises no device and answers (bool, reason)", checks_platform.check_detect),
@@ -114,6 +114,8 @@ def _items() -> list[tuple[str, str, CheckFn]]:
         ("kv_cache", "keys/values land exactly in the slots of the slot mapping", checks_attention.check_kv_cache),
         ("attention.reference", "attention equals tokenmill's float64 reference on mixed paged batches",
          checks_attention.check_reference),
+        ("attention.encoder_only", "bidirectional attention of whole sequences equals the float64 reference "
+         "(backends declaring supports_encoder_only)", checks_encoder.check_encoder_only),
         ("custom_ops", "replaced layers (RMSNorm, rotary, activations, fused MoE) equal the built-in ones",
          checks_ops.check_custom_ops),
         ("quantization", "--quantization kernels approximate the full-precision matmul", checks_ops.check_quantization),
@@ -128,7 +130,8 @@ def contract_items() -> list[tuple[str, str]]:
 
 
 CONTRACT_ITEMS = ("detect", "platform.class", "dtypes", "memory", "attention.backend", "kv_cache",
-                  "attention.reference", "custom_ops", "quantization", "graph_capture", "e2e.greedy")
+                  "attention.reference", "attention.encoder_only", "custom_ops", "quantization", "graph_capture",
+                  "e2e.greedy")
 
 
 def resolve_target(

@@ -84,6 +84,17 @@ def reference_attention(req: Request, start: int, count: int, variant: Variant) 
     return out.reshape(count, -1)
 
 
+def reference_encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant) -> torch.Tensor:
+    """float64 bidirectional attention of one whole sequence: every query sees every key. ``q`` ``[L, Hq, D]``,
+    ``k`` / ``v`` ``[L, Hkv, D]`` -> ``[L, Hq * D]``."""
+    group = variant.num_heads // variant.num_kv_heads
+    k = k.double().repeat_interleave(group, dim=1)
+    v = v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * variant.softmax_scale
+    out = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
+    return out.reshape(q.shape[0], -1)
+
+
 def make_scenario(variant: Variant, block_size: int, dtype: torch.dtype, seed: int) -> Scenario:
     """The standard scenario (three steps, four requests):
 

@@ -37,3 +37,18 @@ class OffByOneSlotBackend(TorchPagedAttentionBackend):
     @staticmethod
     def get_impl_cls():  # noqa: ANN205
         return OffByOneSlotImpl
+
+
+class LeakyEncoderImpl(TorchPagedAttentionImpl):
+    """Bidirectional attention over the whole step as one sequence: tokens see other sequences' tokens."""
+
+    def forward_encoder(self, query, key, value, attn_metadata):  # noqa: ANN001, ANN201
+        return super().forward_encoder(query, key, value, None)
+
+
+class LeakyEncoderBackend(TorchPagedAttentionBackend):
+    name = "LEAKY_ENCODER"
+
+    @staticmethod
+    def get_impl_cls():  # noqa: ANN205
+        return LeakyEncoderImpl

@@ -38,6 +38,7 @@ def test_cpu_plugin_conforms(clean_plugin_state: None) -> None:
     assert report.mode == "real"
     s = statuses(report)
     assert s["graph_capture"] == "skip" and s["e2e.greedy"] == "pass" and s["attention.reference"] == "pass"
+    assert s["attention.encoder_only"] == "pass"
     assert "CPU_PAGED" in report.attention_backend
 
 
@@ -52,6 +53,7 @@ def test_cuda_plugin_conforms_on_an_emulated_device(clean_plugin_state: None) ->
     graphs = next(r for r in report.results if r.item == "graph_capture")
     assert any("EmulatedGraphCapture" in n for n in graphs.notes)
     assert s["kv_cache"] == "pass" and any("negative slots" in n for r in report.results for n in r.notes)
+    assert s["attention.encoder_only"] == "pass"  # the Triton kernel without the causal mask
 
 
 @pytest.mark.slow
@@ -76,10 +78,11 @@ def test_example_platform_conforms(clean_plugin_state: None, monkeypatch: pytest
 @pytest.mark.parametrize("backend,item,words", [
     ("WrongScaleBackend", "attention.reference", "scale 0.3"),
     ("OffByOneSlotBackend", "kv_cache", "wrong slots"),
+    ("LeakyEncoderBackend", "attention.encoder_only", "the 1-token sequence at rows 0..0"),
 ])
 def test_broken_backends_fail_naming_the_item(clean_plugin_state: None, backend: str, item: str, words: str) -> None:
     report = run_conformance("cpu", attention_backend=f"{BROKEN}:{backend}",
-                             items=["kv_cache", "attention.reference"])
+                             items=["kv_cache", "attention.reference", "attention.encoder_only"])
     assert not report.ok
     failed = {r.item: r.message for r in report.results if r.status == "fail"}
     assert item in failed and words in failed[item], report.format()

@@ -169,7 +169,9 @@ def test_lower_isa_builds_give_the_same_results(capability, isa):
     from tests import kernel_prebuild
 
     kernel_prebuild.stop()  # finish a background build of this capability in the foreground (tests/kernel_prebuild.py)
-    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
+    from tests.lower_isa import lower_isa_env
+
+    env = lower_isa_env(capability)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     result = subprocess.run([sys.executable, "-c", BUILD_CHECK, isa], env=env, cwd=root, capture_output=True,
                             text=True, timeout=600)

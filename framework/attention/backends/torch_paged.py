@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadata
-from tokenmill.attention.encoder_batches import bidirectional_attention
+from tokenmill.attention.encoder_batches import bidirectional_attention, sequence_ranges
 
 
 class TorchPagedAttentionBackend(AttentionBackend):
@@ -118,14 +118,7 @@ class TorchPagedAttentionImpl(AttentionImpl):
         q = query.view(num_tokens, self.num_heads, self.head_size)
         k = key.view(num_tokens, self.num_kv_heads, self.head_size)
         v = value.view(num_tokens, self.num_kv_heads, self.head_size)
-        if attn_metadata is None:
-            ranges = [(0, num_tokens)]
-        else:
-            qsl, seq_lens = attn_metadata.query_start_loc_cpu, attn_metadata.seq_lens_cpu
-            ranges = [(int(qsl[i]), int(qsl[i + 1])) for i in range(len(seq_lens))]
-            if any(end - start != seq_lens[i] for i, (start, end) in enumerate(ranges)):
-                raise ValueError("encoder-only attention needs each sequence whole in one step (chunked prefill "
-                                 "must be off for encoder models)")
+        ranges = sequence_ranges(attn_metadata, num_tokens)
         # sequences of similar length share one SDPA call (tokenmill.attention.encoder_batches)
         return bidirectional_attention(q, k, v, ranges, self.scale).reshape(num_tokens, -1)
 
@@ -218,7 +211,7 @@ class TorchPagedAttentionImpl(AttentionImpl):
 
     def _softcap_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Attention with ``c * tanh(s / c)`` scores (SDPA has no soft cap), in float32: ``[Lq, Hq, D]``."""
-        lq, lk = q.shape[0], k.shape[0]
+        lq = q.shape[0]
         hkv, group = self.num_kv_heads, self.num_heads // self.num_kv_heads
         qg = q.float().transpose(0, 1).reshape(hkv, group, lq, self.head_size)
         kh = k.float().transpose(0, 1).unsqueeze(1)  # [Hkv, 1, Lk, D]

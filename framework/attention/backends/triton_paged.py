@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadata
+from tokenmill.attention.encoder_batches import sequence_ranges
 
 
 def triton_available() -> bool:
@@ -30,6 +31,7 @@ class TritonPagedAttentionBackend(AttentionBackend):
     supports_graph_capture = True  # device metadata only; grid fixed by the batch shape
     supports_sliding_window = True
     supports_logits_soft_cap = True
+    supports_encoder_only = True
 
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:
@@ -98,6 +100,29 @@ class TritonPagedAttentionImpl(AttentionImpl):
             sliding_window=self.sliding_window,
             soft_cap=self.logits_soft_cap,
         )
+        return out.reshape(num_tokens, -1)
+
+    def forward_encoder(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_metadata: AttentionMetadata | None
+    ) -> torch.Tensor:
+        """Bidirectional attention within each whole sequence of the step (encoder models), no KV cache: see
+        ``TorchPagedAttentionImpl.forward_encoder``. ``[T, Hq*D]`` -> ``[T, Hq*D]`` in ``query``'s dtype.
+
+        Raises:
+            ValueError: a sequence continues a previous step (chunked prefill).
+        """
+        num_tokens = query.shape[0]
+        q = query.view(num_tokens, self.num_heads, self.head_size)
+        k = key.view(num_tokens, self.num_kv_heads, self.head_size)
+        v = value.view(num_tokens, self.num_kv_heads, self.head_size)
+        ranges = sequence_ranges(attn_metadata, num_tokens)
+        if attn_metadata is None:  # profiling pass: one sequence, no device metadata
+            qsl = torch.tensor([0, num_tokens], dtype=torch.int32, device=query.device)
+            seq_lens, longest = qsl[1:], num_tokens
+        else:
+            qsl, seq_lens, longest = attn_metadata.query_start_loc, attn_metadata.seq_lens, attn_metadata.max_seq_len
+        out = torch.empty_like(q) if ranges and ranges[-1][1] == num_tokens else torch.zeros_like(q)
+        self._ops.encoder_attention(q, k, v, qsl, seq_lens, self.scale, longest, out=out)
         return out.reshape(num_tokens, -1)
 
     def _causal_sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,9 @@ found on the device by a binary search over ``query_start_loc`` (no host sync, n
 request ``r`` owns the program ids ``[qsl[r] // BLOCK_Q + r, qsl[r + 1] // BLOCK_Q + r + 1)``, which is at
 least ``ceil(q_len_r / BLOCK_Q)`` ids; the spare ones exit at once. The grid is therefore
 ``T // BLOCK_Q + B`` programs along axis 0 for ``T`` tokens and ``B`` requests.
+
+Encoder-only (bidirectional) attention runs the same kernel without the causal mask over the step's own keys and
+values, read as a cache of one-token blocks (:func:`encoder_attention`).
 """
 
 from __future__ import annotations
@@ -159,8 +162,10 @@ def _paged_attention_kernel(
     DOT_FP32: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr,
     SOFT_CAP: tl.constexpr,
+    CAUSAL: tl.constexpr,
 ):
-    """Causal attention of one (query tile, KV head); see the module docstring for the mapping."""
+    """Attention of one (query tile, KV head), causal unless ``CAUSAL`` is false (then every query sees all
+    ``seq_len`` keys of its request); see the module docstring for the mapping."""
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
 
@@ -198,9 +203,12 @@ def _paged_attention_kernel(
         q = q.to(tl.float32)
     q_pos = ctx_len + q_idx  # [BLOCK_M] absolute position of each row's query
 
-    # Keys needed by this tile: 0 .. position of its last valid query.
-    last_q = tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len) - 1
-    kv_end = ctx_len + last_q + 1
+    # Keys needed by this tile: 0 .. position of its last valid query (all of the request's, bidirectional).
+    if CAUSAL:
+        last_q = tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len) - 1
+        kv_end = ctx_len + last_q + 1
+    else:
+        kv_end = seq_len
     # With a sliding window the tile's first query sees keys from ctx_len + tile * BLOCK_Q - W + 1 on:
     # the loop starts at that key's BLOCK_N tile and loads are masked below it (never read).
     if SLIDING_WINDOW > 0:
@@ -238,7 +246,10 @@ def _paged_attention_kernel(
             s = soft_cap * (2.0 * tl.sigmoid(2.0 * x) - 1.0) * 1.4426950408889634
         else:
             s = s * scale_log2
-        visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+        if CAUSAL:
+            visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+        else:
+            visible = (q_pos[:, None] >= 0) & n_valid[None, :]  # [BLOCK_M, BLOCK_N], as in the causal case
         if SLIDING_WINDOW > 0:
             visible = visible & (offs_n[None, :] > q_pos[:, None] - SLIDING_WINDOW)
         s = tl.where(visible, s, float("-inf"))
@@ -291,16 +302,67 @@ def paged_attention(
     Returns:
         ``[T, Hq, D]`` in ``query``'s dtype (``out`` when given).
     """
-    num_tokens, num_heads, head_size = query.shape
     num_kv_heads = kv_cache.shape[3]
-    if num_heads % num_kv_heads:
-        raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
+    if query.shape[1] % num_kv_heads:
+        raise ValueError(f"query heads ({query.shape[1]}) must be a multiple of KV heads ({num_kv_heads})")
     if out is None:
         out = torch.empty_like(query)
+    _check_last_dim_contiguous(query=query, kv_cache=kv_cache, out=out)
+    return _launch(query, kv_cache[0], kv_cache[1], block_table, query_start_loc, seq_lens, scale, max_query_len,
+                   out, block_n, sliding_window, soft_cap, causal=True)
+
+
+def encoder_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Bidirectional (encoder-only) attention of a flattened batch of whole sequences, no KV cache: each query
+    sees every key of its own sequence.
+
+    The attention kernel reads ``key`` / ``value`` as a cache of one-token blocks whose block table lists each
+    sequence's rows, so the same code (online softmax, grouped heads) serves both.
+
+    Args:
+        query: ``[T, Hq, D]``; key, value: ``[T, Hkv, D]``; float16/bfloat16/float32, last dims contiguous.
+        query_start_loc: ``[B + 1]`` int32, first row of each sequence (last entry = T).
+        seq_lens: ``[B]`` int32, each sequence's length (``query_start_loc`` differences).
+        scale: softmax scale.
+        max_seq_len: longest sequence (the block table's width).
+        out: optional ``[T, Hq, D]`` output buffer.
+
+    Returns:
+        ``[T, Hq, D]`` in ``query``'s dtype (``out`` when given).
+
+    Raises:
+        ValueError: ``Hq`` is not a multiple of ``Hkv``.
+    """
+    if query.shape[1] % key.shape[1]:
+        raise ValueError(f"query heads ({query.shape[1]}) must be a multiple of KV heads ({key.shape[1]})")
+    if out is None:
+        out = torch.empty_like(query)
+    _check_last_dim_contiguous(query=query, key=key, value=value, out=out)
+    rows = torch.arange(max(max_seq_len, 1), dtype=torch.int32, device=query.device)
+    block_table = (query_start_loc[:-1, None] + rows[None, :]).to(torch.int32)
+    return _launch(query, key.unsqueeze(1), value.unsqueeze(1), block_table, query_start_loc, seq_lens, scale,
+                   max_seq_len, out, None, None, None, causal=False)
+
+
+def _launch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+            query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_query_len: int,
+            out: torch.Tensor, block_n: int | None, sliding_window: int | None, soft_cap: float | None,
+            causal: bool) -> torch.Tensor:
+    """Launch the attention kernel over ``k_cache`` / ``v_cache`` ``[num_blocks, block_size, Hkv, D]``."""
+    num_tokens, num_heads, head_size = query.shape
+    num_kv_heads = k_cache.shape[2]
     num_reqs = seq_lens.shape[0]
     if num_tokens == 0 or num_reqs == 0:
         return out
-    _check_last_dim_contiguous(query=query, kv_cache=kv_cache, out=out)
     group = num_heads // num_kv_heads
     group_p2 = triton.next_power_of_2(group)
     block_d = max(16, triton.next_power_of_2(head_size))
@@ -309,7 +371,6 @@ def paged_attention(
     block_q = block_m // group_p2
     if block_n is None:
         block_n = 64 if block_d <= 64 else 32
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
     grid = (num_tokens // block_q + num_reqs, num_kv_heads)
     _paged_attention_kernel[grid](
         out,
@@ -346,6 +407,7 @@ def paged_attention(
         DOT_FP32=query.dtype == torch.float32 or (query.dtype == torch.bfloat16 and _interpreting()),
         SLIDING_WINDOW=int(sliding_window or 0),
         SOFT_CAP=bool(soft_cap),
+        CAUSAL=causal,
         num_warps=4,
     )
     return out

@@ -13,7 +13,7 @@ pair dot product: a third or less of eager torch's or Inductor's time (``python 
 docs/benchmarks-history.md, "2026-11-30 Zen 4: decode attention kernel"; the current figures are in
 docs/benchmarks.md, "Decode attention kernel").
 
-The build (about 10 to 30 s, once per machine, torch version, instruction-set level and checkout; cached
+The build (about a minute on 2 cores, once per machine, torch version, instruction-set level and checkout; cached
 under torch's extension directory, ``TORCH_EXTENSIONS_DIR``) needs a C++ compiler and ``ninja``. Without them,
 or with ``TOKENMILL_CPU_KERNELS=0``, :func:`load` returns ``False``: attention stays on the torch path and
 ``--quantization`` uses torch's packed int8/int4 ops. :func:`load_async` starts the build in a background thread
@@ -25,6 +25,9 @@ Instruction sets: the library is compiled for the level torch's own CPU kernels 
 and F16C only (any x86-64-v3 CPU; on an AVX-512 machine this is how the AVX2 code is built and tested), and
 ``DEFAULT`` with the baseline x86-64 instruction set (the plain C++ loops). :func:`isa` says which paths the
 loaded library runs.
+
+``TOKENMILL_CPU_CFLAGS`` (split like a shell line) is appended to the compiler flags, e.g. ``-O0 -g`` to debug a
+kernel; such a build gets its own build directory, so it never replaces the optimised one.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import sys
 import threading
 import time
@@ -162,7 +166,12 @@ def compile_flags(capability: str) -> list[str]:
         arch = _X86_ARCH_FLAGS.get(capability, ["-march=native"])
     else:
         arch = ["-march=native"]
-    return ["-O3", *arch, "-fopenmp", *_CAPABILITY_FLAGS.get(capability, [])]
+    return ["-O3", *arch, "-fopenmp", *_CAPABILITY_FLAGS.get(capability, []), *extra_compile_flags()]
+
+
+def extra_compile_flags() -> list[str]:
+    """The flags ``TOKENMILL_CPU_CFLAGS`` adds after the defaults (a later ``-O`` wins); ``[]`` when unset."""
+    return shlex.split(os.environ.get("TOKENMILL_CPU_CFLAGS", ""))
 
 
 def _build() -> bool:
@@ -176,7 +185,8 @@ def _build() -> bool:
     capability = torch.backends.cpu.get_cpu_capability()
     flags = compile_flags(capability)
     start = time.perf_counter()
-    logger.info("loading tokenmill-cpu's C++ kernels for %s (compiled on first use, 10-30 s; cached afterwards)", capability)
+    logger.info("loading tokenmill-cpu's C++ kernels for %s (compiled on first use, about a minute on 2 cores; "
+                "cached afterwards)", capability)
     try:
         ext_name, build_dir = build_directory(capability)
         build_dir.mkdir(parents=True, exist_ok=True)
@@ -205,10 +215,12 @@ def _build() -> bool:
 def build_directory(capability: str) -> tuple[str, Path]:
     """``(extension name, build directory)`` for ATen capability ``capability``, where torch itself would build
     it: ``$TORCH_EXTENSIONS_DIR/<name>`` when that is set, else ``<user cache>/torch_extensions/py<version>_cpu/
-    <name>``; one directory per source location (checkouts sharing one would rebuild each other's copy)."""
+    <name>``; one directory per source location and ``TOKENMILL_CPU_CFLAGS`` (checkouts sharing one, or builds
+    with different flags, would rebuild each other's copy)."""
     from torch.utils.cpp_extension import get_default_build_root
 
-    where = hashlib.sha1(str(CSRC.resolve()).encode()).hexdigest()[:8]
+    key = str(CSRC.resolve()) + "".join(f" {flag}" for flag in extra_compile_flags())
+    where = hashlib.sha1(key.encode()).hexdigest()[:8]
     name = f"tokenmill_cpu_kernels_{capability.lower()}_{where}"
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     if root:

@@ -19,7 +19,9 @@
 //   other:   kPanel 16, plain C++ loops (same sums, in the same order per output).
 // Every output is one ordered sum over k, so the result does not depend on the row count or thread count.
 
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

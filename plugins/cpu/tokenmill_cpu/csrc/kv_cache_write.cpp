@@ -9,7 +9,9 @@
 // difference in 256-request decode steps (python benchmarks/prefill_attention.py; docs/benchmarks-history.md,
 // "2026-12-03 Xeon (89db59a)").
 
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -17,7 +17,9 @@
 // of reading K and V once (Zen 4: 76-80 ms against a floor of 72-80 ms, where asking for whole blocks at a time
 // took 103-109 ms; docs/benchmarks.md, "Decode attention kernel").
 
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>

@@ -31,7 +31,9 @@
 // float32 rounding of the final scale products. Anything else (or a build for ATen's DEFAULT capability) runs
 // plain C++ loops with the same integer sums.
 
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
