@@ -107,6 +107,9 @@ class CacheConfig:
         enable_prefix_caching: share full blocks between requests by content hash.
         num_gpu_blocks: number of KV blocks, filled in by the worker after sizing the cache.
         num_gpu_blocks_override: force the number of blocks (tests use tiny caches).
+        num_state_slots: state slots of a hybrid model's state layers (one per running request, taken from
+            the same memory as the KV blocks); 0 for models without state layers.
+        attention_free: the model has state layers only (its blocks count tokens, no memory behind them).
     """
 
     block_size: int = 16
@@ -116,6 +119,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     num_gpu_blocks: int | None = None
     num_gpu_blocks_override: int | None = None
+    num_state_slots: int = 0
+    attention_free: bool = False
 
 
 @dataclass

@@ -357,6 +357,9 @@ class EngineArgs:
             lora_config=self._create_lora_config(),
             multimodal_config=self._create_multimodal_config(),
         )
+        from tokenmill.model_loader.hybrid_setup import configure_hybrid_cache
+
+        configure_hybrid_cache(config)
         num_layers = model_config.num_layers
         if self.pipeline_parallel_size > num_layers:
             raise ValueError(

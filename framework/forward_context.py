@@ -19,20 +19,24 @@ class ForwardContext:
         ``tokenmill::attention`` custom op finds its layer (set with ``opaque_attention``).
     opaque_attention: attention layers call the ``tokenmill::attention`` custom op, which torch.compile
         keeps as one opaque call (the backend's Python runs inside it), instead of the backend directly.
+    state_metadata: the state slots of the step's requests for the state layers of a hybrid model
+        (``tokenmill.layers.mamba.StateMetadata``; ``None`` for models without state layers and dummy runs).
     """
 
     attn_metadata: Any
     opaque_attention: bool = False
     attn_layers: Any = None
+    state_metadata: Any = None
 
 
 _CONTEXT: ForwardContext | None = None
 
 
 @contextmanager
-def set_forward_context(attn_metadata: Any, opaque_attention: bool = False, attn_layers: Any = None) -> Iterator[None]:
+def set_forward_context(attn_metadata: Any, opaque_attention: bool = False, attn_layers: Any = None,
+                        state_metadata: Any = None) -> Iterator[None]:
     global _CONTEXT
-    previous, _CONTEXT = _CONTEXT, ForwardContext(attn_metadata, opaque_attention, attn_layers)
+    previous, _CONTEXT = _CONTEXT, ForwardContext(attn_metadata, opaque_attention, attn_layers, state_metadata)
     try:
         yield
     finally:

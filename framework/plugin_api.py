@@ -28,6 +28,7 @@ Contents, by what a plugin does with them:
 * kernels a platform may replace: :class:`QuantizedWeight` (``--quantization``), :class:`UnquantizedLinearMethod`
   (how full-precision linear layers multiply; custom op ``unquantized_linear``), :class:`FusedMoEMethod`,
   :class:`CustomOp` / :class:`CustomOpRegistry` / :data:`CUSTOM_OPS` (RMSNorm, rotary, activations, ...),
+  the state-layer ops :class:`CausalConv1d`, :class:`MambaSSD`, :class:`RMSNormGated`, :class:`GatedDeltaRule`,
   :class:`LoRAMethod` (the batched LoRA shrink/expand ``Platform.get_lora_method_cls`` names; the portable
   :class:`TorchLoRAMethod`; its step mapping :class:`LoRABatchMapping`);
 * tool calling: :class:`ToolParser` (subclass it; ``parse(text, final)`` returns a :class:`PartialParse` of
@@ -40,7 +41,8 @@ Contents, by what a plugin does with them:
 * models: :class:`ModelRegistry`, the contract :class:`CausalLM` (and :class:`SupportsMultiModal`,
   :func:`supports_multimodal`, :func:`merge_multimodal_embeddings` for models that take images), every layer of ``tokenmill.layers``
   (:class:`Attention`, the tensor-parallel linear layers, :class:`RMSNorm`, :func:`get_rope`, the decoder
-  blocks), the weight loader (:func:`load_checkpoint_weights`, :func:`default_weight_loader`,
+  blocks), the state layers of hybrid models (:class:`MambaBase`, :class:`MambaMixer2`, :class:`GatedDeltaNet`,
+  :class:`StateMetadata`), the weight loader (:func:`load_checkpoint_weights`, :func:`default_weight_loader`,
   :data:`DEFAULT_STACKED_PARAMS`), the tensor-parallel helpers (:func:`get_tp_rank`, :func:`get_tp_size`,
   :func:`tp_all_reduce`, :func:`tp_all_gather_last_dim`) and the forward context
   (:func:`get_forward_context`).
@@ -111,6 +113,11 @@ _LAZY: dict[str, str] = {
     "CustomOp": "tokenmill.layers.custom_op",
     "CustomOpRegistry": "tokenmill.layers.custom_op",
     "CUSTOM_OPS": "tokenmill.layers.custom_op",
+    # state layers of hybrid models and their ops (custom ops causal_conv1d, mamba_ssd, rms_norm_gated,
+    # gated_delta_rule)
+    **{name: "tokenmill.layers.mamba" for name in (
+        "MambaBase", "MambaMixer2", "GatedDeltaNet", "StateMetadata", "CausalConv1d", "MambaSSD", "RMSNormGated",
+        "GatedDeltaRule")},
     "LoRAMethod": "tokenmill.lora.ops",
     "TorchLoRAMethod": "tokenmill.lora.ops",
     "LoRABatchMapping": "tokenmill.lora.ops",
@@ -171,6 +178,16 @@ if TYPE_CHECKING:
     from tokenmill.forward_context import ForwardContext, get_forward_context
     from tokenmill.layers import *  # noqa: F403
     from tokenmill.layers.custom_op import CUSTOM_OPS, CustomOp, CustomOpRegistry
+    from tokenmill.layers.mamba import (
+        CausalConv1d,
+        GatedDeltaNet,
+        GatedDeltaRule,
+        MambaBase,
+        MambaMixer2,
+        MambaSSD,
+        RMSNormGated,
+        StateMetadata,
+    )
     from tokenmill.layers.quantization import Int8WeightOnly, QuantizedWeight, UnsupportedShapeError
     from tokenmill.lora.ops import LoRABatchMapping, LoRAMethod, TorchLoRAMethod
     from tokenmill.lora.request import LoRARequest

@@ -25,6 +25,11 @@ BUILTIN_MODELS: dict[str, str] = {
     "LlavaForConditionalGeneration": "tokenmill.models.llava:LlavaForConditionalGeneration",
     "Qwen2VLForConditionalGeneration": "tokenmill.models.qwen2_vl:Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration": "tokenmill.models.qwen2_5_vl:Qwen2_5_VLForConditionalGeneration",
+    # hybrid attention / state-space models (docs/models.md)
+    "Mamba2ForCausalLM": "tokenmill.models.mamba2:Mamba2ForCausalLM",
+    "GraniteMoeHybridForCausalLM": "tokenmill.models.granitemoehybrid:GraniteMoeHybridForCausalLM",
+    "FalconH1ForCausalLM": "tokenmill.models.falcon_h1:FalconH1ForCausalLM",
+    "Qwen3NextForCausalLM": "tokenmill.models.qwen3_next:Qwen3NextForCausalLM",
     # pooling models (docs/pooling.md)
     "Qwen3Model": "tokenmill.models.pooling_adapters:Qwen3Model",
     "Qwen2Model": "tokenmill.models.pooling_adapters:Qwen2Model",

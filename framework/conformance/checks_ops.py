@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.conformance.state_op_cases import STATE_OPS, state_op_cases
 from tokenmill.conformance.target import ConformanceTarget, ContractFailure, ItemSkipped
 
 LAYER_OPS = ("rms_norm", "rotary_embedding", "silu_and_mul", "gelu_and_mul")
@@ -66,7 +67,7 @@ def check_custom_ops(t: ConformanceTarget) -> None:
     from tokenmill.plugins.qualname import resolve_qualname
 
     dtype, replaced = _dtype(t), []
-    for name in LAYER_OPS:
+    for name in LAYER_OPS + STATE_OPS:
         path = t.run_cls.get_custom_op_cls(name)
         if path is None:
             continue
@@ -74,13 +75,18 @@ def check_custom_ops(t: ConformanceTarget) -> None:
         cls = resolve_qualname(path)
         if not (isinstance(cls, type) and issubclass(cls, base)):
             raise ContractFailure(f"custom op {name}: {path} must subclass {CUSTOM_OPS[name]}")
+        if name in STATE_OPS:  # a forward and an update method, each against its *_native
+            cases = state_op_cases(name, cls, dtype, t.device)
+        else:
+            cases = [(layer, "forward", args) for layer, args in _layer_cases(name, cls, dtype, t.device)]
         with torch.inference_mode():
             worst = 0.0
-            for layer, args in _layer_cases(name, cls, dtype, t.device):
+            for layer, method, args in cases:
                 if type(layer) is not cls:
                     raise ContractFailure(f"custom op {name}: building the layer gave {type(layer).__qualname__}, "
                                           f"not {cls.__qualname__}")
-                worst = max(worst, _close(name, layer(*args), base.forward_native(layer, *args), _tol(dtype)))
+                want = getattr(base, f"{method}_native")(layer, *args)
+                worst = max(worst, _close(f"{name}.{method}", getattr(layer, method)(*args), want, _tol(dtype)))
         replaced.append(name)
         t.note(f"{name}: {path} within {worst:.1e} of the built-in")
     linear = t.run_cls.get_custom_op_cls("unquantized_linear")

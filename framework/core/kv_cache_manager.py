@@ -146,6 +146,10 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 
+    def get_state_slot(self, request_id: str) -> int | None:
+        """The request's state slot; ``None`` here (no state layers; see ``HybridKVCacheCoordinator``)."""
+        return None
+
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
 

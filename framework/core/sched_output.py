@@ -81,6 +81,8 @@ class SchedulerOutput:
         scheduled_encoder_inputs: per request id, the indices of its images (``mm_features``) whose encoder
             runs this step; their outputs stay in the workers' encoder cache, keyed by ``mm_hash``.
         free_encoder_mm_hashes: encoder-cache entries the workers drop before this step's encoding.
+        new_state_slots: hybrid models: the state slot of each request in ``scheduled_new_reqs`` (its slot
+            until it finishes or is preempted; a resumed request starts from a fresh state).
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -93,6 +95,7 @@ class SchedulerOutput:
     grammar_bitmask: np.ndarray | None = None
     scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
     free_encoder_mm_hashes: list[str] = field(default_factory=list)
+    new_state_slots: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -27,7 +27,7 @@ import numpy as np
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.encoder_cache_manager import EncoderCacheManager
-from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.kv_cache_coordinator import create_kv_cache_manager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sched_output import (
     CachedRequestData,
@@ -77,9 +77,8 @@ class Scheduler:
         if not num_blocks:
             raise ValueError("cache_config.num_gpu_blocks is not set; size the KV cache first")
         self.block_size = config.cache_config.block_size
-        self.kv_cache_manager = KVCacheManager(
-            num_blocks, self.block_size, config.cache_config.enable_prefix_caching
-        )
+        # KVCacheManager, or with state layers the hybrid coordinator that also hands out state slots
+        self.kv_cache_manager = create_kv_cache_manager(num_blocks, config.cache_config)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -342,6 +341,7 @@ class Scheduler:
             scheduled_spec_decode_tokens=spec_tokens,
             scheduled_encoder_inputs=encoder_inputs,
             free_encoder_mm_hashes=self.encoder_cache_manager.get_freed_mm_hashes(),
+            new_state_slots=self._state_slots(new_reqs),
         )
 
     def _schedule_encoder_inputs(self, request: Request, num_computed: int, num_new: int, budget: int
@@ -379,6 +379,15 @@ class Scheduler:
         for index, feature in enumerate(request.mm_features):
             if feature.placeholder.end <= request.num_computed_tokens:
                 self.encoder_cache_manager.free_encoder_input(request, index)
+
+    def _state_slots(self, new_reqs: list[NewRequestData]) -> dict[str, int]:
+        """The state slot of each new request (hybrid models only)."""
+        slots = {}
+        for new in new_reqs:
+            slot = self.kv_cache_manager.get_state_slot(new.req_id)
+            if slot is not None:
+                slots[new.req_id] = slot
+        return slots
 
     def _lookahead(self, request: Request, num_new: int) -> int:
         """KV slots a draft model writes past this step's tokens, capped where the request must end anyway

@@ -27,9 +27,13 @@ op name                       base class                                        
 ``quant_linear.int8``         :class:`tokenmill.layers.QuantizedWeight`           ``--quantization int8`` kernel
 ``quant_linear.int4``         :class:`tokenmill.layers.QuantizedWeight`           ``--quantization int4`` kernel
 ``unquantized_linear``        :class:`UnquantizedLinearMethod` (plugin API)       full-precision linear layers
+``causal_conv1d``             :class:`tokenmill.layers.mamba.CausalConv1d`        state layers' causal conv1d
+``mamba_ssd``                 :class:`tokenmill.layers.mamba.MambaSSD`            Mamba2 scan and recurrence
+``rms_norm_gated``            :class:`tokenmill.layers.mamba.RMSNormGated`        Mamba2's gated output norm
+``gated_delta_rule``          :class:`tokenmill.layers.mamba.GatedDeltaRule`      gated DeltaNet recurrence
 ============================  ==================================================  =============================
 
-The last four are not modules built by model code but the kernel classes the layers call; they resolve
+``quant_linear.*``, ``fused_moe`` and ``unquantized_linear`` are not modules built by model code but the kernel classes the layers call; they resolve
 through the same four steps (the platform's step is ``get_fused_moe_cls`` / ``get_quant_method_cls`` /
 ``get_custom_op_cls``). ``unquantized_linear`` is chosen once per model load
 (:mod:`tokenmill.layers.linear_method`).
@@ -58,6 +62,10 @@ CUSTOM_OPS: dict[str, str] = {
     "quant_linear.int8": "tokenmill.layers.quantization:QuantizedWeight",
     "quant_linear.int4": "tokenmill.layers.quantization:QuantizedWeight",
     "unquantized_linear": "tokenmill.layers.linear_method:UnquantizedLinearMethod",
+    "causal_conv1d": "tokenmill.layers.mamba.state_ops:CausalConv1d",
+    "mamba_ssd": "tokenmill.layers.mamba.state_ops:MambaSSD",
+    "rms_norm_gated": "tokenmill.layers.mamba.state_ops:RMSNormGated",
+    "gated_delta_rule": "tokenmill.layers.mamba.state_ops:GatedDeltaRule",
 }
 
 

@@ -12,8 +12,9 @@ and tokenmill refuses to load a plugin whose requirement this version does not m
 
 from __future__ import annotations
 
-PLUGIN_API_VERSION = "1.3"  # 1.1: Platform.allocate_kv_cache, UnquantizedLinearMethod; 1.2: finish_kv_cache_allocation;
-# 1.3: reasoning parsers (ReasoningParser, tokenmill_register_reasoning_parsers)
+PLUGIN_API_VERSION = "1.4"  # 1.1: Platform.allocate_kv_cache, UnquantizedLinearMethod; 1.2: finish_kv_cache_allocation;
+# 1.3: reasoning parsers (ReasoningParser, tokenmill_register_reasoning_parsers); 1.4: state layers and their ops
+# (MambaBase, MambaMixer2, GatedDeltaNet, StateMetadata, CausalConv1d, MambaSSD, RMSNormGated, GatedDeltaRule)
 REQUIREMENT_ATTR = "TOKENMILL_PLUGIN_API"
 
 

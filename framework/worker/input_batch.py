@@ -87,9 +87,12 @@ def build_batch_inputs(
         a, b = int(starts[i]), int(seq_lens[i])
         tokens = s.token_ids + spec_token_ids[i] if spec_token_ids and spec_token_ids[i] else s.token_ids
         input_ids[query_start_loc[i] : query_start_loc[i + 1]] = tokens[a:b]
-    slot_mapping = (
-        block_table[req_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
-    )
+    if max_blocks:
+        slot_mapping = (
+            block_table[req_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        )
+    else:  # an attention-free model holds no blocks: a negative slot is written nowhere
+        slot_mapping = np.full(total, -1, dtype=np.int64)
     md = AttentionMetadata(
         num_actual_tokens=total,
         query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(device),

@@ -16,6 +16,7 @@ from tokenmill.layers.pipeline import IntermediateTensors
 from tokenmill.layers.pooler import build_pooler
 from tokenmill.attention.paged_cache import allocate_kv_caches, kv_cache_bytes_per_block
 from tokenmill.layers.linear_method import attach_linear_method
+from tokenmill.layers.mamba import MambaBase, StateMetadata, allocate_state_caches, state_bytes_per_slot
 from tokenmill.layers.quantization import quantize_model
 from tokenmill.lora.manager import LoRAModelManager
 from tokenmill.dtypes import str_to_dtype
@@ -55,6 +56,10 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         self.attn_layers: list[Attention] = []
         self.kv_caches: list[torch.Tensor] = []
+        # hybrid models: the state layers, their caches ([num_state_slots, ...] each) and each request's slot
+        self.state_layers: list[MambaBase] = []
+        self.state_caches: list[torch.Tensor] = []
+        self.state_slots: dict[str, int] = {}
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
         # req_id -> prompt logprobs accumulated over the chunks of its prefill so far
@@ -87,6 +92,10 @@ class ModelRunner:
             quantize_model(self.model, self.config.model_config.quantization)
         attach_linear_method(self.model, process=self.process_weights)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.state_layers = [m for m in self.model.modules() if isinstance(m, MambaBase)]
+        if self.state_layers and self.spec_decoder is not None:
+            raise ValueError("speculative_config: speculative decoding is not supported for models with state "
+                             "layers (a rejected draft cannot be taken back out of a state)")
         lc = self.config.lora_config
         if lc is not None:
             self.lora_manager = LoRAModelManager(self.model, lc.max_loras, lc.max_lora_rank, lc.max_cpu_loras)
@@ -150,6 +159,10 @@ class ModelRunner:
         return (kv_cache_bytes_per_block(self.attn_backend, self.attn_layers, self.block_size, self.kv_cache_dtype)
                 + draft)
 
+    def state_bytes_per_slot(self) -> int:
+        """Bytes one state slot takes across all state layers (0 without state layers)."""
+        return state_bytes_per_slot(self.state_layers, self.dtype)
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate every layer's cache (zeros, through ``Platform.allocate_kv_cache``) and bind it to the layer;
         then capture or compile the forward passes, and in blocking mode wait for the platform to finish the
@@ -159,9 +172,17 @@ class ModelRunner:
                                             self.kv_cache_dtype, self.device)
         if self.spec_decoder is not None:
             self.spec_decoder.initialize_kv_cache(num_blocks)
+        if self.state_layers:
+            num_slots = self.config.cache_config.num_state_slots
+            if num_slots < 1:
+                raise ValueError("cache_config.num_state_slots: the model has state layers but no state slots "
+                                 "were configured (build the configuration with EngineArgs)")
+            self.state_caches = allocate_state_caches(self.state_layers, num_slots, self.dtype, self.device)
+        # State layers: the per-step state metadata is not a graph input, so they run eagerly too.
         # PP: the captured / compiled forwards take no intermediate tensors; LoRA: the per-step adapter mapping is
         # not a graph input. Both run eagerly, as do models that take images (their steps may carry embeddings).
-        if get_pp_size() == 1 and self.lora_manager is None and self.encoder_runner is None:
+        if (get_pp_size() == 1 and self.lora_manager is None and self.encoder_runner is None
+                and not self.state_layers):
             self.graph_runner = GraphRunner.create_if_enabled(self)  # captures against the new cache
             if self.graph_runner is None:
                 self.compiled_runner = CompiledRunner.create_if_enabled(self)
@@ -178,6 +199,8 @@ class ModelRunner:
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
             self.prompt_logprobs.pop(req_id, None)
+            self.state_slots.pop(req_id, None)
+        self.state_slots.update(so.new_state_slots)
         if self.pooling_collector is not None:
             self.pooling_collector.discard(so.finished_req_ids)
             self.pooling_collector.discard(new.req_id for new in so.scheduled_new_reqs)
@@ -247,7 +270,12 @@ class ModelRunner:
                 return hidden
         else:
             eager = self.compiled_runner.eager_step() if self.compiled_runner is not None else nullcontext()
-            with eager, set_forward_context(batch.attn_metadata):
+            state_md = None
+            if self.state_layers:
+                state_md = StateMetadata.build(batch.attn_metadata.query_start_loc_cpu,
+                                               [self.state_slots[r] for r in req_ids],
+                                               [s.num_computed_tokens for s in states], self.device)
+            with eager, set_forward_context(batch.attn_metadata, state_metadata=state_md):
                 hidden = self.model(batch.input_ids, positions)
         self._accumulate_prompt_logprobs(states, counts, batch.attn_metadata.query_start_loc_cpu, hidden)
         sample_rows = [i for i, m in enumerate(batch.sample_mask) if m]

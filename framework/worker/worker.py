@@ -76,27 +76,56 @@ class Worker:
 
         On a platform that measures device memory (``Platform.supports_memory_profiling``) a forward pass of a
         full step (``max_num_batched_tokens`` tokens) runs first, and its peak activation memory is left out of
-        the cache, as vLLM does; the rest of the formula is ``Platform.determine_kv_cache_bytes``.
+        the cache, as vLLM does; the rest of the formula is ``Platform.determine_kv_cache_bytes``. A hybrid
+        model's state slots (``cache_config.num_state_slots``, each the states of every state layer) come out
+        of that budget first; the blocks get the rest.
 
         Raises:
-            ValueError: the granted memory holds no block.
+            ValueError: the granted memory holds no block, or not the state slots.
         """
         assert self.model_runner is not None
         cc = self.config.cache_config
         if cc.num_gpu_blocks_override:
             return cc.num_gpu_blocks_override
         per_block = self.model_runner.kv_cache_bytes_per_block()
+        state_bytes = self.model_runner.state_bytes_per_slot() * cc.num_state_slots
         if per_block == 0:
-            # No layer keeps keys/values (an encoder-only model): the blocks only count the tokens the scheduler
-            # admits, and a pooling request holds its blocks for the one step that runs it.
+            # No layer keeps keys/values (an encoder-only or attention-free model): the blocks only count the
+            # tokens the scheduler admits, and a pooling request holds its blocks for the one step that runs it.
             sc = self.config.scheduler_config
             num_blocks = -(-sc.max_num_batched_tokens // cc.block_size) + sc.max_num_seqs
-            if self.rank == 0:
+            if state_bytes:
+                num_blocks = max(num_blocks, -(-self.config.model_config.max_model_len // cc.block_size))
+                budget = self._cache_budget()
+                if budget < state_bytes:
+                    raise ValueError(f"kv_cache_memory: {budget} bytes do not hold the {cc.num_state_slots} state "
+                                     f"slots ({state_bytes} bytes); give the cache more memory or lower max_num_seqs")
+                if self.rank == 0:
+                    logger.info("state cache: %d slots, %.2f GiB (no attention layer keeps keys/values)",
+                                cc.num_state_slots, state_bytes / GiB)
+            elif self.rank == 0:
                 logger.info("KV cache: none (no attention layer keeps keys/values); %d blocks of token accounting",
                             num_blocks)
             return num_blocks
+        budget = self._cache_budget()
+        num_blocks = (budget - state_bytes) // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory: {budget} bytes hold no KV block ({per_block} bytes each) after the "
+                f"{state_bytes} bytes of state slots; give the cache more memory"
+                if state_bytes else
+                f"kv_cache_memory: {budget} bytes hold no KV block ({per_block} bytes each); give the cache more memory"
+            )
+        if state_bytes and self.rank == 0:
+            logger.info("hybrid cache: %d state slots (%.2f GiB) and %d KV blocks", cc.num_state_slots,
+                        state_bytes / GiB, num_blocks)
+        return int(num_blocks)
+
+    def _cache_budget(self) -> int:
+        """Bytes the platform grants the KV (and state) cache, after a profiling pass where it measures."""
+        assert self.model_runner is not None
         peak = 0
-        if cc.kv_cache_memory is None and self.platform.supports_memory_profiling():
+        if self.config.cache_config.kv_cache_memory is None and self.platform.supports_memory_profiling():
             peak = self.model_runner.profile_run()
         weights = self.model_runner.model_memory_bytes()
         budget = self.platform.determine_kv_cache_bytes(
@@ -106,12 +135,7 @@ class Worker:
             logger.info("KV cache: %.2f GiB of %s (weights %.2f GiB, profiled peak activations %.2f GiB)",
                         budget / GiB, str(self.model_runner.kv_cache_dtype).removeprefix("torch."), weights / GiB,
                         peak / GiB)
-        num_blocks = budget // per_block
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory: {budget} bytes hold no KV block ({per_block} bytes each); give the cache more memory"
-            )
-        return int(num_blocks)
+        return int(budget)
 
     def initialize_cache(self, num_blocks: int) -> None:
         assert self.model_runner is not None

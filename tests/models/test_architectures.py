@@ -15,6 +15,8 @@ from tokenmill.models.plugin import BUILTIN_MODELS
 FAMILY_ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                 "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM",
                 "Olmo2ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"]
+# hybrid and attention-free models (state layers), tested in tests/models/test_hybrid_models.py
+HYBRID_ARCHS = ["Mamba2ForCausalLM", "GraniteMoeHybridForCausalLM", "FalconH1ForCausalLM", "Qwen3NextForCausalLM"]
 # pooling models (docs/pooling.md), tested in tests/pooling
 POOLING_ARCHS = ["Qwen3Model", "Qwen2Model", "LlamaModel", "Qwen3ForSequenceClassification",
                  "Qwen2ForSequenceClassification", "LlamaForSequenceClassification", "BertModel", "XLMRobertaModel",
@@ -25,8 +27,8 @@ VISION_ARCHS = ["LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneratio
 
 
 def test_every_family_is_registered_through_the_entry_point_and_imports():
-    assert sorted(BUILTIN_MODELS) == sorted(FAMILY_ARCHS + POOLING_ARCHS + VISION_ARCHS)
-    for arch in FAMILY_ARCHS + POOLING_ARCHS + VISION_ARCHS:
+    assert sorted(BUILTIN_MODELS) == sorted(FAMILY_ARCHS + POOLING_ARCHS + VISION_ARCHS + HYBRID_ARCHS)
+    for arch in FAMILY_ARCHS + POOLING_ARCHS + VISION_ARCHS + HYBRID_ARCHS:
         assert ModelRegistry.is_registered(arch)
         assert ModelRegistry.resolve_model_cls([arch]).__name__ == arch
 
