@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tests.models.hf_quant_writer import Quantized, _words, write_quantized_pair
+from tests.models.hf_quant_writer import SHARED_INPUT, Case, Quantized, _words, channel_groups, write_quantized_pair
 
 FP8_MAX = 448.0  # largest float8_e4m3fn
 
@@ -29,6 +29,7 @@ class ScaledCase:
     # symmetric scale max|w| / (2**(bits-1) - 1): codes never reach -2**(bits-1) (compressed-tensors' own
     # max|w| / ((2**bits - 1) / 2) gives -128 wherever a group's largest magnitude is negative)
     narrow: bool = False
+    act_order: bool = False  # actorder "group": weight_g_idx, one random channel order per input (as GPTQ's)
 
     @property
     def name(self) -> str:
@@ -40,6 +41,7 @@ class ScaledCase:
         parts += ["static"] if self.static else []
         parts += ["oldzp"] if self.old_zero_points else []
         parts += ["narrow"] if self.narrow else []
+        parts += ["actorder"] if self.act_order else []
         return "-".join(parts)
 
     def ignored(self, module: str) -> bool:
@@ -47,15 +49,18 @@ class ScaledCase:
         return any(re.fullmatch(p[3:], module) if p.startswith("re:") else p == module for p in self.ignore)
 
 
-def quantize_int(w: torch.Tensor, case: ScaledCase) -> Quantized:
+def quantize_int(w: torch.Tensor, case: ScaledCase, groups: torch.Tensor | None = None) -> Quantized:
     """compressed-tensors' min-max round-to-nearest int quantization of ``w [N, K]`` per group (or row): symmetric
     ``scale = max|w| / ((2**bits - 1) / 2)``, zero point 0; asymmetric ``scale = (max - min) / (2**bits - 1)``
     (``min <= 0 <= max``), zero point ``round(qmin - min / scale)``; codes ``clamp(round(w / scale) + zp, qmin,
-    qmax)``. Returned with codes and zero points offset by ``2**(bits-1)`` (as the packed format stores them)."""
+    qmax)``. Returned with codes and zero points offset by ``2**(bits-1)`` (as the packed format stores them).
+    ``groups`` ``[K]``: the group of each input channel (default: consecutive groups)."""
     n, k = w.shape
     group = case.group or k
+    groups = torch.arange(k) // group if groups is None else groups
+    order = torch.argsort(groups, stable=True)
     qmin, qmax = -(1 << (case.bits - 1)), (1 << (case.bits - 1)) - 1
-    blocks = w.reshape(n, k // group, group)
+    blocks = w[:, order].reshape(n, k // group, group)
     if case.symmetric:
         scales = (blocks.abs().amax(-1) / (qmax if case.narrow else (qmax - qmin) / 2)).clamp(min=1e-5)
         scales = scales.to(case.scale_dtype)
@@ -64,10 +69,11 @@ def quantize_int(w: torch.Tensor, case: ScaledCase) -> Quantized:
         lo, hi = blocks.amin(-1).clamp(max=0), blocks.amax(-1).clamp(min=0)
         scales = ((hi - lo) / (qmax - qmin)).clamp(min=1e-5).to(case.scale_dtype)
         zeros = (qmin - lo / scales.float()).round().clamp(qmin, qmax)
-    codes = ((blocks / scales.float()[..., None]).round() + zeros[..., None]).clamp(qmin, qmax).reshape(n, k)
+    sorted_codes = ((blocks / scales.float()[..., None]).round() + zeros[..., None]).clamp(qmin, qmax).reshape(n, k)
+    codes = torch.empty_like(sorted_codes)
+    codes[:, order] = sorted_codes
     offset = 1 << (case.bits - 1)
-    return Quantized((codes + offset).to(torch.int64), scales, (zeros + offset).to(torch.int64),
-                     torch.arange(k) // group)
+    return Quantized((codes + offset).to(torch.int64), scales, (zeros + offset).to(torch.int64), groups)
 
 
 def pack_int(q: Quantized, case: ScaledCase) -> dict[str, torch.Tensor]:
@@ -82,6 +88,8 @@ def pack_int(q: Quantized, case: ScaledCase) -> dict[str, torch.Tensor]:
             out["weight_zero_point"] = (q.zeros - offset).to(torch.int8)
         return out
     out = {"weight_packed": _words(q.codes, case.bits), "weight_shape": torch.tensor([n, k]), "weight_scale": scale}
+    if case.act_order:
+        out["weight_g_idx"] = q.groups.to(torch.int32)
     if not case.symmetric:
         out["weight_zero_point"] = ((q.zeros - offset).to(torch.int8) if case.old_zero_points
                                     else _words(q.zeros.t(), case.bits).t())
@@ -118,7 +126,7 @@ def quant_config(case: ScaledCase) -> dict:
     kind = "float" if case.kind == "ct-fp8" else "int"
     weights = {"num_bits": case.bits, "type": kind, "symmetric": case.symmetric, "dynamic": False,
                "strategy": "group" if case.group else "channel", "group_size": case.group or None,
-               "actorder": None, "observer": "minmax", "block_structure": None}
+               "actorder": "group" if case.act_order else None, "observer": "minmax", "block_structure": None}
     acts = None
     if case.kind in ("int", "ct-fp8"):
         acts = {"num_bits": 8, "type": kind, "symmetric": True, "dynamic": True, "strategy": "token",
@@ -144,7 +152,11 @@ def write_scaled_checkpoints(folder: str, case: ScaledCase, base: str
         if case.kind in ("fp8", "ct-fp8"):
             tensors, values = quantize_fp8(tensor, case)
             return tensors, values, values
-        q = quantize_int(tensor, case)
+        groups = None
+        if case.act_order:
+            gen = torch.Generator().manual_seed(10 + SHARED_INPUT[prefix.rpartition(".")[2]])
+            groups = channel_groups(Case("gptq", case.bits, case.group, act_order="channels"), tensor.shape[1], gen)
+        q = quantize_int(tensor, case, groups)
         return pack_int(q, case), q.values, q
 
     return write_quantized_pair(folder, base, convert, quant_config(case))

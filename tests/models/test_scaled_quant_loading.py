@@ -20,7 +20,8 @@ from tokenmill.layers.linear import LinearBase
 INT_CASES = [
     ScaledCase("pack", 4, 32), ScaledCase("pack", 4, 128, symmetric=False, scale_dtype=torch.bfloat16),
     ScaledCase("pack", 4, 64, symmetric=False, old_zero_points=True, ignore=("lm_head", "re:.*down_proj")),
-    ScaledCase("pack", 4, 0), ScaledCase("pack", 8, 0, scale_dtype=torch.bfloat16),
+    ScaledCase("pack", 4, 0), ScaledCase("pack", 4, 64, act_order=True),
+    ScaledCase("pack", 8, 0, scale_dtype=torch.bfloat16),
     ScaledCase("pack", 8, 32, narrow=True), ScaledCase("pack", 8, 64, symmetric=False), ScaledCase("int", 8, 0),
     ScaledCase("int", 8, 0, narrow=True),
 ]
