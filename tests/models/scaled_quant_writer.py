@@ -33,11 +33,14 @@ class ScaledCase:
 
     @property
     def name(self) -> str:
-        parts = [self.kind, f"w{self.bits}", f"g{self.group}" if self.group else "channel"]
+        if self.kind in ("fp8", "ct-fp8"):
+            parts = [self.kind, "channel" if self.kind == "ct-fp8" else "block" if self.block else "tensor"]
+        else:
+            parts = [self.kind, f"w{self.bits}", f"g{self.group}" if self.group else "channel"]
         parts += [] if self.symmetric else ["asym"]
         parts += ["bf16"] if self.scale_dtype == torch.bfloat16 else []
         parts += ["ignore"] if len(self.ignore) > 1 else []
-        parts += [f"block{self.block[0]}x{self.block[1]}"] if self.block else []
+        parts += [f"{self.block[0]}x{self.block[1]}"] if self.block else []
         parts += ["static"] if self.static else []
         parts += ["oldzp"] if self.old_zero_points else []
         parts += ["narrow"] if self.narrow else []

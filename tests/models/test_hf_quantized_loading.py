@@ -136,7 +136,12 @@ def test_quantization_flag_quantizes_only_the_float_lm_head(checkpoints) -> None
 
 @pytest.mark.parametrize("name", ["awq4-g128", "gptq4-g32", "gptq4-g64-channels", "gptq8-g64-narrow"])
 def test_greedy_tokens_equal_the_dequantized_float32_models(checkpoints, name) -> None:
-    qdir, fdir, _ = checkpoints[name]
+    check_greedy_tokens(*checkpoints[name][:2])
+
+
+def check_greedy_tokens(qdir: str, fdir: str) -> None:
+    """Greedy tokens of the quantized checkpoint over 24 tokens for :data:`PROMPTS` equal those of the float32
+    model of its dequantized values."""
     args = dict(dtype="float32", num_gpu_blocks_override=64, enforce_eager=True)
     reference = run_engine(EngineCore(EngineArgs(model=fdir, **args).create_engine_config()), PROMPTS, max_tokens=24)
     quantized = run_engine(EngineCore(EngineArgs(model=qdir, **args).create_engine_config()), PROMPTS, max_tokens=24)
