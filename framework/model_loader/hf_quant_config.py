@@ -27,11 +27,13 @@ class HFQuantConfig:
     """The fields of ``quantization_config`` the loader uses.
 
     Attributes:
-        method: ``"awq"`` or ``"gptq"``.
-        bits: bits per weight code (AWQ 4; GPTQ 4 or 8).
+        method: ``"awq"``, ``"gptq"``, ``"compressed-tensors"`` or ``"fp8"``.
+        bits: bits per weight code (AWQ 4; GPTQ 4 or 8; compressed-tensors the widest scheme's, a module's own
+            width follows from its tensors; FP8 8).
         group_size: input channels sharing one scale and zero point; ``-1`` in the file (one group per row)
             is kept as ``-1`` and resolved per layer.
-        desc_act: GPTQ's activation order: the checkpoint's ``g_idx`` assigns each input channel its group.
+        desc_act: activation order (GPTQ's ``desc_act``, compressed-tensors' ``actorder: group``): the
+            checkpoint's ``g_idx`` (``weight_g_idx``) assigns each input channel its group.
         zero_offset: added to a stored zero point to get the one the format subtracts: 1 for GPTQ's
             ``checkpoint_format`` ``"gptq"`` (v1, which stores ``z - 1``), 0 for ``"gptq_v2"`` and AWQ.
         zero_points: compressed-tensors: some module has a ``weight_zero_point`` (an asymmetric scheme), so a
@@ -56,13 +58,12 @@ def supported_methods() -> str:
                      for m, b in SUPPORTED_METHODS.items())
 
 
-
 def parse_hf_quant_config(hf_config: Any) -> HFQuantConfig | None:
     """``hf_config.quantization_config`` checked, or ``None`` when the checkpoint has none.
 
     Raises:
-        ValueError: a method, bit width, AWQ version or GPTQ checkpoint format tokenmill does not load (the message
-            lists the supported methods).
+        ValueError: a method, bit width, AWQ version, GPTQ checkpoint format, compressed-tensors scheme or FP8
+            block size tokenmill does not load (the message lists the supported methods).
     """
     raw = getattr(hf_config, "quantization_config", None)
     if raw is None:
