@@ -90,3 +90,16 @@ def _ct(fmt: str, weights: dict, **extra) -> dict:
 ])
 def test_unsupported_variants_fail_at_start_up(checkpoints, tmp_path, config, message) -> None:
     check_start_up_error(checkpoints["pack-w4-g32"][0], tmp_path, config, message)
+
+
+def test_a_loader_narrowing_with_a_negative_dim_gets_dequantized_rows() -> None:
+    # FusedMoE's weight loader narrows expert weights along dim -2 / -1 and copies the result into its parameter
+    from tokenmill.model_loader.group_quant_tensor import GroupQuantTensor
+
+    gen = torch.Generator().manual_seed(0)
+    w = GroupQuantTensor(torch.randint(0, 16, (32, 64), dtype=torch.uint8, generator=gen),
+                         torch.rand(32, 2, generator=gen).half(), torch.full((32, 2), 8, dtype=torch.int16), 4, 32)
+    for dim, length in ((-2, 32), (-1, 64), (-2, 16)):
+        part = w.narrow(dim, 0, length)
+        assert isinstance(part, torch.Tensor) and torch.equal(part, w.dequantize().narrow(dim, 0, length))
+    assert isinstance(w.narrow(0, 0, 16), GroupQuantTensor) and w.narrow(1, 0, 64) is w
