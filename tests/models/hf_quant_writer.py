@@ -174,11 +174,17 @@ def write_quantized_pair(folder: str, base: str, convert: Callable[[str, torch.T
     qdir, fdir = os.path.join(folder, "quantized"), os.path.join(folder, "float")
     model.load_state_dict(state)
     model.save_pretrained(fdir)
+    save_quantized(qdir, fdir, qstate, config)
+    return qdir, fdir, modules
+
+
+def save_quantized(qdir: str, fdir: str, tensors: dict[str, torch.Tensor], config: dict) -> None:
+    """``tensors`` as ``qdir``'s checkpoint, with the float model ``fdir``'s ``config.json`` plus ``config`` as
+    its ``quantization_config``."""
     os.makedirs(qdir)
-    save_file(qstate, os.path.join(qdir, "model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, os.path.join(qdir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(fdir, "config.json")) as f:
         hf = json.load(f)
     hf["quantization_config"] = config
     with open(os.path.join(qdir, "config.json"), "w") as f:
         json.dump(hf, f)
-    return qdir, fdir, modules

@@ -10,7 +10,15 @@ from dataclasses import dataclass
 
 import torch
 
-from tests.models.hf_quant_writer import SHARED_INPUT, Case, Quantized, _words, channel_groups, write_quantized_pair
+from tests.models.hf_quant_writer import (
+    SHARED_INPUT,
+    Case,
+    Quantized,
+    _words,
+    channel_groups,
+    save_quantized,
+    write_quantized_pair,
+)
 
 FP8_MAX = 448.0  # largest float8_e4m3fn
 
@@ -163,3 +171,33 @@ def write_scaled_checkpoints(folder: str, case: ScaledCase, base: str
         return pack_int(q, case), q.values, q
 
     return write_quantized_pair(folder, base, convert, quant_config(case))
+
+
+def write_moe_checkpoints(folder: str, case: ScaledCase, base: str) -> tuple[str, str]:
+    """A mixture-of-experts model ``base`` (transformers' fused ``experts.gate_up_proj [E, 2I, H]`` /
+    ``experts.down_proj [E, H, I]``) with each expert's projections quantized as ``case`` under their per-expert
+    names (``experts.<e>.gate_proj``, as llm-compressor writes them; other tensors float), and the float model of
+    the values. Returns ``(quantized_dir, float_dir)``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    fused = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+    qstate = {}
+    for name, tensor in state.items():
+        prefix, _, leaf = name.rpartition(".")
+        if not prefix.endswith(".experts") or leaf not in fused:
+            qstate[name] = tensor
+            continue
+        for e in range(tensor.shape[0]):
+            values = []
+            for part, w in zip(fused[leaf], tensor[e].chunk(len(fused[leaf]), 0)):
+                q = quantize_int(w, case)
+                qstate.update({f"{prefix}.{e}.{part}.{k}": v.contiguous() for k, v in pack_int(q, case).items()})
+                values.append(q.values)
+            tensor[e].copy_(torch.cat(values))
+    model.load_state_dict(state)
+    qdir, fdir = f"{folder}/quantized", f"{folder}/float"
+    model.save_pretrained(fdir)
+    save_quantized(qdir, fdir, qstate, quant_config(case))
+    return qdir, fdir

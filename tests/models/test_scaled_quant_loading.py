@@ -103,3 +103,16 @@ def test_a_loader_narrowing_with_a_negative_dim_gets_dequantized_rows() -> None:
         part = w.narrow(dim, 0, length)
         assert isinstance(part, torch.Tensor) and torch.equal(part, w.dequantize().narrow(dim, 0, length))
     assert isinstance(w.narrow(0, 0, 16), GroupQuantTensor) and w.narrow(1, 0, 64) is w
+
+
+def test_quantized_experts_of_a_mixture_of_experts_model_load_in_float(family_root, tmp_path) -> None:
+    from tests.models.families import family_dir
+    from tests.models.scaled_quant_writer import write_moe_checkpoints
+
+    base = family_dir("qwen3_moe", family_root)  # the session's model, shared with the MoE tests
+    qdir, fdir = write_moe_checkpoints(str(tmp_path / "w4"), ScaledCase("pack", 4, 32), base)
+    quantized, reference = dict(_model(qdir).named_parameters()), dict(_model(fdir).named_parameters())
+    experts = [n for n in reference if ".experts." in n]
+    assert experts and all(torch.equal(quantized[n], reference[n]) for n in experts)
+    # the values are the checkpoint's: not the random float model's
+    assert not torch.equal(reference[experts[0]], dict(_model(base).named_parameters())[experts[0]])
