@@ -65,8 +65,9 @@ def test_float8_weights_are_dequantized_exactly(checkpoints, case) -> None:
     assert torch.equal(quantized.lm_head.weight, reference.lm_head.weight)
 
 
+# float8 layers equal their reference's exactly (above), so one FP8 model stands for the rest here
 @pytest.mark.parametrize("name", ["pack-w4-g32", "pack-w4-g128-asym-bf16", "int-w8-channel-narrow",
-                                  "fp8-block-128x128", "ct-fp8-channel"])
+                                  "fp8-block-128x128"])
 def test_greedy_tokens_equal_the_dequantized_float32_models(checkpoints, name) -> None:
     check_greedy_tokens(*checkpoints[name][:2])
 
