@@ -75,8 +75,8 @@ class QuantizedWeight(nn.Module, ABC):
     def from_zero_point(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int
                         ) -> QuantizedWeight | None:
         """This format holding group-quantized rows ``w[n, k] = scales[n, k // g] * (codes[n, k] - zeros[n, k // g])``
-        (``g = K / G``; AWQ and GPTQ checkpoints, ``tokenmill.model_loader.hf_quant_weights``) exactly, or ``None``
-        when it cannot (the default: the loader then keeps the layer in float).
+        (``g = K / G``; AWQ, GPTQ and compressed-tensors checkpoints, ``tokenmill.model_loader.hf_quant_weights``)
+        exactly, or ``None`` when it cannot (the default: the loader then keeps the layer in float).
 
         Args:
             codes: ``[N, K]`` uint8 in ``0 .. 2**bits - 1``.

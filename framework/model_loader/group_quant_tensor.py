@@ -55,11 +55,12 @@ class GroupQuantTensor:
                                 self.zeros.narrow(0, start, length), self.bits, self.group_size, self.g_idx)
 
     def narrow(self, dim: int, start: int, length: int) -> GroupQuantTensor | torch.Tensor:
-        """Rows ``start:start + length`` (``dim`` 0, no copy); along ``dim`` 1 the whole row is itself and any
-        other column range is dequantized first (a float32 ``[N, length]``)."""
+        """Rows ``start:start + length`` (``dim`` 0, no copy); along ``dim`` 1 the whole row is itself; any other
+        range (column ranges, and negative ``dim``: what a loader that does not know this class asks, e.g.
+        ``FusedMoE``'s) is taken from the dequantized weight (float32)."""
         if dim == 0:
             return self._rows(start, length)
-        if start == 0 and length == self.shape[1]:
+        if dim == 1 and start == 0 and length == self.shape[1]:
             return self
         return self.dequantize().narrow(dim, start, length)
 

@@ -28,7 +28,7 @@ PARTS = ("qweight", "qzeros", "scales", "g_idx")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # channel held by nibble i of an AWQ word
 
 
-def _unpack_last(packed: torch.Tensor, bits: int) -> torch.Tensor:
+def unpack_words(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """``[..., W]`` int32 -> ``[..., W * 32 / bits]`` int16, the codes of each word lowest bits first."""
     shifts = torch.arange(0, 32, bits, dtype=torch.int32)
     codes = (packed.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)
@@ -37,7 +37,7 @@ def _unpack_last(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 def _awq_columns(packed: torch.Tensor) -> torch.Tensor:
     """AWQ words ``[R, N / 8]`` -> codes ``[R, N]`` int16 in channel order."""
-    nibbles = _unpack_last(packed, 4).reshape(packed.shape[0], -1, 8)
+    nibbles = unpack_words(packed, 4).reshape(packed.shape[0], -1, 8)
     inverse = [AWQ_ORDER.index(c) for c in range(8)]  # nibble holding channel c
     return nibbles[..., inverse].reshape(packed.shape[0], -1)
 
@@ -72,8 +72,8 @@ def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tenso
     if scales.shape[1] != n or qzeros.shape != (scales.shape[0], n // per_word):
         raise ValueError(f"GPTQ: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)} and scales "
                          f"{tuple(scales.shape)} do not fit each other")
-    codes = _unpack_last(qweight.t(), bits).to(torch.uint8).contiguous()  # [N, K]
-    zeros = (_unpack_last(qzeros, bits) + config.zero_offset).t().contiguous()
+    codes = unpack_words(qweight.t(), bits).to(torch.uint8).contiguous()  # [N, K]
+    zeros = (unpack_words(qzeros, bits) + config.zero_offset).t().contiguous()
     group = config.group_size if config.group_size > 0 else k
     idx = None
     if g_idx is not None:
@@ -89,9 +89,17 @@ def iterate_hf_quant_weights(weights: Iterable[tuple[str, torch.Tensor]], config
     :class:`GroupQuantTensor`, yielded as soon as the module's tensors are all read (GPTQ's ``g_idx`` may be
     absent: then at the end). Other tensors pass unchanged.
 
+    compressed-tensors and FP8 checkpoints go to
+    :func:`tokenmill.model_loader.scaled_quant_weights.iterate_scaled_quant_weights`.
+
     Raises:
         ValueError: a module lacks ``qweight``, ``qzeros`` or ``scales``, or its shapes do not fit.
     """
+    if config.method in ("compressed-tensors", "fp8"):
+        from tokenmill.model_loader.scaled_quant_weights import iterate_scaled_quant_weights
+
+        yield from iterate_scaled_quant_weights(weights, config)
+        return
     pending: dict[str, dict[str, torch.Tensor]] = {}
     needed = set(PARTS[:3]) | ({"g_idx"} if config.method == "gptq" else set())
 

@@ -75,9 +75,10 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         loaded = model.load_weights(weights)
     if keep_quantized:
         quantized_loading.finish_quantized_loading(model)
-        logger.info("%s weights kept quantized: %d layers; %.1f MiB of buffers",
-                    "GGUF" if model_config.gguf_file else hf_quant.method.upper(), prepared,  # type: ignore[union-attr]
-                    sum(b.numel() * b.element_size() for b in model.buffers()) / 2**20)
+        held = sum(bool(getattr(m, "quant_only", False)) for m in model.modules())
+        logger.info("%s weights kept quantized: %d of %d layers (the rest float); %.1f MiB of buffers",
+                    "GGUF" if model_config.gguf_file else hf_quant.method.upper(), held,  # type: ignore[union-attr]
+                    prepared, sum(b.numel() * b.element_size() for b in model.buffers()) / 2**20)
     missing = {n for n, _ in model.named_parameters()} - loaded
     if missing:
         raise ValueError(f"model: checkpoint has no weights for {sorted(missing)[:8]} ({len(missing)} in all)")

@@ -18,8 +18,8 @@ layer's rows are in (q, k and v of a fused projection arrive one by one) it buil
    (``Q2_K``, ``Q3_K``) -> the ``int4`` format, more (``Q5_1``, ``Q5_K``, ``Q6_K``) -> ``int8``, float
    tensors -> the method asked for (the LM head: the method's ``lm_head_method``).
 
-AWQ and GPTQ checkpoints (``tokenmill.model_loader.hf_quant_weights``) come the same way, as
-:class:`~tokenmill.model_loader.group_quant_tensor.GroupQuantTensor` rows: a layer takes the first platform format
+AWQ, GPTQ and compressed-tensors checkpoints (``tokenmill.model_loader.hf_quant_weights``, ``scaled_quant_weights``)
+come the same way, as :class:`~tokenmill.model_loader.group_quant_tensor.GroupQuantTensor` rows: a layer takes the first platform format
 that holds them exactly (:meth:`QuantizedWeight.from_zero_point`, ``int4`` before ``int8``), else stays float with
 a log line; they are never quantized again.
 

@@ -16,10 +16,11 @@ def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model_dir: str, path: str, arch: str, *, name: str = "tiny") -> str:
+def write_gguf(model_dir: str, path: str, arch: str, *, name: str = "tiny", qtype: Any = None) -> str:
     """Convert ``model_dir`` (safetensors + config.json) to ``path``; ``arch`` is llama.cpp's architecture name
     (``"qwen2"``, ``"qwen3"``, ``"llama"``, ``"phi3"``). A small tokenizer vocabulary (``<tok_i>`` pieces) is included so
-    that transformers reads the vocabulary size. Returns ``path``."""
+    that transformers reads the vocabulary size. ``qtype`` (a ``gguf.GGMLQuantizationType`` that
+    ``gguf.quants.quantize`` writes): every 2-D tensor in that type, else float32. Returns ``path``."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -46,7 +47,10 @@ def write_gguf(model_dir: str, path: str, arch: str, *, name: str = "tiny") -> s
             array = _permute(array, n_heads)
         elif arch == "llama" and hf_name.endswith("k_proj.weight"):
             array = _permute(array, n_kv)
-        w.add_tensor(gguf_name, np.ascontiguousarray(array))
+        if qtype is not None and array.ndim == 2:
+            w.add_tensor(gguf_name, gguf.quants.quantize(np.ascontiguousarray(array), qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gguf_name, np.ascontiguousarray(array))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -131,32 +133,58 @@ def write_checkpoints(folder: str, case: Case, seed: int = 0, base: str | None =
     Returns:
         ``(quantized_dir, float_dir, {module name: Quantized})``.
     """
-    from transformers import LlamaForCausalLM
+    gen = torch.Generator().manual_seed(seed)
+
+    def convert(prefix: str, tensor: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor, Quantized]:
+        nonlocal gen
+        if case.act_order == "channels":
+            gen = torch.Generator().manual_seed(seed * 10 + SHARED_INPUT[prefix.rpartition(".")[2]])
+        q = quantize(tensor, case, gen)
+        return pack(q, case), q.values, q
 
     base = base or build_tiny_llama(os.path.join(folder, "base"), seed=seed, **TINY)
+    return write_quantized_pair(folder, base, convert, quant_config(case))
+
+
+def write_quantized_pair(folder: str, base: str, convert: Callable[[str, torch.Tensor], Any], config: dict
+                         ) -> tuple[str, str, dict[str, Any]]:
+    """The linear weights of the float model ``base`` converted by ``convert(module, weight)`` (``None``: the
+    module stays float, else ``(checkpoint tensors, dequantized float32 values, record)``) into
+    ``folder/quantized`` (with ``config`` as ``quantization_config``), and the float32 model of the values
+    (``save_pretrained``) into ``folder/float``.
+
+    Returns:
+        ``(quantized_dir, float_dir, {module name: record})``.
+    """
+    from transformers import LlamaForCausalLM
+
     model = LlamaForCausalLM.from_pretrained(base, dtype=torch.float32)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    gen = torch.Generator().manual_seed(seed)
-    modules: dict[str, Quantized] = {}
+    modules: dict[str, Any] = {}
     qstate = {}
     for name, tensor in state.items():
         prefix, _, leaf = name.rpartition(".")
-        if leaf != "weight" or prefix.rpartition(".")[2] not in LINEARS:
+        converted = convert(prefix, tensor) if leaf == "weight" and prefix.rpartition(".")[2] in LINEARS else None
+        if converted is None:
             qstate[name] = tensor
             continue
-        if case.act_order == "channels":
-            gen = torch.Generator().manual_seed(seed * 10 + SHARED_INPUT[prefix.rpartition(".")[2]])
-        modules[prefix] = q = quantize(tensor, case, gen)
-        qstate.update({f"{prefix}.{k}": v.contiguous() for k, v in pack(q, case).items()})
-        state[name].copy_(q.values)
+        tensors, values, modules[prefix] = converted
+        qstate.update({f"{prefix}.{k}": v.contiguous() for k, v in tensors.items()})
+        state[name].copy_(values)
     qdir, fdir = os.path.join(folder, "quantized"), os.path.join(folder, "float")
     model.load_state_dict(state)
     model.save_pretrained(fdir)
-    os.makedirs(qdir)
-    save_file(qstate, os.path.join(qdir, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(fdir, "config.json")) as f:
-        config = json.load(f)
-    config["quantization_config"] = quant_config(case)
-    with open(os.path.join(qdir, "config.json"), "w") as f:
-        json.dump(config, f)
+    save_quantized(qdir, fdir, qstate, config)
     return qdir, fdir, modules
+
+
+def save_quantized(qdir: str, fdir: str, tensors: dict[str, torch.Tensor], config: dict) -> None:
+    """``tensors`` as ``qdir``'s checkpoint, with the float model ``fdir``'s ``config.json`` plus ``config`` as
+    its ``quantization_config``."""
+    os.makedirs(qdir)
+    save_file(tensors, os.path.join(qdir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(fdir, "config.json")) as f:
+        hf = json.load(f)
+    hf["quantization_config"] = config
+    with open(os.path.join(qdir, "config.json"), "w") as f:
+        json.dump(hf, f)

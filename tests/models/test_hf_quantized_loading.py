@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -70,24 +71,31 @@ def _values_format(parts: list[Quantized], bits: int) -> type | None:
     return Q8Weight if ok else None
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_layers_hold_the_formats_values_and_the_kernels_multiply_them(checkpoints, case) -> None:
-    qdir, fdir, modules = checkpoints[case.name]
+def check_layers(qdir: str, fdir: str, modules: dict[str, Quantized], bits: int) -> list[str]:
+    """Load both checkpoints and check every linear layer of the quantized one: in the format
+    :func:`expected_format` gives, holding the format's values exactly (the reference model's weights), its kernel
+    within the bound of its activation quantization of the float64 product; a layer with no format (or whose
+    modules are not in ``modules``: left in float by the checkpoint) has a float weight equal to the reference's.
+
+    Returns:
+        the layers left in float.
+    """
     quantized, reference = _model(qdir), _model(fdir)
     layers = {n: m for n, m in quantized.named_modules() if isinstance(m, LinearBase)}
     ref_layers = dict(reference.named_modules())
     assert len(layers) == 4
     torch.manual_seed(0)
+    in_float = []
     for suffix, sources in FUSED.items():
         name = f"model.layers.0.{suffix}"
         layer, w = layers[name], ref_layers[name].weight
-        parts = [modules[f"model.layers.0.{name.split('.')[-2]}.{s}"] for s in sources]
-        # the reference model's weights are the format's values, as the test computed them
-        assert torch.equal(w, torch.cat([q.values for q in parts])), name
-        fmt, permuted = expected_format(parts, case.bits)
-        assert fmt is not None or case.act_order == "channels-own" or (case.bits == 8 and not case.narrow), name
+        parts = [modules.get(f"model.layers.0.{name.split('.')[-2]}.{s}") for s in sources]
+        if all(parts):  # the reference model's weights are the format's values, as the test computed them
+            assert torch.equal(w, torch.cat([q.values for q in parts])), name
+        fmt, permuted = expected_format(parts, bits) if all(parts) else (None, False)
         if fmt is None:
             assert layer.quant is None and torch.equal(layer.weight, w), name
+            in_float.append(name)
             continue
         held = layer.quant.inner if permuted else layer.quant
         assert type(layer.quant) is (PermutedInput if permuted else fmt) and type(held) is fmt, name
@@ -106,6 +114,14 @@ def test_layers_hold_the_formats_values_and_the_kernels_multiply_them(checkpoint
         bound += 1e-5 * (x.double().abs() @ w.double().abs().T)
         assert ((layer(x).double() - want).abs() <= bound).all(), name
     assert torch.equal(quantized.lm_head.weight, reference.lm_head.weight)  # not quantized in the checkpoint
+    return in_float
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_layers_hold_the_formats_values_and_the_kernels_multiply_them(checkpoints, case) -> None:
+    qdir, fdir, modules = checkpoints[case.name]
+    in_float = check_layers(qdir, fdir, modules, case.bits)
+    assert not in_float or case.act_order == "channels-own" or (case.bits == 8 and not case.narrow), in_float
 
 
 def test_quantization_flag_quantizes_only_the_float_lm_head(checkpoints) -> None:
@@ -120,7 +136,12 @@ def test_quantization_flag_quantizes_only_the_float_lm_head(checkpoints) -> None
 
 @pytest.mark.parametrize("name", ["awq4-g128", "gptq4-g32", "gptq4-g64-channels", "gptq8-g64-narrow"])
 def test_greedy_tokens_equal_the_dequantized_float32_models(checkpoints, name) -> None:
-    qdir, fdir, _ = checkpoints[name]
+    check_greedy_tokens(*checkpoints[name][:2])
+
+
+def check_greedy_tokens(qdir: str, fdir: str) -> None:
+    """Greedy tokens of the quantized checkpoint over 24 tokens for :data:`PROMPTS` equal those of the float32
+    model of its dequantized values."""
     args = dict(dtype="float32", num_gpu_blocks_override=64, enforce_eager=True)
     reference = run_engine(EngineCore(EngineArgs(model=fdir, **args).create_engine_config()), PROMPTS, max_tokens=24)
     quantized = run_engine(EngineCore(EngineArgs(model=qdir, **args).create_engine_config()), PROMPTS, max_tokens=24)
@@ -129,18 +150,26 @@ def test_greedy_tokens_equal_the_dequantized_float32_models(checkpoints, name) -
 
 
 @pytest.mark.parametrize("config, message", [
-    ({"quant_method": "fp8"}, "quant_method 'fp8' is not supported; supported: awq (4-bit), gptq (4/8-bit)"),
+    ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported; supported: awq (4-bit), "
+                                       "gptq (4/8-bit), compressed-tensors (4/8-bit: pack-quantized int4/int8, "
+                                       "int-quantized int8 (W8A8), float-quantized fp8), fp8 (8-bit: per-tensor or "
+                                       "block-wise scales)"),
     ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "gptq with bits=3 is not supported"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "AWQ version 'gemv'"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"}, "'marlin'"),
 ])
 def test_unsupported_quantization_fails_at_start_up(checkpoints, tmp_path, config, message) -> None:
-    qdir = checkpoints["gptq4-g32"][0]
+    check_start_up_error(checkpoints["gptq4-g32"][0], tmp_path, config, message)
+
+
+def check_start_up_error(qdir: str, tmp_path, config: dict, message: str) -> None:
+    """The checkpoint ``qdir`` with ``config`` as its ``quantization_config`` fails when the engine starts, with
+    ``message`` after ``quantization_config: ``."""
     for file in os.listdir(qdir):
         os.symlink(os.path.join(qdir, file), tmp_path / file)
     os.unlink(tmp_path / "config.json")
     with open(os.path.join(qdir, "config.json")) as f:
         hf = json.load(f)
     (tmp_path / "config.json").write_text(json.dumps({**hf, "quantization_config": config}))
-    with pytest.raises(ValueError, match="quantization_config: .*" + message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ValueError, match="quantization_config: .*" + re.escape(message)):
         EngineArgs(model=str(tmp_path), dtype="float32").create_engine_config()
