@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenmill.model_loader.hf_quant_config import HFQuantConfig, supported_methods
+from tokenmill.model_loader.hf_quant_types import HFQuantConfig, supported_methods
 
 INT_FORMATS = frozenset({"pack-quantized", "int-quantized", "naive-quantized"})
 FLOAT_FORMATS = frozenset({"float-quantized", "naive-quantized"})

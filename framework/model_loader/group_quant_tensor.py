@@ -137,3 +137,10 @@ class GroupQuantTensor:
         dtype = regular[0].scales.dtype if len({r.scales.dtype for r in regular}) == 1 else torch.float32
         return GroupQuantTensor(torch.cat([r.codes for r in regular]), torch.cat([r.scales.to(dtype) for r in regular]),
                                 torch.cat([r.zeros for r in regular]), max(r.bits for r in regular), size)
+
+
+def unpack_words(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """``[..., W]`` int32 -> ``[..., W * 32 / bits]`` int16, the codes of each word lowest bits first."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    codes = (packed.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(*packed.shape[:-1], -1).to(torch.int16)

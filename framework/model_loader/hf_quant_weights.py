@@ -21,18 +21,11 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from tokenmill.model_loader.group_quant_tensor import GroupQuantTensor
-from tokenmill.model_loader.hf_quant_config import HFQuantConfig
+from tokenmill.model_loader.group_quant_tensor import GroupQuantTensor, unpack_words
+from tokenmill.model_loader.hf_quant_types import HFQuantConfig
 
 PARTS = ("qweight", "qzeros", "scales", "g_idx")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # channel held by nibble i of an AWQ word
-
-
-def unpack_words(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """``[..., W]`` int32 -> ``[..., W * 32 / bits]`` int16, the codes of each word lowest bits first."""
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
-    codes = (packed.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)
-    return codes.reshape(*packed.shape[:-1], -1).to(torch.int16)
 
 
 def _awq_columns(packed: torch.Tensor) -> torch.Tensor:

@@ -32,9 +32,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from tokenmill.model_loader.group_quant_tensor import GroupQuantTensor
-from tokenmill.model_loader.hf_quant_config import HFQuantConfig
-from tokenmill.model_loader.hf_quant_weights import unpack_words
+from tokenmill.model_loader.group_quant_tensor import GroupQuantTensor, unpack_words
+from tokenmill.model_loader.hf_quant_types import HFQuantConfig
 
 logger = logging.getLogger(__name__)
 
