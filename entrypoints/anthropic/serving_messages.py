@@ -55,5 +55,5 @@ class AnthropicServingMessages:
         chat.models.resolve(request.model)
         chat_request = to_chat_request(request, self.chat.reasoning_parser_cls is not None)
         chat_request.check()
-        prompt_ids = await chat.tokenization.run(chat._render_and_encode, chat_request)
+        prompt_ids, _ = await chat.tokenization.run(chat._render_and_encode, chat_request)  # ids, images
         return CountTokensResponse(input_tokens=len(prompt_ids))
