@@ -50,7 +50,7 @@ class EncoderCacheManager:
         """Reserve room for image ``index`` of ``request`` (to be encoded this step), evicting unneeded entries
         oldest first. Call :meth:`can_allocate` first."""
         feature = request.mm_features[index]
-        rows = feature.placeholder.length
+        rows = feature.placeholder.num_embeds
         while self.num_free_rows < rows:
             old, size = self.freeable.popitem(last=False)
             self.num_freeable_rows -= size
