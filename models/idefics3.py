@@ -12,21 +12,18 @@ So an image's placeholder range holds text tokens between its tiles' runs, and i
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
 
 from tokenmill.layers import ReplicatedLinear
-from tokenmill.layers.decoder import DEFAULT_STACKED_PARAMS
-from tokenmill.model_loader.weight_utils import load_checkpoint_weights
 from tokenmill.models.clip import CLIPEncoderLayer
-from tokenmill.models.llava import text_model
+from tokenmill.models.llava import WrappedCausalLM, text_model
 
 # transformers' checkpoint names -> this module's tree
 _CHECKPOINT_RENAMES = (
     ("model.text_model.", "language_model.model."),
-    ("lm_head.", "language_model.lm_head."),
     ("model.vision_model.", "vision_model."),
     ("model.connector.", "connector."),
 )
@@ -134,12 +131,9 @@ class Idefics3PromptProcessor:
         return out
 
 
-class Idefics3ForConditionalGeneration(nn.Module):
+class Idefics3ForConditionalGeneration(WrappedCausalLM, nn.Module):
     """The model contract plus :class:`tokenmill.model_contract.SupportsMultiModal`; the text decoder is the
     registered causal LM of ``text_config`` (Llama in released checkpoints)."""
-
-    supports_multimodal: ClassVar[bool] = True
-    supports_pp: ClassVar[bool] = False
 
     def __init__(self, config: Any, prefix: str = "") -> None:
         super().__init__()
@@ -203,18 +197,7 @@ class Idefics3ForConditionalGeneration(nn.Module):
         features = self.connector(self.vision_model(pixel_values))
         return features.reshape(-1, features.shape[-1])
 
-    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.model.embed_input_ids(input_ids)
-
     # ---------------------------------------------------------------- CausalLM
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors: Any = None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """``[T]`` ids and positions (and optionally ``[T, hidden]`` embeddings with image rows) -> ``[T, hidden]``."""
-        return self.language_model.model(input_ids, positions, intermediate_tensors, inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load a transformers Idefics3 checkpoint.
@@ -222,20 +205,4 @@ class Idefics3ForConditionalGeneration(nn.Module):
         Raises:
             KeyError: a tensor matches no parameter.
         """
-        lm = self.language_model
-        tied = bool(getattr(lm, "tie_word_embeddings", False))
-
-        def renamed() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                for old, new in _CHECKPOINT_RENAMES:
-                    if name.startswith(old):
-                        name = new + name[len(old):]
-                        break
-                if name.endswith("position_ids") or (tied and name == "language_model.lm_head.weight"):
-                    continue
-                yield name, tensor
-
-        loaded = load_checkpoint_weights(self, renamed(), stacked_params_mapping=DEFAULT_STACKED_PARAMS)
-        if tied:
-            loaded.add("language_model.lm_head.weight")
-        return loaded
+        return self.load_renamed_weights(weights, _CHECKPOINT_RENAMES)
