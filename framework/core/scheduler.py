@@ -134,8 +134,8 @@ class Scheduler:
         for feature in request.mm_features:
             if feature.placeholder.num_embeds > self.encoder_cache_manager.cache_size:
                 raise InvalidRequestError(
-                    f"an image of the prompt takes {feature.placeholder.num_embeds} embedding rows, more than the encoder cache "
-                    f"holds ({self.encoder_cache_manager.cache_size} rows)", "prompt")
+                    f"an image of the prompt takes {feature.placeholder.num_embeds} embedding rows, more than the "
+                    f"encoder cache holds ({self.encoder_cache_manager.cache_size} rows)", "prompt")
         longest = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
         if request.pooling_params is None and not self.kv_cache_manager.can_fit(longest):
             raise InvalidRequestError(
