@@ -8,7 +8,7 @@ vision features as their embeddings.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -51,6 +51,57 @@ def text_model(config: Any, text_config: Any, owner: str) -> nn.Module:
     return ModelRegistry.resolve_model_cls(archs)(dataclasses.replace(config, hf_config=text_config))
 
 
+class WrappedCausalLM:
+    """The causal-LM half of a vision-language model whose ``language_model`` is a registered causal LM: text
+    embeddings, the forward pass and logits are the decoder's, and its checkpoint loader renames
+    transformers' names to this tree's (a mixin for the ``nn.Module`` model classes, which add the
+    ``SupportsMultiModal`` methods; no pipeline parallelism)."""
+
+    supports_multimodal: ClassVar[bool] = True
+    supports_pp: ClassVar[bool] = False
+    language_model: Any
+
+    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.model.embed_input_ids(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors: Any = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """``[T]`` ids and positions (and optionally ``[T, hidden]`` embeddings with image rows) -> ``[T, hidden]``."""
+        return self.language_model.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden_states)
+
+    def load_renamed_weights(self, weights: Iterable[tuple[str, torch.Tensor]], renames: Iterable[tuple[str, str]],
+                             skip: Callable[[str], bool] = lambda name: False) -> set[str]:
+        """Load ``weights`` after replacing each name's prefixes by ``renames`` (in order, every match applied;
+        ``lm_head.`` becomes ``language_model.lm_head.``), leaving out ``position_ids`` buffers, a tied
+        ``lm_head`` and the (renamed) names ``skip`` selects.
+
+        Raises:
+            KeyError: a tensor matches no parameter.
+        """
+        tied = bool(getattr(self.language_model, "tie_word_embeddings", False))
+        renames = tuple(renames)
+
+        def renamed() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                for old, new in renames:
+                    if name.startswith(old):
+                        name = new + name[len(old):]
+                if name.startswith("lm_head."):
+                    name = "language_model." + name
+                if name.endswith("position_ids") or (tied and name == "language_model.lm_head.weight") or skip(name):
+                    continue
+                yield name, tensor
+
+        loaded = load_checkpoint_weights(self, renamed(),  # type: ignore[arg-type]
+                                         stacked_params_mapping=DEFAULT_STACKED_PARAMS)
+        if tied:
+            loaded.add("language_model.lm_head.weight")
+        return loaded
+
+
 class LlavaMultiModalProjector(nn.Module):
     def __init__(self, vision_hidden: int, text_hidden: int, act: str, bias: bool) -> None:
         super().__init__()
@@ -62,15 +113,12 @@ class LlavaMultiModalProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class LlavaForConditionalGeneration(nn.Module):
+class LlavaForConditionalGeneration(WrappedCausalLM, nn.Module):
     """The model contract plus :class:`tokenmill.model_contract.SupportsMultiModal`.
 
     ``vision_feature_layer`` (an index, or a list whose features are concatenated) picks the vision tower's
     hidden states; ``vision_feature_select_strategy`` ``"default"`` drops the class token, ``"full"`` keeps it.
     """
-
-    supports_multimodal: ClassVar[bool] = True
-    supports_pp: ClassVar[bool] = False
 
     def __init__(self, config: Any, prefix: str = "") -> None:
         super().__init__()
@@ -121,18 +169,7 @@ class LlavaForConditionalGeneration(nn.Module):
             features = features[1:]
         return self.multi_modal_projector(features)
 
-    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.model.embed_input_ids(input_ids)
-
     # ---------------------------------------------------------------- CausalLM
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors: Any = None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """``[T]`` ids and positions (and optionally ``[T, hidden]`` embeddings with image rows) -> ``[T, hidden]``."""
-        return self.language_model.model(input_ids, positions, intermediate_tensors, inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load a transformers Llava checkpoint (either naming scheme); vision layers past the last one used
@@ -141,24 +178,9 @@ class LlavaForConditionalGeneration(nn.Module):
         Raises:
             KeyError: a tensor matches no parameter.
         """
-        lm = self.language_model
-        tied = bool(getattr(lm, "tie_word_embeddings", False))
 
-        def renamed() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                for old, new in _CHECKPOINT_RENAMES:
-                    if name.startswith(old):
-                        name = new + name[len(old):]
-                if name.startswith("lm_head."):
-                    name = "language_model." + name
-                if name.endswith("position_ids") or (tied and name == "language_model.lm_head.weight"):
-                    continue
-                if name.startswith("vision_tower.encoder.layers."):
-                    if int(name.split(".")[3]) >= self.num_vision_layers:
-                        continue
-                yield name, tensor
+        def unused(name: str) -> bool:
+            return (name.startswith("vision_tower.encoder.layers.")
+                    and int(name.split(".")[3]) >= self.num_vision_layers)
 
-        loaded = load_checkpoint_weights(self, renamed(), stacked_params_mapping=DEFAULT_STACKED_PARAMS)
-        if tied:
-            loaded.add("language_model.lm_head.weight")
-        return loaded
+        return self.load_renamed_weights(weights, _CHECKPOINT_RENAMES, unused)

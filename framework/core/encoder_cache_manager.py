@@ -1,6 +1,6 @@
 """EncoderCacheManager: the scheduler's ledger of the workers' encoder cache (vLLM's name and role).
 
-A vision encoder's output for an image (``[placeholder length, hidden]`` rows) is computed once and kept in the
+A vision encoder's output for an image (``[placeholder.num_embeds, hidden]`` rows) is computed once and kept in the
 workers, keyed by the image's ``mm_hash``, until every scheduled chunk that needs it has run: a prompt whose
 image placeholder is split across prefill chunks, or several requests with the same image, encode it once. The
 scheduler decides here which images each step encodes (within a per-step budget of embedding rows) and tells
@@ -50,7 +50,7 @@ class EncoderCacheManager:
         """Reserve room for image ``index`` of ``request`` (to be encoded this step), evicting unneeded entries
         oldest first. Call :meth:`can_allocate` first."""
         feature = request.mm_features[index]
-        rows = feature.placeholder.length
+        rows = feature.placeholder.num_embeds
         while self.num_free_rows < rows:
             old, size = self.freeable.popitem(last=False)
             self.num_freeable_rows -= size

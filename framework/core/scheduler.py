@@ -132,10 +132,10 @@ class Scheduler:
                 "prompt",
             )
         for feature in request.mm_features:
-            if feature.placeholder.length > self.encoder_cache_manager.cache_size:
+            if feature.placeholder.num_embeds > self.encoder_cache_manager.cache_size:
                 raise InvalidRequestError(
-                    f"an image of the prompt takes {feature.placeholder.length} tokens, more than the encoder cache "
-                    f"holds ({self.encoder_cache_manager.cache_size} rows)", "prompt")
+                    f"an image of the prompt takes {feature.placeholder.num_embeds} embedding rows, more than the "
+                    f"encoder cache holds ({self.encoder_cache_manager.cache_size} rows)", "prompt")
         longest = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
         if request.pooling_params is None and not self.kv_cache_manager.can_fit(longest):
             raise InvalidRequestError(
@@ -355,10 +355,10 @@ class Scheduler:
         end = num_computed + num_new
         to_encode: list[int] = []
         for index, feature in enumerate(request.mm_features):
-            start, rows = feature.placeholder.offset, feature.placeholder.length
+            start, rows = feature.placeholder.offset, feature.placeholder.num_embeds
             if start >= end:
                 break
-            if start + rows <= num_computed:
+            if feature.placeholder.end <= num_computed:
                 continue  # its embeddings are in the KV cache already
             if manager.check_and_update_cache(request, index):
                 continue  # cached, or encoded this step (an earlier image of the prompt, or another request)

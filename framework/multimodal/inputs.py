@@ -54,14 +54,40 @@ class TensorData(msgspec.Struct, array_like=True):
 
 
 class PlaceholderRange(msgspec.Struct, array_like=True, frozen=True):
-    """The prompt positions ``[offset, offset + length)`` that one image's embeddings replace, in order."""
+    """The prompt positions ``[offset, offset + length)`` of one image, whose embeddings replace them in order.
+
+    vLLM's ``is_embed``: a model whose processor puts text tokens among an image's embedding tokens (Idefics3's
+    ``<fake_token_around_image><row_1_col_2>`` between tiles) marks which positions of the range take an
+    embedding row; the others keep their text embeddings. ``None``: every position does.
+    """
 
     offset: int
     length: int
+    is_embed: tuple[bool, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.is_embed is not None and len(self.is_embed) != self.length:
+            raise ValueError(f"is_embed has {len(self.is_embed)} entries for a placeholder of {self.length} tokens")
 
     @property
     def end(self) -> int:
         return self.offset + self.length
+
+    @property
+    def num_embeds(self) -> int:
+        """Embedding rows the image takes (the encoder's output rows; its encoder-cache and budget cost)."""
+        return self.length if self.is_embed is None else sum(self.is_embed)
+
+    def embeds_in(self, start: int, end: int) -> tuple[int, list[int]]:
+        """For prompt positions ``[start, end)`` (clipped to the range): the index of the first embedding row
+        they take, and the positions that take rows, ascending (one row each, consecutive rows)."""
+        lo, hi = max(start, self.offset), min(end, self.end)
+        if lo >= hi:
+            return 0, []
+        if self.is_embed is None:
+            return lo - self.offset, list(range(lo, hi))
+        first = sum(self.is_embed[: lo - self.offset])
+        return first, [p for p in range(lo, hi) if self.is_embed[p - self.offset]]
 
 
 class MultiModalFeature(msgspec.Struct, array_like=True):

@@ -55,11 +55,14 @@ def feature_hash(arch: str, item: Mapping[str, torch.Tensor]) -> str:
 
 
 def find_placeholders(token_ids: Sequence[int], image_token_id: int, lengths: Sequence[int]) -> list[PlaceholderRange]:
-    """The placeholder run of each image, in order: image ``i`` takes the next ``lengths[i]`` consecutive image
-    tokens.
+    """The placeholder range of each image, in order: image ``i`` takes the next ``lengths[i]`` image tokens.
+
+    The range runs from the image's first image token to its last; when other tokens lie between them (Idefics3
+    puts ``<fake_token_around_image><row_1_col_2>`` between the runs of an image's tiles) its ``is_embed``
+    marks the image tokens.
 
     Raises:
-        ValueError: the image tokens do not form runs of exactly these lengths.
+        ValueError: the prompt holds another number of image tokens than the images need.
     """
     positions = [p for p, t in enumerate(token_ids) if t == image_token_id]
     if len(positions) != sum(lengths):
@@ -67,10 +70,13 @@ def find_placeholders(token_ids: Sequence[int], image_token_id: int, lengths: Se
     ranges: list[PlaceholderRange] = []
     at = 0
     for length in lengths:
-        start = positions[at]
-        if positions[at + length - 1] != start + length - 1:
-            raise ValueError(f"the image tokens at position {start} are not {length} consecutive tokens")
-        ranges.append(PlaceholderRange(start, length))
+        mine = positions[at : at + length]
+        start, end = mine[0], mine[-1] + 1
+        if end - start == length:
+            ranges.append(PlaceholderRange(start, length))
+        else:
+            taken = set(mine)
+            ranges.append(PlaceholderRange(start, end - start, tuple(p in taken for p in range(start, end))))
         at += length
     return ranges
 

@@ -41,9 +41,9 @@ class EncoderRunner:
                     continue  # encoded by an earlier request of this step
                 item = {name: t.to(self.device) for name, t in feature.tensors().items()}
                 out = self.model.get_multimodal_embeddings(**item)  # type: ignore[operator]
-                if out.shape[0] != feature.placeholder.length:
+                if out.shape[0] != feature.placeholder.num_embeds:
                     raise ValueError(f"the encoder gave {out.shape[0]} rows for an image with "
-                                     f"{feature.placeholder.length} placeholder tokens")
+                                     f"{feature.placeholder.num_embeds} embedding positions")
                 self.encoder_cache[feature.mm_hash] = out
                 self.num_encoder_runs += 1
 
@@ -68,15 +68,13 @@ class EncoderRunner:
                 continue
             start, end = state.num_computed_tokens, state.num_computed_tokens + n
             for feature in state.mm_features:
-                lo = max(start, feature.placeholder.offset)
-                hi = min(end, feature.placeholder.end)
-                if lo >= hi:
+                first, embed_positions = feature.placeholder.embeds_in(start, end)
+                if not embed_positions:
                     continue
                 cached = self.encoder_cache[feature.mm_hash]
-                first = lo - feature.placeholder.offset
-                pieces.append(cached[first : first + hi - lo])
+                pieces.append(cached[first : first + len(embed_positions)])
                 base = query_start_loc[i] - start
-                rows.extend(range(base + lo, base + hi))
+                rows.extend(base + p for p in embed_positions)
         if not rows:
             return None
         embeds = self.model.get_input_embeddings(input_ids)  # type: ignore[operator]

@@ -109,3 +109,19 @@ def test_encoder_room_is_given_back_when_the_chunk_gets_no_kv_blocks():
     steps = [first]
     run_to_end(sched, steps)
     assert [so.scheduled_encoder_inputs for so in steps if so.scheduled_encoder_inputs] == [{"pic": [0]}]
+
+
+def test_an_image_with_text_among_its_tokens_costs_only_its_embedding_rows():
+    """vLLM's ``is_embed``: a 12-token range of which 8 positions take rows (Idefics3-style tiles with text
+    between them) needs 8 rows of encoder budget and cache, not 12."""
+    sched = make_scheduler(budget=16)
+    sched.encoder_cache_manager.cache_size = 8
+    sched.encoder_cache_manager.num_free_rows = 8
+    mask = (True,) * 4 + (False,) * 4 + (True,) * 4
+    feature = MultiModalFeature("image", "tiles", PlaceholderRange(2, 12, mask), {})
+    request = image_request(20, [feature], rid="r")
+    sched.add_request(request)
+    first = sched.schedule()
+    assert first.scheduled_encoder_inputs == {"r": [0]}
+    assert first.num_scheduled_tokens["r"] == 16
+    assert sched.encoder_cache_manager.num_free_rows == 0

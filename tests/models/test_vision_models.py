@@ -11,7 +11,14 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from tests.models.vision_models import build_llava, build_qwen2_5_vl, build_qwen2_vl, data_url, random_image
+from tests.models.vision_models import (
+    build_idefics3,
+    build_llava,
+    build_qwen2_5_vl,
+    build_qwen2_vl,
+    data_url,
+    random_image,
+)
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
 
@@ -33,6 +40,8 @@ SPECS = [
                "Qwen2VLForConditionalGeneration"),
     VisionSpec("qwen2_5_vl", build_qwen2_5_vl, "<|vision_start|><|image_pad|><|vision_end|>",
                "Qwen2_5_VLForConditionalGeneration"),
+    # images split into tiles: text tokens between an image's runs of <image> tokens (PlaceholderRange.is_embed)
+    VisionSpec("idefics3", build_idefics3, "<image>", "Idefics3ForConditionalGeneration"),
 ]
 
 
@@ -51,10 +60,12 @@ def vlm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 
 def hf_greedy(spec: VisionSpec, model_dir: str, llm: Any, cases: list[tuple[str, list]]) -> list[list[int]]:
     """transformers' greedy tokens, its inputs made by the model's processor (transformers' own processor class
-    for Llava; for Qwen2-VL, whose processor class needs torchvision, the engine's equivalent of it)."""
+    for Llava and Idefics3; for Qwen2-VL, whose processor class needs torchvision, the engine's equivalent of
+    it)."""
     import transformers
 
     processor = llm.llm_engine.input_processor.mm_processor.processor()
+    processor = getattr(processor, "hf_processor", processor)  # Idefics3: transformers' own processor
     model = getattr(transformers, spec.hf_class).from_pretrained(model_dir, dtype=torch.float32).eval()
     out = []
     with torch.no_grad():
@@ -101,6 +112,8 @@ def test_greedy_matches_transformers(vlm):
     image_start = first[0].prompt_token_ids.index(image_id)
     image_len = first[0].prompt_token_ids.count(image_id)
     assert image_len > 5  # longer than a step: split across chunks
+    if spec.name == "idefics3":
+        assert image_len == 5 * 16  # image splitting on: 2x2 tiles of 16 tokens and the global image
     assert first[3].num_cached_tokens <= image_start  # another image: nothing past its placeholder is shared
 
     again = llm.generate(_inputs(cases), GREEDY, use_tqdm=False)

@@ -32,6 +32,19 @@ def data_url(image: Any, fmt: str = "PNG") -> str:
     return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+def randomize(model: Any, projection: Any) -> None:
+    """Random norms and biases too (so a wrong placement shows), and image embeddings as large as text ones
+    (random init leaves them ~50x smaller, and answers would not depend on them): ``projection`` is the last
+    weight before the text decoder."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+        projection.mul_(50.0)
+
+
 def build_llava(path: str) -> str:
     """A 2-layer CLIP tower (28 px images, 7 px patches: 16 image tokens) + projector + 2-layer Llama, float32,
     saved with a ``LlavaProcessor`` (the byte-level test tokenizer plus ``<image>``) and a chat template."""
@@ -60,12 +73,7 @@ def build_llava(path: str) -> str:
                          image_seq_length=16, architectures=["LlavaForConditionalGeneration"])
     torch.manual_seed(0)
     model = LlavaForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():  # random norms/biases too, so a wrong placement shows
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.1)
-        # image embeddings as large as text ones (random init leaves them ~50x smaller), so answers depend on them
-        model.model.multi_modal_projector.linear_2.weight.mul_(50.0)
+    randomize(model, model.model.multi_modal_projector.linear_2.weight)
     processor = LlavaProcessor(
         image_processor=CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}),
         tokenizer=tok, patch_size=7, vision_feature_select_strategy="default", image_token="<image>",
@@ -110,11 +118,7 @@ def build_qwen2_vl(path: str) -> str:
                            vision_end_token_id=ids["<|vision_end|>"], bos_token_id=None, eos_token_id=2)
     torch.manual_seed(0)
     model = Qwen2VLForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.1)
-        model.model.visual.merger.mlp[2].weight.mul_(50.0)  # image embeddings as large as text ones
+    randomize(model, model.model.visual.merger.mlp[2].weight)
     model.save_pretrained(path)
     Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=56 * 56, patch_size=7, merge_size=2,
                              temporal_patch_size=2).save_pretrained(path)
@@ -144,13 +148,45 @@ def build_qwen2_5_vl(path: str) -> str:
                               vision_end_token_id=saved["vision_end_token_id"], bos_token_id=None, eos_token_id=2)
     torch.manual_seed(2)
     model = Qwen2_5_VLForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.1)
-        model.model.visual.merger.mlp[2].weight.mul_(50.0)
+    randomize(model, model.model.visual.merger.mlp[2].weight)
     for name in os.listdir(path):
         if name.endswith(".safetensors") or name == "config.json":
             os.remove(os.path.join(path, name))
     model.save_pretrained(path)
+    return path
+
+
+def build_idefics3(path: str) -> str:
+    """A 2-layer SigLIP-style tower (32 px tiles, 4 px patches, pixel shuffle by 2: 16 tokens per tile) + a
+    2-layer Llama, float32, saved with an ``Idefics3Processor`` whose image processor resizes images to at most
+    64 px and splits them into 32 px tiles plus a global image (a 40x30 image: 2x2 tiles + 1 = 80 tokens), and
+    the byte-level test tokenizer plus Idefics3's tokens."""
+    import torch
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    from tests.engine.engine_fakes import byte_level_tokenizer
+
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    tok = byte_level_tokenizer()
+    tiles = [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
+    specials = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>", *tiles]
+    tok.add_special_tokens({"additional_special_tokens": ["<special>", *specials]})
+    tok.chat_template = CHAT_TEMPLATE
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+                  patch_size=4)
+    text = dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, pad_token_id=0)
+    config = Idefics3Config(vision_config=vision, text_config=text, scale_factor=2,
+                            image_token_id=tok.convert_tokens_to_ids("<image>"), tie_word_embeddings=False,
+                            architectures=["Idefics3ForConditionalGeneration"])
+    torch.manual_seed(0)
+    model = Idefics3ForConditionalGeneration(config).eval()
+    randomize(model, model.model.connector.modality_projection.proj.weight)
+    processor = Idefics3Processor(
+        image_processor=Idefics3ImageProcessorPil(size={"longest_edge": 64}, max_image_size={"longest_edge": 32}),
+        tokenizer=tok, image_seq_len=16, chat_template=CHAT_TEMPLATE)
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
     return path
