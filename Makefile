@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/python -m pip
-# uv installs what pip would, from the same indexes (tools/uv_pip_install.py), in seconds instead of minutes.
+# uv installs what pip would, from the same indexes (tools/uv_pip_install.py), in a third of pip's time.
 INSTALL := $(PY) tools/uv_pip_install.py -q
 PYTHON ?= python3
 MODEL ?=
