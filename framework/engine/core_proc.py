@@ -19,7 +19,6 @@ import logging
 import os
 import queue
 import signal
-import sys
 import threading
 import traceback
 from typing import Any
@@ -44,6 +43,7 @@ from tokenmill.engine.messages import (
     SchedulerStats,
 )
 from tokenmill.errors import InvalidRequestError
+from tokenmill.process_exit import exit_without_teardown
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def run_engine_core(
         label = f"engine core {rank}" if config.parallel_config.data_parallel_size > 1 else "engine core"
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [{label}] %(message)s")
     proc = EngineCoreProc(config, input_address, output_address, engine_core_cls, parent_pid, identity)
-    sys.exit(proc.run())
+    exit_without_teardown(proc.run())
 
 
 class EngineCoreProc:

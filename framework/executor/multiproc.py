@@ -34,7 +34,6 @@ import logging
 import os
 import pickle
 import socket
-import sys
 import threading
 import time
 import traceback
@@ -49,6 +48,7 @@ from typing import Any
 from tokenmill.config import EngineConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.executor.base import Executor, FutureOutput
+from tokenmill.process_exit import exit_without_teardown
 
 logger = logging.getLogger(__name__)
 
@@ -187,10 +187,7 @@ def _worker_main(
         except Exception:  # noqa: BLE001 - best effort at exit
             pass
         conn.close()
-    # Skip the interpreter's slow teardown of torch and friends (seconds); nothing is left to flush but stdio.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_teardown(0)
 
 
 def _stop_workers(procs: list[SpawnProcess], conns: list[connection.Connection], grace_s: float = 5.0) -> None:

@@ -22,6 +22,7 @@ LAYER_OF: dict[str, str] = {
     "cache_dir": "foundation",
     "dtypes": "foundation",
     "version": "foundation",
+    "process_exit": "foundation",
     # platforms/plugins: the plugin core, and the per-process state the device layers read.
     "platforms": "platform",
     "plugins": "platform",
