@@ -26,8 +26,8 @@ TEXT_ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM", "granite": "GraniteForCausalLM", "phi3": "Phi3ForCausalLM",
 }
 
-# transformers >= 4.52 names (model.language_model.*, ...) -> the older names this module's tree uses
-_CHECKPOINT_RENAMES = (
+# transformers >= 4.52 names (model.language_model.*, ...) -> the older names this module's tree uses (Gemma 3 shares them)
+CHECKPOINT_RENAMES = (
     ("model.language_model.", "language_model.model."),
     ("model.vision_tower.", "vision_tower."),
     ("model.multi_modal_projector.", "multi_modal_projector."),
@@ -183,4 +183,4 @@ class LlavaForConditionalGeneration(WrappedCausalLM, nn.Module):
             return (name.startswith("vision_tower.encoder.layers.")
                     and int(name.split(".")[3]) >= self.num_vision_layers)
 
-        return self.load_renamed_weights(weights, _CHECKPOINT_RENAMES, unused)
+        return self.load_renamed_weights(weights, CHECKPOINT_RENAMES, unused)

@@ -26,6 +26,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "Qwen2VLForConditionalGeneration": "tokenmill.models.qwen2_vl:Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration": "tokenmill.models.qwen2_5_vl:Qwen2_5_VLForConditionalGeneration",
     "Idefics3ForConditionalGeneration": "tokenmill.models.idefics3:Idefics3ForConditionalGeneration",
+    "Gemma3ForConditionalGeneration": "tokenmill.models.gemma3_mm:Gemma3ForConditionalGeneration",
     # hybrid attention / state-space models (docs/models.md)
     "Mamba2ForCausalLM": "tokenmill.models.mamba2:Mamba2ForCausalLM",
     "GraniteMoeHybridForCausalLM": "tokenmill.models.granitemoehybrid:GraniteMoeHybridForCausalLM",

@@ -101,6 +101,11 @@ class Scheduler:
         encoder_rows = getattr(mm_config, "encoder_cache_size", 0) or max(DEFAULT_ENCODER_CACHE_ROWS,
                                                                           self.max_num_batched_tokens)
         self.encoder_cache_manager = EncoderCacheManager(encoder_rows)
+        # Multimodal prefix-LM (Gemma 3): an image's tokens attend to each other both ways, so a prefill chunk
+        # never ends inside an image's placeholder (vLLM's disable_chunked_mm_input).
+        self.mm_prefix_lm = bool(getattr(config.model_config, "is_mm_prefix_lm", False))
+        self.max_chunk_tokens = self.max_num_batched_tokens if self.long_prefill_token_threshold <= 0 \
+            else min(self.max_num_batched_tokens, self.long_prefill_token_threshold)
 
     # ------------------------------------------------------------------ admission
 
@@ -136,6 +141,11 @@ class Scheduler:
                 raise InvalidRequestError(
                     f"an image of the prompt takes {feature.placeholder.num_embeds} embedding rows, more than the "
                     f"encoder cache holds ({self.encoder_cache_manager.cache_size} rows)", "prompt")
+            if self.mm_prefix_lm and feature.placeholder.length > self.max_chunk_tokens:
+                raise InvalidRequestError(
+                    f"an image of the prompt takes {feature.placeholder.length} tokens, which must run in one step "
+                    f"(bidirectional attention among them), but a step takes at most {self.max_chunk_tokens} "
+                    "prompt tokens (--max-num-batched-tokens, --long-prefill-token-threshold)", "prompt")
         longest = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
         if request.pooling_params is None and not self.kv_cache_manager.can_fit(longest):
             raise InvalidRequestError(
@@ -350,7 +360,13 @@ class Scheduler:
         must be encoded this step (not cached), within the encoder ``budget``; the chunk stops before the first
         image that does not fit. Their encoder-cache room is allocated here (undo with
         :meth:`_cancel_encoder_inputs` if the chunk is not scheduled), and cached images the chunk reaches get
-        the request's reference. Returns ``(image indices to encode, num_new, budget left)``."""
+        the request's reference. Returns ``(image indices to encode, num_new, budget left)``.
+
+        For a multimodal prefix-LM the chunk also stops before the first placeholder it would end inside: its
+        tokens attend to the placeholder's later tokens, which must be in the same step (vLLM's
+        ``disable_chunked_mm_input``). A chunk that starts inside a placeholder (a prefix-cache hit ending there:
+        the cached part saw the whole image when it was computed) must reach its end, else ``num_new`` is 0
+        and the request waits for a step with room."""
         manager = self.encoder_cache_manager
         end = num_computed + num_new
         to_encode: list[int] = []
@@ -360,6 +376,9 @@ class Scheduler:
                 break
             if feature.placeholder.end <= num_computed:
                 continue  # its embeddings are in the KV cache already
+            if self.mm_prefix_lm and end < feature.placeholder.end:
+                num_new = max(0, start - num_computed)
+                break
             if manager.check_and_update_cache(request, index):
                 continue  # cached, or encoded this step (an earlier image of the prompt, or another request)
             if not manager.can_allocate(rows, budget):

@@ -190,3 +190,45 @@ def build_idefics3(path: str) -> str:
     model.save_pretrained(path)
     processor.save_pretrained(path)
     return path
+
+
+def build_gemma3(path: str) -> str:
+    """A 2-layer SigLIP tower (42 px images, 7 px patches: a 6x6 grid pooled 2x2 to 9 image tokens) + a 2-layer
+    Gemma 3 decoder (a sliding layer with a 6-token window, shorter than an image, and a global layer), float32,
+    saved with a ``Gemma3Processor`` (Pillow image processor) and the byte-level test tokenizer plus Gemma 3's
+    image tokens."""
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor, PreTrainedTokenizerFast
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    from tests.engine.engine_fakes import byte_level_tokenizer
+
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    specials = ["<start_of_image>", "<image_soft_token>", "<end_of_image>"]
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=byte_level_tokenizer().backend_tokenizer, eos_token="<eos>",
+        additional_special_tokens=["<special>", *specials],
+        extra_special_tokens={"boi_token": specials[0], "image_token": specials[1], "eoi_token": specials[2]})
+    template = CHAT_TEMPLATE.replace("<image>", "<start_of_image>")
+    tok.chat_template = template
+    ids = [tok.convert_tokens_to_ids(t) for t in specials]
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=42,
+                  patch_size=7, vision_use_head=False)
+    text = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, sliding_window=6,
+                layer_types=["sliding_attention", "full_attention"], pad_token_id=0, bos_token_id=None,
+                eos_token_id=2, tie_word_embeddings=False)
+    config = Gemma3Config(vision_config=vision, text_config=text, mm_tokens_per_image=9, boi_token_index=ids[0],
+                          image_token_index=ids[1], eoi_token_index=ids[2], tie_word_embeddings=False,
+                          architectures=["Gemma3ForConditionalGeneration"])
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # transformers initialises the projection to zeros
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.02)
+    randomize(model, model.model.multi_modal_projector.mm_input_projection_weight)
+    processor = Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 42, "width": 42}),
+                                tokenizer=tok, image_seq_length=9, chat_template=template)
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return path
