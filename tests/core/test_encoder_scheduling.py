@@ -125,3 +125,52 @@ def test_an_image_with_text_among_its_tokens_costs_only_its_embedding_rows():
     assert first.scheduled_encoder_inputs == {"r": [0]}
     assert first.num_scheduled_tokens["r"] == 16
     assert sched.encoder_cache_manager.num_free_rows == 0
+
+
+def prefix_lm_scheduler(**kw):
+    """A scheduler for a multimodal prefix-LM (Gemma 3: bidirectional attention among an image's tokens)."""
+    sched = make_scheduler(**kw)
+    sched.mm_prefix_lm = True
+    return sched
+
+
+def test_a_prefix_lm_chunk_never_ends_inside_an_image():
+    sched = prefix_lm_scheduler(budget=8, block_size=4)
+    sched.add_request(image_request(24, [image("a", 5, 6), image("b", 12, 7)], rid="r"))
+    steps: list = []
+    run_to_end(sched, steps)
+    ends, done = [], 0
+    for so in steps:
+        done += so.num_scheduled_tokens.get("r", 0)
+        ends.append(done)
+    # 8-token steps would end at 8 (inside a) and 16 (inside b): the chunks stop before each image instead
+    assert ends[:4] == [5, 12, 20, 24]
+    assert [so.scheduled_encoder_inputs for so in steps if so.scheduled_encoder_inputs] == [{"r": [0]}, {"r": [1]}]
+
+
+def test_a_prefix_cache_hit_inside_an_image_is_followed_by_the_rest_of_the_image_in_one_chunk():
+    sched = prefix_lm_scheduler(budget=8, block_size=4)
+    sched.add_request(image_request(16, [image("a", 5, 6)], rid="first"))
+    run_to_end(sched, [])
+    again = image_request(16, [image("a", 5, 6)], rid="again")
+    again.prompt_token_ids[11] = again.all_token_ids[11] = 3  # the same first two blocks, then other text
+    sched.add_request(again)
+    so = sched.schedule()
+    assert again.num_cached_tokens == 8  # the hit ends inside the image (positions 5..10)
+    assert so.num_scheduled_tokens["again"] == 8  # positions 8..15 in one chunk: the image's rest included
+    # with room for less than the image's rest, such a chunk waits rather than split it
+    late = image_request(16, [image("b", 5, 6)], rid="late")
+    assert sched._schedule_encoder_inputs(late, 8, 2, 100)[1] == 0
+    assert sched._schedule_encoder_inputs(late, 8, 3, 100)[1] == 3
+
+
+def test_a_prefix_lm_image_longer_than_a_step_is_refused():
+    import pytest
+
+    from tokenmill.errors import InvalidRequestError
+
+    sched = prefix_lm_scheduler(budget=8, threshold=6)
+    with pytest.raises(InvalidRequestError, match="one step") as err:
+        sched.add_request(image_request(20, [image("big", 2, 7)]))
+    assert err.value.param == "prompt"
+    sched.add_request(image_request(20, [image("fits", 2, 6)]))  # within the 6-token prefill threshold
