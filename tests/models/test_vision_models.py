@@ -188,6 +188,11 @@ def test_bad_image_inputs(vlm):
                                                  "image_url": {"url": "data:image/png;base64,AAAA"}}]}],
                  GREEDY, use_tqdm=False)
     assert err.value.param == "messages[0].content[0]"
+    if spec.name == "gemma3":
+        crops = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 10}
+        with pytest.raises(InvalidRequestError, match="pan-and-scan"):
+            llm.generate({"prompt": f"wide {p}", "multi_modal_data": {"image": random_image(6, 120, 30)},
+                          "mm_processor_kwargs": crops}, GREEDY, use_tqdm=False)
     out = llm.generate("still serving", GREEDY, use_tqdm=False)  # the engine keeps working
     assert len(out[0].outputs[0].token_ids) == MAX_TOKENS
 
