@@ -69,10 +69,6 @@ class Gemma3ForConditionalGeneration(WrappedCausalLM, nn.Module):
     # ---------------------------------------------------------------- SupportsMultiModal (front end)
 
     @classmethod
-    def get_image_token_id(cls, hf_config: Any) -> int:
-        return int(hf_config.image_token_id)
-
-    @classmethod
     def split_image_inputs(cls, hf_config: Any, processed: Mapping[str, torch.Tensor], num_images: int
                            ) -> list[dict[str, torch.Tensor]]:
         """One dict per image: ``pixel_values`` ``[3, S, S]``.

@@ -103,10 +103,6 @@ class Idefics3ForConditionalGeneration(WrappedCausalLM, nn.Module):
             model_config.tokenizer, trust_remote_code=model_config.trust_remote_code))
 
     @classmethod
-    def get_image_token_id(cls, hf_config: Any) -> int:
-        return int(hf_config.image_token_id)
-
-    @classmethod
     def tokens_per_tile(cls, hf_config: Any) -> int:
         v = hf_config.vision_config
         return (v.image_size // v.patch_size) ** 2 // int(hf_config.scale_factor) ** 2

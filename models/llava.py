@@ -26,7 +26,8 @@ TEXT_ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM", "granite": "GraniteForCausalLM", "phi3": "Phi3ForCausalLM",
 }
 
-# transformers >= 4.52 names (model.language_model.*, ...) -> the older names this module's tree uses (Gemma 3 shares them)
+# transformers >= 4.52 names (model.language_model.*, ...) -> the older names this module's tree uses (Gemma 3
+# shares them)
 CHECKPOINT_RENAMES = (
     ("model.language_model.", "language_model.model."),
     ("model.vision_tower.", "vision_tower."),
@@ -60,6 +61,11 @@ class WrappedCausalLM:
     supports_multimodal: ClassVar[bool] = True
     supports_pp: ClassVar[bool] = False
     language_model: Any
+
+    @classmethod
+    def get_image_token_id(cls, hf_config: Any) -> int:
+        """``hf_config.image_token_id`` (transformers' name in most configurations)."""
+        return int(hf_config.image_token_id)
 
     def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.model.embed_input_ids(input_ids)
