@@ -126,6 +126,8 @@ class LlavaForConditionalGeneration(WrappedCausalLM, nn.Module):
     hidden states; ``vision_feature_select_strategy`` ``"default"`` drops the class token, ``"full"`` keeps it.
     """
 
+    checkpoint_renames: ClassVar[tuple[tuple[str, str], ...]] = CHECKPOINT_RENAMES
+
     def __init__(self, config: Any, prefix: str = "") -> None:
         super().__init__()
         cfg = config.hf_config
@@ -189,4 +191,4 @@ class LlavaForConditionalGeneration(WrappedCausalLM, nn.Module):
             return (name.startswith("vision_tower.encoder.layers.")
                     and int(name.split(".")[3]) >= self.num_vision_layers)
 
-        return self.load_renamed_weights(weights, CHECKPOINT_RENAMES, unused)
+        return self.load_renamed_weights(weights, self.checkpoint_renames, unused)

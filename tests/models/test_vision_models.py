@@ -15,6 +15,7 @@ from tests.models.vision_models import (
     build_gemma3,
     build_idefics3,
     build_llava,
+    build_llava_next,
     build_qwen2_5_vl,
     build_qwen2_vl,
     data_url,
@@ -38,6 +39,8 @@ class VisionSpec:
 
 SPECS = [
     VisionSpec("llava", build_llava, "<image>", "LlavaForConditionalGeneration"),
+    # any-resolution tiles: images of different sizes take different token counts
+    VisionSpec("llava_next", build_llava_next, "<image>", "LlavaNextForConditionalGeneration", step_tokens=16),
     VisionSpec("qwen2_vl", build_qwen2_vl, "<|vision_start|><|image_pad|><|vision_end|>",
                "Qwen2VLForConditionalGeneration"),
     VisionSpec("qwen2_5_vl", build_qwen2_5_vl, "<|vision_start|><|image_pad|><|vision_end|>",
