@@ -214,25 +214,19 @@ class TorchPagedAttentionImpl(AttentionImpl):
         """Causal attention of ``q`` ``[Lq, Hq, D]`` over ``k``/``v`` ``[Lk, Hkv, D]``; query i sits at position
         ``causal_offset + i`` of the context; ``spans``: bidirectional context rows (see :meth:`_mask`)."""
         lq, lk = q.shape[0], k.shape[0]
-        if self.logits_soft_cap is not None or spans:
-            mask = self._mask(lq, lk, causal_offset, q.device, spans)
-            if self.logits_soft_cap is not None:
-                return self._softcap_attention(q, k, v, mask)
-            gqa = self.num_heads != self.num_kv_heads
-            qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
-            return o[0].transpose(0, 1)
+        if self.logits_soft_cap is not None:
+            return self._softcap_attention(q, k, v, self._mask(lq, lk, causal_offset, q.device, spans))
         # 4-D inputs: torch's fused CPU kernel (flash attention) accepts only [N, H, L, D]; 3-D inputs take the
         # unfused math path, 1.6x slower on 128-token prefills.
         qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         gqa = self.num_heads != self.num_kv_heads
         windowed = self.sliding_window is not None and causal_offset + lq > self.sliding_window
-        if causal_offset == 0 and lq == lk and not windowed:
+        if causal_offset == 0 and lq == lk and not windowed and not spans:
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale, enable_gqa=gqa)
-        elif lq == 1 and not windowed:
+        elif lq == 1 and not windowed and not spans:
             o = F.scaled_dot_product_attention(qh, kh, vh, scale=self.scale, enable_gqa=gqa)
         else:
-            mask = self._mask(lq, lk, causal_offset, q.device)
+            mask = self._mask(lq, lk, causal_offset, q.device, spans)
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
         return o[0].transpose(0, 1)
 
