@@ -1,5 +1,6 @@
 """Vision-language models against transformers on tiny random checkpoints: greedy tokens for a batch of prompts
-with 0, 1 and 2 images of different sizes, with chunked prefill splitting image placeholders across steps and
+with 0, 1 and 2 images of different sizes, with chunked prefill splitting image placeholders across steps (for
+Gemma 3, whose image tokens attend to each other both ways, chunking the prompts but never inside an image) and
 prefix caching on; the same text with another image shares no block; an image split across chunks is encoded
 once (docs/multimodal.md)."""
 
