@@ -6,13 +6,14 @@ normalises them (Gemma's ``(1 + w)`` RMSNorm) and maps them to the text width, a
 by ``\\n\\n<start_of_image>`` + ``mm_tokens_per_image`` image tokens + ``<end_of_image>\\n\\n``. The decoder attends
 bidirectionally among one image's tokens in prefill, as transformers does with ``token_type_ids``: the model is
 a multimodal prefix-LM (``is_mm_prefix_lm``; docs/multimodal.md says how the scheduler and attention backends
-honour it). Pan-and-scan crops are not supported.
+honour it). With pan-and-scan (``do_pan_and_scan``) a wide or tall image also gets crops, each its own run of
+image tokens after the original's, with text between them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -51,6 +52,29 @@ class Gemma3MultiModalProjector(nn.Module):
         return torch.matmul(self.mm_soft_emb_norm(pooled), self.mm_input_projection_weight).to(x.dtype)
 
 
+class Gemma3PromptProcessor:
+    """transformers' ``Gemma3Processor`` plus ``image_num_crops`` (``[num_images]`` int64: pan-and-scan crops of
+    each image, after its original in ``pixel_values``), which the processor computes but drops. The counts come
+    from the image processor run with the processor's image options (call keyword arguments over the image
+    processor's own settings over ``Gemma3Processor.images_kwargs``), only when pan-and-scan is on."""
+
+    def __init__(self, hf_processor: Any) -> None:
+        self.hf_processor = hf_processor
+
+    def __call__(self, *, text: Sequence[str], images: Sequence[Any] | None = None, **kwargs: Any) -> Any:
+        out = self.hf_processor(text=text, images=images, **kwargs)
+        if images:
+            options = {}
+            for name, default in type(self.hf_processor).images_kwargs.items():
+                own = getattr(self.hf_processor.image_processor, name, None)
+                options[name] = kwargs.get(name, default if own is None else own)
+            crops = [0] * len(images)
+            if options["do_pan_and_scan"]:
+                crops = list(self.hf_processor.image_processor(images=list(images), **options)["num_crops"])
+            out["image_num_crops"] = torch.tensor(crops, dtype=torch.int64)
+        return out
+
+
 class Gemma3ForConditionalGeneration(WrappedCausalLM, nn.Module):
     """The model contract plus :class:`tokenmill.model_contract.SupportsMultiModal`; the text decoder is
     :class:`tokenmill.models.gemma3.Gemma3ForCausalLM` built from ``text_config``."""
@@ -69,28 +93,44 @@ class Gemma3ForConditionalGeneration(WrappedCausalLM, nn.Module):
     # ---------------------------------------------------------------- SupportsMultiModal (front end)
 
     @classmethod
+    def build_hf_processor(cls, model_config: Any) -> Gemma3PromptProcessor:
+        from transformers import AutoProcessor
+
+        return Gemma3PromptProcessor(AutoProcessor.from_pretrained(
+            model_config.tokenizer, trust_remote_code=model_config.trust_remote_code))
+
+    @classmethod
     def split_image_inputs(cls, hf_config: Any, processed: Mapping[str, torch.Tensor], num_images: int
                            ) -> list[dict[str, torch.Tensor]]:
-        """One dict per image: ``pixel_values`` ``[3, S, S]``.
+        """One dict per image: ``pixel_values`` ``[1 + crops, 3, S, S]`` (the original, then its pan-and-scan
+        crops).
 
         Raises:
-            ValueError: the processor gave another number of images (pan-and-scan crops are not supported).
+            ValueError: the crop counts do not match the pixel values.
         """
         pixels = processed["pixel_values"]
-        if pixels.shape[0] != num_images:
-            raise ValueError(f"the processor gave pixel values for {pixels.shape[0]} images, not {num_images} "
-                             "(Gemma 3's pan-and-scan crops are not supported)")
-        return [{"pixel_values": pixels[i]} for i in range(num_images)]
+        crops = processed.get("image_num_crops")
+        counts = [1] * num_images if crops is None else [1 + int(n) for n in crops]
+        if len(counts) != num_images or sum(counts) != pixels.shape[0]:
+            raise ValueError(f"the processor gave pixel values for {pixels.shape[0]} images and crops, not the "
+                             f"{sum(counts)} of {num_images} images")
+        items, at = [], 0
+        for n in counts:
+            items.append({"pixel_values": pixels[at : at + n]})
+            at += n
+        return items
 
     @classmethod
     def get_num_image_tokens(cls, hf_config: Any, item: Mapping[str, torch.Tensor]) -> int:
-        return int(hf_config.mm_tokens_per_image)
+        return item["pixel_values"].shape[0] * int(hf_config.mm_tokens_per_image)
 
     # ---------------------------------------------------------------- SupportsMultiModal (worker)
 
     def get_multimodal_embeddings(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """``pixel_values`` ``[3, S, S]`` -> ``[mm_tokens_per_image, text hidden]``."""
-        return self.multi_modal_projector(self.vision_tower(pixel_values[None])[0])
+        """``pixel_values`` ``[1 + crops, 3, S, S]`` -> ``[(1 + crops) * mm_tokens_per_image, text hidden]`` (the
+        original's tokens, then each crop's)."""
+        features = self.vision_tower(pixel_values)
+        return torch.cat([self.multi_modal_projector(f) for f in features])
 
     # ---------------------------------------------------------------- CausalLM
 

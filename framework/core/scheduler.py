@@ -44,6 +44,7 @@ from tokenmill.engine.messages import (
     SchedulerStats,
 )
 from tokenmill.errors import InvalidRequestError
+from tokenmill.multimodal.inputs import PlaceholderRange
 from tokenmill.spec_decode.metrics import SpecDecodingStats
 from tokenmill.structured_output.manager import StructuredOutputManager
 
@@ -102,7 +103,7 @@ class Scheduler:
                                                                           self.max_num_batched_tokens)
         self.encoder_cache_manager = EncoderCacheManager(encoder_rows)
         # Multimodal prefix-LM (Gemma 3): an image's tokens attend to each other both ways, so a prefill chunk
-        # never ends inside an image's placeholder (vLLM's disable_chunked_mm_input).
+        # never ends inside a run of an image's embedding tokens (vLLM's disable_chunked_mm_input).
         self.mm_prefix_lm = bool(getattr(config.model_config, "is_mm_prefix_lm", False))
         self.max_chunk_tokens = self.max_num_batched_tokens if self.long_prefill_token_threshold <= 0 \
             else min(self.max_num_batched_tokens, self.long_prefill_token_threshold)
@@ -141,9 +142,11 @@ class Scheduler:
                 raise InvalidRequestError(
                     f"an image of the prompt takes {feature.placeholder.num_embeds} embedding rows, more than the "
                     f"encoder cache holds ({self.encoder_cache_manager.cache_size} rows)", "prompt")
-            if self.mm_prefix_lm and feature.placeholder.length > self.max_chunk_tokens:
+            longest_run = max((b - a for a, b in feature.placeholder.embed_runs()), default=0) \
+                if self.mm_prefix_lm else 0
+            if longest_run > self.max_chunk_tokens:
                 raise InvalidRequestError(
-                    f"an image of the prompt takes {feature.placeholder.length} tokens, which must run in one step "
+                    f"an image of the prompt has a run of {longest_run} tokens, which must be computed in one step "
                     f"(bidirectional attention among them), but a step takes at most {self.max_chunk_tokens} "
                     "prompt tokens (--max-num-batched-tokens, --long-prefill-token-threshold)", "prompt")
         longest = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
@@ -362,11 +365,11 @@ class Scheduler:
         :meth:`_cancel_encoder_inputs` if the chunk is not scheduled), and cached images the chunk reaches get
         the request's reference. Returns ``(image indices to encode, num_new, budget left)``.
 
-        For a multimodal prefix-LM the chunk also stops before the first placeholder it would end inside: its
-        tokens attend to the placeholder's later tokens, which must be in the same step (vLLM's
-        ``disable_chunked_mm_input``). A chunk that starts inside a placeholder (a prefix-cache hit ending there:
-        the cached part saw the whole image when it was computed) must reach its end, else ``num_new`` is 0
-        and the request waits for a step with room."""
+        For a multimodal prefix-LM the chunk also stops before the first run of an image's embedding tokens
+        (``PlaceholderRange.embed_runs``) it would end inside: the run's tokens attend to its later tokens, which
+        must be in the same step (vLLM's ``disable_chunked_mm_input``, per run). A chunk that starts inside a run
+        (a prefix-cache hit ending there: the cached part saw the whole run when it was computed) must reach the
+        run's end, else ``num_new`` is 0 and the request waits for a step with room."""
         manager = self.encoder_cache_manager
         end = num_computed + num_new
         to_encode: list[int] = []
@@ -377,8 +380,10 @@ class Scheduler:
             if feature.placeholder.end <= num_computed:
                 continue  # its embeddings are in the KV cache already
             if self.mm_prefix_lm and end < feature.placeholder.end:
-                num_new = max(0, start - num_computed)
-                break
+                end = _end_outside_runs(feature.placeholder, num_computed, end)
+                num_new = end - num_computed
+                if start >= end or num_new == 0:
+                    break  # the chunk no longer reaches this image (or waits for room for the rest of a run)
             if manager.check_and_update_cache(request, index):
                 continue  # cached, or encoded this step (an earlier image of the prompt, or another request)
             if not manager.can_allocate(rows, budget):
@@ -645,3 +650,13 @@ class Scheduler:
 def _priority_key(request: Request) -> tuple[int, float]:
     """Sort key of the ``priority`` policy: lower ``priority`` first, then earlier arrival."""
     return (request.priority, request.arrival_time)
+
+
+def _end_outside_runs(placeholder: PlaceholderRange, num_computed: int, end: int) -> int:
+    """``end`` moved back to the start of the run of embedding positions it falls inside (or to
+    ``num_computed`` when that run began before the chunk), so the chunk ``[num_computed, end)`` ends inside no
+    run of ``placeholder``."""
+    for a, b in placeholder.embed_runs():
+        if a < end < b:
+            return max(a, num_computed)
+    return end

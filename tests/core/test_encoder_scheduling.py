@@ -174,3 +174,22 @@ def test_a_prefix_lm_image_longer_than_a_step_is_refused():
         sched.add_request(image_request(20, [image("big", 2, 7)]))
     assert err.value.param == "prompt"
     sched.add_request(image_request(20, [image("fits", 2, 6)]))  # within the 6-token prefill threshold
+
+
+def test_a_prefix_lm_chunk_may_end_between_the_runs_of_one_image():
+    """An image of several runs (Gemma 3's pan-and-scan crops, text between them): each run is one block of
+    bidirectional attention, so a chunk may end between runs, never inside one; a run longer than a step is
+    refused, the whole image need not fit."""
+    sched = prefix_lm_scheduler(budget=8, block_size=4)
+    mask = (True,) * 6 + (False,) * 3 + (True,) * 4
+    feature = MultiModalFeature("image", "crops", PlaceholderRange(3, 13, mask), {})
+    sched.add_request(image_request(20, [feature], rid="r"))
+    steps: list = []
+    run_to_end(sched, steps)
+    ends, done = [], 0
+    for so in steps:
+        done += so.num_scheduled_tokens.get("r", 0)
+        ends.append(done)
+    # runs at 3..8 and 12..15: 8 would split the first; 3 + 8 = 11 lies between the runs
+    assert ends[:4] == [3, 11, 19, 20]
+    assert [so.scheduled_encoder_inputs for so in steps if so.scheduled_encoder_inputs] == [{"r": [0]}]

@@ -69,11 +69,11 @@ def vlm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 
 
 def hf_greedy(spec: VisionSpec, model_dir: str, llm: Any, cases: list[tuple[str, list]],
-              causal_only: bool = False) -> list[list[int]]:
+              causal_only: bool = False, processor_kwargs: dict | None = None) -> list[list[int]]:
     """transformers' greedy tokens, its inputs made by the model's processor (transformers' own processor class
     for Llava, Idefics3 and Gemma 3; for Qwen2-VL, whose processor class needs torchvision, the engine's
     equivalent of it). ``causal_only``: without Gemma 3's ``token_type_ids`` (no bidirectional image
-    attention)."""
+    attention); ``processor_kwargs`` go to every processor call."""
     import transformers
 
     processor = llm.llm_engine.input_processor.mm_processor.processor()
@@ -82,7 +82,8 @@ def hf_greedy(spec: VisionSpec, model_dir: str, llm: Any, cases: list[tuple[str,
     out = []
     with torch.no_grad():
         for text, images in cases:
-            inputs = dict(processor(text=[text], images=images or None, return_tensors="pt"))
+            inputs = dict(processor(text=[text], images=images or None, return_tensors="pt",
+                                    **(processor_kwargs or {})))
             inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
             if causal_only:
                 inputs.pop("token_type_ids")
@@ -192,11 +193,6 @@ def test_bad_image_inputs(vlm):
                                                  "image_url": {"url": "data:image/png;base64,AAAA"}}]}],
                  GREEDY, use_tqdm=False)
     assert err.value.param == "messages[0].content[0]"
-    if spec.name == "gemma3":
-        crops = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 10}
-        with pytest.raises(InvalidRequestError, match="pan-and-scan"):
-            llm.generate({"prompt": f"wide {p}", "multi_modal_data": {"image": random_image(6, 120, 30)},
-                          "mm_processor_kwargs": crops}, GREEDY, use_tqdm=False)
     out = llm.generate("still serving", GREEDY, use_tqdm=False)  # the engine keeps working
     assert len(out[0].outputs[0].token_ids) == MAX_TOKENS
 
@@ -221,3 +217,20 @@ def test_preempted_image_requests_resume_correctly(vlm, tmp_path_factory):
     small.llm_engine.shutdown()
     assert preempted
     assert [list(o.outputs[0].token_ids) for o in got] == want
+
+
+def test_pan_and_scan_crops(vlm):
+    """Gemma 3's pan-and-scan: a wide image becomes its original and 4 crops, each a run of image tokens with text
+    between them (each run bidirectional on its own, chunks may end between runs); a square one gets no crops."""
+    spec, model_dir, llm = vlm
+    if spec.name != "gemma3":
+        pytest.skip("Gemma 3's processor option")
+    crops = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 10}
+    text, images = f"wide {spec.placeholder} and square {spec.placeholder}", [random_image(6, 120, 30),
+                                                                               random_image(7, 30, 30)]
+    want = hf_greedy(spec, model_dir, llm, [(text, images)], processor_kwargs=crops)[0]
+    out = llm.generate({"prompt": text, "multi_modal_data": {"image": images}, "mm_processor_kwargs": crops}, GREEDY,
+                       use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == want
+    image_id = type(_runner(llm).model).get_image_token_id(llm.llm_engine.model_config.hf_config)
+    assert out.prompt_token_ids.count(image_id) == (1 + 4 + 1) * 9
