@@ -40,8 +40,8 @@ class ModelConfig:
             base model's hidden states are pooled; ``"classify"``: through its classification head).
         pooler_config: the pooler of a pooling model (``None`` for generation).
         is_mm_prefix_lm: the model class declares ``is_mm_prefix_lm`` (vLLM's multimodal prefix-LM: an
-            image's tokens attend to each other in both directions, Gemma 3): prefill chunks never end inside an
-            image's placeholder and the attention backend must support ``mm_prefix_ranges``. Set when the engine
+            image's tokens attend to each other in both directions, Gemma 3): prefill chunks never end inside a
+            run of an image's tokens and the attention backend must support ``mm_prefix_ranges``. Set when the engine
             configuration is built.
     """
 
