@@ -21,7 +21,7 @@ from torch import nn
 
 from tokenmill.layers import RMSNorm
 from tokenmill.models.gemma3 import Gemma3ForCausalLM
-from tokenmill.models.llava import CHECKPOINT_RENAMES, WrappedCausalLM
+from tokenmill.models.llava import CHECKPOINT_RENAMES, WrappedCausalLM, split_pixel_rows
 from tokenmill.models.siglip import SiglipVisionTransformer
 
 
@@ -111,14 +111,7 @@ class Gemma3ForConditionalGeneration(WrappedCausalLM, nn.Module):
         pixels = processed["pixel_values"]
         crops = processed.get("image_num_crops")
         counts = [1] * num_images if crops is None else [1 + int(n) for n in crops]
-        if len(counts) != num_images or sum(counts) != pixels.shape[0]:
-            raise ValueError(f"the processor gave pixel values for {pixels.shape[0]} images and crops, not the "
-                             f"{sum(counts)} of {num_images} images")
-        items, at = [], 0
-        for n in counts:
-            items.append({"pixel_values": pixels[at : at + n]})
-            at += n
-        return items
+        return split_pixel_rows(pixels, counts, num_images, "images and crops")
 
     @classmethod
     def get_num_image_tokens(cls, hf_config: Any, item: Mapping[str, torch.Tensor]) -> int:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from tokenmill.layers import ReplicatedLinear
-from tokenmill.models.llava import WrappedCausalLM, text_model
+from tokenmill.models.llava import WrappedCausalLM, split_pixel_rows, text_model
 from tokenmill.models.siglip import SiglipVisionTransformer
 
 # transformers' checkpoint names -> this module's tree
@@ -118,17 +118,10 @@ class Idefics3ForConditionalGeneration(WrappedCausalLM, nn.Module):
         """
         counts = [int(n) for n in processed["image_num_tiles"]]
         pixels = processed["pixel_values"][0]
-        if len(counts) != num_images or sum(counts) != pixels.shape[0]:
-            raise ValueError(f"the processor gave {pixels.shape[0]} tiles, not the {sum(counts)} tiles of "
-                             f"{num_images} images")
         mask = processed.get("pixel_attention_mask")
         if mask is not None and not bool(mask[0].all()):
             raise ValueError("Idefics3: padded image tiles are not supported")
-        items, at = [], 0
-        for n in counts:
-            items.append({"pixel_values": pixels[at : at + n]})
-            at += n
-        return items
+        return split_pixel_rows(pixels, counts, num_images, "tiles")
 
     @classmethod
     def get_num_image_tokens(cls, hf_config: Any, item: Mapping[str, torch.Tensor]) -> int:

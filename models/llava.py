@@ -52,6 +52,24 @@ def text_model(config: Any, text_config: Any, owner: str) -> nn.Module:
     return ModelRegistry.resolve_model_cls(archs)(dataclasses.replace(config, hf_config=text_config))
 
 
+def split_pixel_rows(pixels: torch.Tensor, counts: list[int], num_images: int, what: str
+                     ) -> list[dict[str, torch.Tensor]]:
+    """``pixels`` ``[rows, 3, H, W]`` cut into one ``{"pixel_values": [counts[i], 3, H, W]}`` per image, in order
+    (an image's tiles or crops are consecutive rows).
+
+    Raises:
+        ValueError: ``counts`` is not one count per image adding up to the rows (``what`` names the rows).
+    """
+    if len(counts) != num_images or sum(counts) != pixels.shape[0]:
+        raise ValueError(f"the processor gave {pixels.shape[0]} {what}, not the {sum(counts)} {what} of "
+                         f"{num_images} images")
+    items, at = [], 0
+    for n in counts:
+        items.append({"pixel_values": pixels[at : at + n]})
+        at += n
+    return items
+
+
 class WrappedCausalLM:
     """The causal-LM half of a vision-language model whose ``language_model`` is a registered causal LM: text
     embeddings, the forward pass and logits are the decoder's, and its checkpoint loader renames

@@ -58,9 +58,8 @@ class CausalOnlyImpl(TorchPagedAttentionImpl):
     """Declares ``supports_mm_prefix`` (inherited) but drops ``mm_prefix_ranges``: image tokens stay causal."""
 
     def forward(self, query, key, value, kv_cache, attn_metadata):  # noqa: ANN001, ANN201
-        if attn_metadata is not None:
-            attn_metadata = dataclasses.replace(attn_metadata, mm_prefix_ranges=None)
-        return super().forward(query, key, value, kv_cache, attn_metadata)
+        md = attn_metadata and dataclasses.replace(attn_metadata, mm_prefix_ranges=None)
+        return super().forward(query, key, value, kv_cache, md)
 
 
 class CausalOnlyBackend(TorchPagedAttentionBackend):

@@ -134,15 +134,21 @@ def prefix_lm_scheduler(**kw):
     return sched
 
 
+def chunk_ends(steps: list, rid: str) -> list[int]:
+    """Tokens of request ``rid`` computed after each step."""
+    ends, done = [], 0
+    for so in steps:
+        done += so.num_scheduled_tokens.get(rid, 0)
+        ends.append(done)
+    return ends
+
+
 def test_a_prefix_lm_chunk_never_ends_inside_an_image():
     sched = prefix_lm_scheduler(budget=8, block_size=4)
     sched.add_request(image_request(24, [image("a", 5, 6), image("b", 12, 7)], rid="r"))
     steps: list = []
     run_to_end(sched, steps)
-    ends, done = [], 0
-    for so in steps:
-        done += so.num_scheduled_tokens.get("r", 0)
-        ends.append(done)
+    ends = chunk_ends(steps, "r")
     # 8-token steps would end at 8 (inside a) and 16 (inside b): the chunks stop before each image instead
     assert ends[:4] == [5, 12, 20, 24]
     assert [so.scheduled_encoder_inputs for so in steps if so.scheduled_encoder_inputs] == [{"r": [0]}, {"r": [1]}]
@@ -186,10 +192,7 @@ def test_a_prefix_lm_chunk_may_end_between_the_runs_of_one_image():
     sched.add_request(image_request(20, [feature], rid="r"))
     steps: list = []
     run_to_end(sched, steps)
-    ends, done = [], 0
-    for so in steps:
-        done += so.num_scheduled_tokens.get("r", 0)
-        ends.append(done)
+    ends = chunk_ends(steps, "r")
     # runs at 3..8 and 12..15: 8 would split the first; 3 + 8 = 11 lies between the runs
     assert ends[:4] == [3, 11, 19, 20]
     assert [so.scheduled_encoder_inputs for so in steps if so.scheduled_encoder_inputs] == [{"r": [0]}]
