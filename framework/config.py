@@ -39,6 +39,10 @@ class ModelConfig:
         convert: ``"none"``, ``"embed"`` or ``"classify"``: how a pooling model is used (``"embed"``: the
             base model's hidden states are pooled; ``"classify"``: through its classification head).
         pooler_config: the pooler of a pooling model (``None`` for generation).
+        is_mm_prefix_lm: the model class declares ``is_mm_prefix_lm`` (vLLM's multimodal prefix-LM: an
+            image's tokens attend to each other in both directions, Gemma 3): prefill chunks never end inside a
+            run of an image's tokens and the attention backend must support ``mm_prefix_ranges``. Set when the engine
+            configuration is built.
     """
 
     model: str
@@ -54,6 +58,7 @@ class ModelConfig:
     runner_type: str = "generate"
     convert: str = "none"
     pooler_config: Any = None  # tokenmill.pooler_config.PoolerConfig with the pooling runner
+    is_mm_prefix_lm: bool = False
 
     @property
     def architectures(self) -> list[str]:

@@ -360,6 +360,9 @@ class EngineArgs:
         from tokenmill.model_loader.hybrid_setup import configure_hybrid_cache
 
         configure_hybrid_cache(config)
+        from tokenmill.model_loader.mm_prefix_setup import configure_mm_prefix_lm
+
+        configure_mm_prefix_lm(config)
         num_layers = model_config.num_layers
         if self.pipeline_parallel_size > num_layers:
             raise ValueError(

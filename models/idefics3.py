@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from tokenmill.layers import ReplicatedLinear
-from tokenmill.models.clip import CLIPEncoderLayer
-from tokenmill.models.llava import WrappedCausalLM, text_model
+from tokenmill.models.llava import WrappedCausalLM, split_pixel_rows, text_model
+from tokenmill.models.siglip import SiglipVisionTransformer
 
 # transformers' checkpoint names -> this module's tree
 _CHECKPOINT_RENAMES = (
@@ -27,57 +27,6 @@ _CHECKPOINT_RENAMES = (
     ("model.vision_model.", "vision_model."),
     ("model.connector.", "connector."),
 )
-
-
-class Idefics3VisionEmbeddings(nn.Module):
-    """Patch embedding (a strided convolution with bias) plus learned positions for a ``side x side`` grid; a
-    tile of fewer patches takes the positions at its patches' fractional coordinates (NaViT-style, as
-    transformers' ``Idefics3VisionEmbeddings`` does for an unpadded tile)."""
-
-    def __init__(self, cfg: Any) -> None:
-        super().__init__()
-        self.patch_size = cfg.patch_size
-        self.patch_embedding = nn.Conv2d(cfg.num_channels, cfg.hidden_size, cfg.patch_size, cfg.patch_size)
-        self.side = cfg.image_size // cfg.patch_size
-        self.position_embedding = nn.Embedding(self.side**2, cfg.hidden_size)
-
-    def position_ids(self, rows: int, cols: int, device: torch.device) -> torch.Tensor:
-        """``[rows * cols]`` int64: the bucket of each patch's fractional (row, column) in the position grid."""
-        boundaries = torch.arange(1 / self.side, 1.0, 1 / self.side, device=device)
-
-        def buckets(n: int) -> torch.Tensor:
-            frac = (torch.arange(n, device=device, dtype=torch.float32) / n).clamp(max=1.0 - 1e-6)
-            return torch.bucketize(frac, boundaries, right=True)
-
-        return (buckets(rows)[:, None] * self.side + buckets(cols)[None, :]).reshape(-1)
-
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """``[tiles, 3, H, W]`` -> ``[tiles, (H / patch) * (W / patch), hidden]``."""
-        x = self.patch_embedding(pixel_values.to(self.patch_embedding.weight.dtype))
-        rows, cols = x.shape[-2:]
-        x = x.flatten(2).transpose(1, 2)
-        return x + self.position_embedding(self.position_ids(rows, cols, x.device))
-
-
-class Idefics3VisionTransformer(nn.Module):
-    """Embeddings, SigLIP encoder layers (the CLIP layer's shape: pre-LayerNorm attention and MLP) and a final
-    LayerNorm, with bidirectional attention within each tile."""
-
-    def __init__(self, cfg: Any) -> None:
-        super().__init__()
-        self.embeddings = Idefics3VisionEmbeddings(cfg)
-        self.encoder = nn.Module()
-        self.encoder.layers = nn.ModuleList(CLIPEncoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.post_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """``[tiles, 3, H, W]`` -> ``[tiles, patches, hidden]``."""
-        x = self.embeddings(pixel_values)
-        # the shared layer attends over one sequence [N, H]; each tile is its own sequence
-        tiles = [t for t in x]
-        for layer in self.encoder.layers:
-            tiles = [layer(t) for t in tiles]
-        return self.post_layernorm(torch.stack(tiles))
 
 
 class Idefics3Connector(nn.Module):
@@ -140,7 +89,7 @@ class Idefics3ForConditionalGeneration(WrappedCausalLM, nn.Module):
         cfg = config.hf_config
         self.config = cfg
         vcfg = cfg.vision_config
-        self.vision_model = Idefics3VisionTransformer(vcfg)
+        self.vision_model = SiglipVisionTransformer(vcfg)
         self.connector = Idefics3Connector(vcfg.hidden_size, cfg.text_config.hidden_size, int(cfg.scale_factor))
         self.language_model = text_model(config, cfg.text_config, type(self).__name__)
 
@@ -152,10 +101,6 @@ class Idefics3ForConditionalGeneration(WrappedCausalLM, nn.Module):
 
         return Idefics3PromptProcessor(AutoProcessor.from_pretrained(
             model_config.tokenizer, trust_remote_code=model_config.trust_remote_code))
-
-    @classmethod
-    def get_image_token_id(cls, hf_config: Any) -> int:
-        return int(hf_config.image_token_id)
 
     @classmethod
     def tokens_per_tile(cls, hf_config: Any) -> int:
@@ -173,17 +118,10 @@ class Idefics3ForConditionalGeneration(WrappedCausalLM, nn.Module):
         """
         counts = [int(n) for n in processed["image_num_tiles"]]
         pixels = processed["pixel_values"][0]
-        if len(counts) != num_images or sum(counts) != pixels.shape[0]:
-            raise ValueError(f"the processor gave {pixels.shape[0]} tiles, not the {sum(counts)} tiles of "
-                             f"{num_images} images")
         mask = processed.get("pixel_attention_mask")
         if mask is not None and not bool(mask[0].all()):
             raise ValueError("Idefics3: padded image tiles are not supported")
-        items, at = [], 0
-        for n in counts:
-            items.append({"pixel_values": pixels[at : at + n]})
-            at += n
-        return items
+        return split_pixel_rows(pixels, counts, num_images, "tiles")
 
     @classmethod
     def get_num_image_tokens(cls, hf_config: Any, item: Mapping[str, torch.Tensor]) -> int:

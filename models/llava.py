@@ -26,8 +26,9 @@ TEXT_ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM", "granite": "GraniteForCausalLM", "phi3": "Phi3ForCausalLM",
 }
 
-# transformers >= 4.52 names (model.language_model.*, ...) -> the older names this module's tree uses
-_CHECKPOINT_RENAMES = (
+# transformers >= 4.52 names (model.language_model.*, ...) -> the older names this module's tree uses (Gemma 3
+# shares them)
+CHECKPOINT_RENAMES = (
     ("model.language_model.", "language_model.model."),
     ("model.vision_tower.", "vision_tower."),
     ("model.multi_modal_projector.", "multi_modal_projector."),
@@ -51,6 +52,24 @@ def text_model(config: Any, text_config: Any, owner: str) -> nn.Module:
     return ModelRegistry.resolve_model_cls(archs)(dataclasses.replace(config, hf_config=text_config))
 
 
+def split_pixel_rows(pixels: torch.Tensor, counts: list[int], num_images: int, what: str
+                     ) -> list[dict[str, torch.Tensor]]:
+    """``pixels`` ``[rows, 3, H, W]`` cut into one ``{"pixel_values": [counts[i], 3, H, W]}`` per image, in order
+    (an image's tiles or crops are consecutive rows).
+
+    Raises:
+        ValueError: ``counts`` is not one count per image adding up to the rows (``what`` names the rows).
+    """
+    if len(counts) != num_images or sum(counts) != pixels.shape[0]:
+        raise ValueError(f"the processor gave {pixels.shape[0]} {what}, not the {sum(counts)} {what} of "
+                         f"{num_images} images")
+    items, at = [], 0
+    for n in counts:
+        items.append({"pixel_values": pixels[at : at + n]})
+        at += n
+    return items
+
+
 class WrappedCausalLM:
     """The causal-LM half of a vision-language model whose ``language_model`` is a registered causal LM: text
     embeddings, the forward pass and logits are the decoder's, and its checkpoint loader renames
@@ -60,6 +79,11 @@ class WrappedCausalLM:
     supports_multimodal: ClassVar[bool] = True
     supports_pp: ClassVar[bool] = False
     language_model: Any
+
+    @classmethod
+    def get_image_token_id(cls, hf_config: Any) -> int:
+        """``hf_config.image_token_id`` (transformers' name in most configurations)."""
+        return int(hf_config.image_token_id)
 
     def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.model.embed_input_ids(input_ids)
@@ -119,6 +143,8 @@ class LlavaForConditionalGeneration(WrappedCausalLM, nn.Module):
     ``vision_feature_layer`` (an index, or a list whose features are concatenated) picks the vision tower's
     hidden states; ``vision_feature_select_strategy`` ``"default"`` drops the class token, ``"full"`` keeps it.
     """
+
+    checkpoint_renames: ClassVar[tuple[tuple[str, str], ...]] = CHECKPOINT_RENAMES
 
     def __init__(self, config: Any, prefix: str = "") -> None:
         super().__init__()
@@ -183,4 +209,4 @@ class LlavaForConditionalGeneration(WrappedCausalLM, nn.Module):
             return (name.startswith("vision_tower.encoder.layers.")
                     and int(name.split(".")[3]) >= self.num_vision_layers)
 
-        return self.load_renamed_weights(weights, _CHECKPOINT_RENAMES, unused)
+        return self.load_renamed_weights(weights, self.checkpoint_renames, unused)

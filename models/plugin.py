@@ -23,9 +23,11 @@ BUILTIN_MODELS: dict[str, str] = {
     "Qwen3MoeForCausalLM": "tokenmill.models.qwen3_moe:Qwen3MoeForCausalLM",
     # vision-language models (docs/multimodal.md)
     "LlavaForConditionalGeneration": "tokenmill.models.llava:LlavaForConditionalGeneration",
+    "LlavaNextForConditionalGeneration": "tokenmill.models.llava_next:LlavaNextForConditionalGeneration",
     "Qwen2VLForConditionalGeneration": "tokenmill.models.qwen2_vl:Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration": "tokenmill.models.qwen2_5_vl:Qwen2_5_VLForConditionalGeneration",
     "Idefics3ForConditionalGeneration": "tokenmill.models.idefics3:Idefics3ForConditionalGeneration",
+    "Gemma3ForConditionalGeneration": "tokenmill.models.gemma3_mm:Gemma3ForConditionalGeneration",
     # hybrid attention / state-space models (docs/models.md)
     "Mamba2ForCausalLM": "tokenmill.models.mamba2:Mamba2ForCausalLM",
     "GraniteMoeHybridForCausalLM": "tokenmill.models.granitemoehybrid:GraniteMoeHybridForCausalLM",

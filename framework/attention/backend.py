@@ -27,6 +27,14 @@ class AttentionMetadata:
         query_start_loc_cpu: host copy of ``query_start_loc`` (list of ints).
         seq_lens_cpu: host copy of ``seq_lens``.
         block_size: tokens per block.
+        mm_prefix_ranges: ``None``, or per request the ``(start, end)`` sequence positions (end exclusive) of
+            spans whose tokens attend to each other in both directions on top of the causal (and sliding-window)
+            mask: vLLM's multimodal prefix-LM ranges, one per run of an image's embedding tokens (Gemma 3).
+            Key ``k`` is visible to query ``q`` when ``k <= q`` or both lie in one span, and, with a sliding
+            window ``W``, ``k > q - W`` (transformers' Gemma 3 mask). Only backends that declare
+            ``supports_mm_prefix`` get it. The scheduler never ends a prefill chunk inside a span (the keys
+            after a chunk do not exist yet), so a span's later tokens are always in the same step as its
+            queries or, after a prefix-cache hit inside the span, its earlier keys in the cache.
     """
 
     num_actual_tokens: int
@@ -39,6 +47,7 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     block_size: int
+    mm_prefix_ranges: list[list[tuple[int, int]]] | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -121,6 +130,9 @@ class AttentionBackend(ABC):
         supports_logits_soft_cap: the impl takes ``logits_soft_cap``.
         supports_encoder_only: the impl has ``forward_encoder(query, key, value, attn_metadata)``:
             bidirectional attention within each (whole) sequence of the step, for encoder models.
+        supports_mm_prefix: the impl honours :attr:`AttentionMetadata.mm_prefix_ranges` (bidirectional
+            attention within an image's tokens, Gemma 3's vision model); models that need it run on another
+            backend (see :func:`tokenmill.attention.selector.select_attn_backend`).
     """
 
     name: str = ""
@@ -129,6 +141,7 @@ class AttentionBackend(ABC):
     supports_sliding_window: bool = False
     supports_logits_soft_cap: bool = False
     supports_encoder_only: bool = False
+    supports_mm_prefix: bool = False
 
     @staticmethod
     @abstractmethod

@@ -57,9 +57,9 @@ def select_attn_backend(platform: type[Platform], config: Any) -> AttentionBacke
             lists the registered ones).
         ImportError: the backend's module cannot be imported.
         TypeError: the name resolves to something that is not an ``AttentionBackend`` subclass.
+        ValueError: the model is a multimodal prefix-LM (``model_config.is_mm_prefix_lm``) and the backend the
+            user named lacks ``supports_mm_prefix`` (the platform's own choice falls back to ``TORCH_PAGED``).
     """
-    from tokenmill.attention.registry import AttentionBackendRegistry
-
     requested = getattr(config, "attention_backend", None)
     if requested:
         name, reason = requested, "--attention-backend"
@@ -67,6 +67,23 @@ def select_attn_backend(platform: type[Platform], config: Any) -> AttentionBacke
         name, reason = os.environ[ATTENTION_BACKEND_ENV], ATTENTION_BACKEND_ENV
     else:
         name, reason = platform.get_attn_backend_cls(config), f"platform {platform.name}"
+    choice = _resolve(name, reason)
+    if getattr(getattr(config, "model_config", None), "is_mm_prefix_lm", False) \
+            and not getattr(choice.backend_cls, "supports_mm_prefix", False):
+        # bidirectional attention within an image's tokens (Gemma 3): the platform's pick yields to the torch
+        # backend, which runs everywhere; a backend the user named is refused
+        if reason != f"platform {platform.name}":
+            raise ValueError(f"attention backend {choice.name} ({reason}) does not support bidirectional attention "
+                             "within an image's tokens (supports_mm_prefix), which this model needs; use TORCH_PAGED")
+        choice = _resolve("TORCH_PAGED", f"{reason} (its {choice.name} lacks supports_mm_prefix, which the model "
+                                         "needs)")
+    return choice
+
+
+def _resolve(name: str, reason: str) -> AttentionBackendChoice:
+    """``name`` (a registry name or ``"module:Class"``) resolved, with who asked for it."""
+    from tokenmill.attention.registry import AttentionBackendRegistry
+
     if ":" in name:
         cls, source = resolve_qualname(name), "path"
     else:

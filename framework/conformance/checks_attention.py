@@ -9,7 +9,7 @@ import torch
 
 from tokenmill.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadata
 from tokenmill.conformance import reference as ref
-from tokenmill.conformance.target import ConformanceTarget, ContractFailure
+from tokenmill.conformance.target import ConformanceTarget, ContractFailure, ItemSkipped
 from tokenmill.dtypes import TORCH_DTYPES
 
 BLOCK_SIZES = (4, 16)
@@ -144,7 +144,16 @@ def check_reference(t: ConformanceTarget) -> None:
     _memoized(t, "attention.reference", _check_reference)
 
 
-def _check_reference(t: ConformanceTarget) -> None:
+def check_mm_prefix(t: ConformanceTarget) -> None:
+    """For a backend that declares ``supports_mm_prefix``: :func:`check_reference`'s steps (model dtypes) with
+    bidirectional spans in ``mm_prefix_ranges`` (:func:`tokenmill.conformance.reference.mm_prefix_spans`)."""
+    if not getattr(_backend(t), "supports_mm_prefix", False):
+        raise ItemSkipped(f"the attention backend {t.backend_choice().name} does not declare supports_mm_prefix: "
+                          "models with bidirectional image attention (Gemma 3) run on TORCH_PAGED instead")
+    _memoized(t, "attention.mm_prefix", lambda target: _check_reference(target, with_spans=True))
+
+
+def _check_reference(t: ConformanceTarget, with_spans: bool = False) -> None:
     backend = _backend(t)
     layout = probe_layout(backend)
     variants = ref.standard_variants(getattr(backend, "supports_sliding_window", False),
@@ -153,7 +162,7 @@ def _check_reference(t: ConformanceTarget) -> None:
     # (query dtype, cache dtype, block sizes): each model dtype over its own cache, then float32 queries over
     # every reduced cache dtype the platform supports (--kv-cache-dtype), within the cache dtype's tolerance.
     runs = [(dtype, dtype, BLOCK_SIZES) for dtype in _dtypes(t)]
-    if torch.float32 in _dtypes(t):
+    if torch.float32 in _dtypes(t) and not with_spans:
         runs += [(torch.float32, TORCH_DTYPES[n], BLOCK_SIZES[-1:]) for n in ("bfloat16", "float16")
                  if n in t.run_cls.supported_dtypes]
     with torch.inference_mode():
@@ -161,6 +170,7 @@ def _check_reference(t: ConformanceTarget) -> None:
             for bs in block_sizes:
                 for vi, variant in enumerate(variants):
                     scenario = ref.make_scenario(variant, bs, dtype, seed=100 * bs + vi)
+                    spans = ref.mm_prefix_spans(scenario) if with_spans else None
                     impl = _impl(backend, variant)
                     cache = _new_cache(backend, scenario.num_blocks, bs, variant, cache_dtype, t.device,
                                        seed=bs + vi)
@@ -170,11 +180,12 @@ def _check_reference(t: ConformanceTarget) -> None:
                         if si > 0 and variant.sliding_window is not None:
                             _poison_blocks(cache, layout, ref.blocks_needed_next(scenario, step, variant)
                                            | _blocks_written(scenario, step))
-                        q, k, v, md, expected = ref.step_inputs(scenario, step, variant, dtype, t.device)
+                        q, k, v, md, expected = ref.step_inputs(scenario, step, variant, dtype, t.device, spans)
                         out = impl.forward(q, k, v, cache, md)
                         _compare(out, expected, step, md, dtype, bs, variant, t, cache_dtype)
                         checked += 1
-    t.note(f"{checked} steps checked: block sizes {BLOCK_SIZES}, query / cache dtypes "
+    t.note(f"{checked} steps checked{' with bidirectional spans' if with_spans else ''}: block sizes {BLOCK_SIZES}, "
+           "query / cache dtypes "
            f"{', '.join(_name(d) + ('' if d == c else ' / ' + _name(c)) for d, c, _ in runs)}, variants: "
            + "; ".join(v.label for v in variants))
 

@@ -116,6 +116,8 @@ def _items() -> list[tuple[str, str, CheckFn]]:
          checks_attention.check_reference),
         ("attention.encoder_only", "bidirectional attention of whole sequences equals the float64 reference "
          "(backends declaring supports_encoder_only)", checks_encoder.check_encoder_only),
+        ("attention.mm_prefix", "bidirectional spans among a request's tokens (mm_prefix_ranges) equal the float64 "
+         "reference (backends declaring supports_mm_prefix)", checks_attention.check_mm_prefix),
         ("custom_ops", "replaced layers (RMSNorm, rotary, activations, fused MoE) equal the built-in ones",
          checks_ops.check_custom_ops),
         ("quantization", "--quantization kernels approximate the full-precision matmul", checks_ops.check_quantization),
@@ -130,8 +132,8 @@ def contract_items() -> list[tuple[str, str]]:
 
 
 CONTRACT_ITEMS = ("detect", "platform.class", "dtypes", "memory", "attention.backend", "kv_cache",
-                  "attention.reference", "attention.encoder_only", "custom_ops", "quantization", "graph_capture",
-                  "e2e.greedy")
+                  "attention.reference", "attention.encoder_only", "attention.mm_prefix", "custom_ops",
+                  "quantization", "graph_capture", "e2e.greedy")
 
 
 def resolve_target(

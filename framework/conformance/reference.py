@@ -62,9 +62,11 @@ class Scenario:
     shared: dict[str, tuple[str, int]] = field(default_factory=dict)  # request -> (owner, tokens shared)
 
 
-def reference_attention(req: Request, start: int, count: int, variant: Variant) -> torch.Tensor:
+def reference_attention(req: Request, start: int, count: int, variant: Variant,
+                        spans: list[tuple[int, int]] = ()) -> torch.Tensor:
     """float64 attention of request ``req``'s tokens ``start .. start + count - 1`` over positions
-    ``0 .. start + count - 1``: ``[count, Hq * D]``."""
+    ``0 .. start + count - 1``: ``[count, Hq * D]``. Within each ``(first, end)`` of ``spans`` queries also see
+    the span's later keys (``AttentionMetadata.mm_prefix_ranges``), still within a sliding window."""
     end = start + count
     q, k, v = req.q[start:end], req.k[:end], req.v[:end]  # [n, Hq, D], [L, Hkv, D]
     group = variant.num_heads // variant.num_kv_heads
@@ -77,6 +79,8 @@ def reference_attention(req: Request, start: int, count: int, variant: Variant) 
     rows = torch.arange(start, end).unsqueeze(1)
     cols = torch.arange(end).unsqueeze(0)
     mask = cols <= rows
+    for a, b in spans:
+        mask |= (rows >= a) & (rows < b) & (cols >= a) & (cols < b)
     if variant.sliding_window is not None:
         mask &= cols > rows - variant.sliding_window
     scores = scores.masked_fill(~mask, float("-inf"))
@@ -143,10 +147,21 @@ def make_scenario(variant: Variant, block_size: int, dtype: torch.dtype, seed: i
     return Scenario(bs, num_blocks, requests, steps, {"C": ("A", shared)})
 
 
+def mm_prefix_spans(scenario: Scenario) -> dict[str, list[tuple[int, int]]]:
+    """Bidirectional spans for the standard scenario's requests (``mm_prefix_ranges``): ``A``'s within its
+    fresh prefill, two of ``B``'s (one per prefill chunk), and ``C``'s starting in the prefix it shares with
+    ``A`` (a prefix-cache hit inside an image) and ending inside its chunk; the later steps see them too,
+    wholly in the past. Each span ends within the step that reaches it (the scheduler's rule)."""
+    bs = scenario.block_size
+    return {"A": [(1, bs + 2)], "B": [(2, 5), (7, 10)], "C": [(2 * bs - 2, 2 * bs + 3)]}
+
+
 def step_inputs(
-    scenario: Scenario, step: Step, variant: Variant, dtype: torch.dtype, device: torch.device
+    scenario: Scenario, step: Step, variant: Variant, dtype: torch.dtype, device: torch.device,
+    spans: dict[str, list[tuple[int, int]]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, list[torch.Tensor]]:
-    """``(query [T, Hq*D], key [T, Hkv*D], value, metadata, expected outputs per chunk)`` of one step."""
+    """``(query [T, Hq*D], key [T, Hkv*D], value, metadata, expected outputs per chunk)`` of one step;
+    ``spans``: each request's ``mm_prefix_ranges`` (``None``: the metadata has none)."""
     bs = scenario.block_size
     qs, ks, vs, slots, expected = [], [], [], [], []
     qsl, seq_lens = [0], []
@@ -164,7 +179,7 @@ def step_inputs(
         table[i, : len(req.blocks)] = ids.int()
         qsl.append(qsl[-1] + count)
         seq_lens.append(end)
-        expected.append(reference_attention(req, start, count, variant))
+        expected.append(reference_attention(req, start, count, variant, (spans or {}).get(name, [])))
     q_lens = [b - a for a, b in zip(qsl, qsl[1:])]
     md = AttentionMetadata(
         num_actual_tokens=qsl[-1],
@@ -177,6 +192,7 @@ def step_inputs(
         query_start_loc_cpu=qsl,
         seq_lens_cpu=seq_lens,
         block_size=bs,
+        mm_prefix_ranges=None if spans is None else [spans.get(name, []) for name, _, _ in step.chunks],
     )
 
     def cat(parts: list[torch.Tensor]) -> torch.Tensor:

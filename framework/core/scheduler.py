@@ -44,6 +44,7 @@ from tokenmill.engine.messages import (
     SchedulerStats,
 )
 from tokenmill.errors import InvalidRequestError
+from tokenmill.multimodal.inputs import PlaceholderRange
 from tokenmill.spec_decode.metrics import SpecDecodingStats
 from tokenmill.structured_output.manager import StructuredOutputManager
 
@@ -101,6 +102,11 @@ class Scheduler:
         encoder_rows = getattr(mm_config, "encoder_cache_size", 0) or max(DEFAULT_ENCODER_CACHE_ROWS,
                                                                           self.max_num_batched_tokens)
         self.encoder_cache_manager = EncoderCacheManager(encoder_rows)
+        # Multimodal prefix-LM (Gemma 3): an image's tokens attend to each other both ways, so a prefill chunk
+        # never ends inside a run of an image's embedding tokens (vLLM's disable_chunked_mm_input).
+        self.mm_prefix_lm = bool(getattr(config.model_config, "is_mm_prefix_lm", False))
+        self.max_chunk_tokens = self.max_num_batched_tokens if self.long_prefill_token_threshold <= 0 \
+            else min(self.max_num_batched_tokens, self.long_prefill_token_threshold)
 
     # ------------------------------------------------------------------ admission
 
@@ -136,6 +142,13 @@ class Scheduler:
                 raise InvalidRequestError(
                     f"an image of the prompt takes {feature.placeholder.num_embeds} embedding rows, more than the "
                     f"encoder cache holds ({self.encoder_cache_manager.cache_size} rows)", "prompt")
+            longest_run = max((b - a for a, b in feature.placeholder.embed_runs()), default=0) \
+                if self.mm_prefix_lm else 0
+            if longest_run > self.max_chunk_tokens:
+                raise InvalidRequestError(
+                    f"an image of the prompt has a run of {longest_run} tokens, which must be computed in one step "
+                    f"(bidirectional attention among them), but a step takes at most {self.max_chunk_tokens} "
+                    "prompt tokens (--max-num-batched-tokens, --long-prefill-token-threshold)", "prompt")
         longest = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
         if request.pooling_params is None and not self.kv_cache_manager.can_fit(longest):
             raise InvalidRequestError(
@@ -350,7 +363,13 @@ class Scheduler:
         must be encoded this step (not cached), within the encoder ``budget``; the chunk stops before the first
         image that does not fit. Their encoder-cache room is allocated here (undo with
         :meth:`_cancel_encoder_inputs` if the chunk is not scheduled), and cached images the chunk reaches get
-        the request's reference. Returns ``(image indices to encode, num_new, budget left)``."""
+        the request's reference. Returns ``(image indices to encode, num_new, budget left)``.
+
+        For a multimodal prefix-LM the chunk also stops before the first run of an image's embedding tokens
+        (``PlaceholderRange.embed_runs``) it would end inside: the run's tokens attend to its later tokens, which
+        must be in the same step (vLLM's ``disable_chunked_mm_input``, per run). A chunk that starts inside a run
+        (a prefix-cache hit ending there: the cached part saw the whole run when it was computed) must reach the
+        run's end, else ``num_new`` is 0 and the request waits for a step with room."""
         manager = self.encoder_cache_manager
         end = num_computed + num_new
         to_encode: list[int] = []
@@ -360,6 +379,11 @@ class Scheduler:
                 break
             if feature.placeholder.end <= num_computed:
                 continue  # its embeddings are in the KV cache already
+            if self.mm_prefix_lm and end < feature.placeholder.end:
+                end = _end_outside_runs(feature.placeholder, num_computed, end)
+                num_new = end - num_computed
+                if start >= end or num_new == 0:
+                    break  # the chunk no longer reaches this image (or waits for room for the rest of a run)
             if manager.check_and_update_cache(request, index):
                 continue  # cached, or encoded this step (an earlier image of the prompt, or another request)
             if not manager.can_allocate(rows, budget):
@@ -626,3 +650,13 @@ class Scheduler:
 def _priority_key(request: Request) -> tuple[int, float]:
     """Sort key of the ``priority`` policy: lower ``priority`` first, then earlier arrival."""
     return (request.priority, request.arrival_time)
+
+
+def _end_outside_runs(placeholder: PlaceholderRange, num_computed: int, end: int) -> int:
+    """``end`` moved back to the start of the run of embedding positions it falls inside (or to
+    ``num_computed`` when that run began before the chunk), so the chunk ``[num_computed, end)`` ends inside no
+    run of ``placeholder``."""
+    for a, b in placeholder.embed_runs():
+        if a < end < b:
+            return max(a, num_computed)
+    return end

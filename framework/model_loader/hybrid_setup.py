@@ -15,13 +15,19 @@ from tokenmill.model_loader.registry import ModelRegistry
 logger = logging.getLogger(__name__)
 
 
-def model_has_state_layers(config: EngineConfig) -> tuple[bool, bool]:
-    """(has state layers, has no attention layer) for the configured model's registered class; an
-    unregistered architecture reports ``(False, False)`` (it fails with its own error when loaded)."""
+def registered_model_cls(config: EngineConfig) -> type | None:
+    """The configured model's registered class, or ``None`` for an unregistered architecture (it fails with its
+    own error when loaded)."""
     archs = config.model_config.architectures
     if not any(ModelRegistry.is_registered(a) for a in archs):
-        return False, False
-    model_cls = ModelRegistry.resolve_model_cls(archs)
+        return None
+    return ModelRegistry.resolve_model_cls(archs)
+
+
+def model_has_state_layers(config: EngineConfig) -> tuple[bool, bool]:
+    """(has state layers, has no attention layer) for the configured model's registered class; an
+    unregistered architecture reports ``(False, False)``."""
+    model_cls = registered_model_cls(config)
     return bool(getattr(model_cls, "is_hybrid", False)), bool(getattr(model_cls, "is_attention_free", False))
 
 

@@ -89,6 +89,22 @@ class PlaceholderRange(msgspec.Struct, array_like=True, frozen=True):
         first = sum(self.is_embed[: lo - self.offset])
         return first, [p for p in range(lo, hi) if self.is_embed[p - self.offset]]
 
+    def embed_runs(self) -> list[tuple[int, int]]:
+        """The maximal runs of consecutive embedding positions as ``(start, end)`` prompt positions (end
+        exclusive), ascending: the whole range when ``is_embed`` is ``None`` (vLLM's ``extract_embeds_range``;
+        each run is one block of bidirectional attention in a multimodal prefix-LM, Gemma 3)."""
+        if self.is_embed is None:
+            return [(self.offset, self.end)]
+        runs: list[tuple[int, int]] = []
+        start = None
+        for i, embed in enumerate((*self.is_embed, False)):
+            if embed and start is None:
+                start = i
+            elif not embed and start is not None:
+                runs.append((self.offset + start, self.offset + i))
+                start = None
+        return runs
+
 
 class MultiModalFeature(msgspec.Struct, array_like=True):
     """One image of a request.

@@ -80,3 +80,20 @@ class EncoderRunner:
         embeds = self.model.get_input_embeddings(input_ids)  # type: ignore[operator]
         index = torch.tensor(rows, dtype=torch.int64, device=embeds.device)
         return merge_multimodal_embeddings(embeds, index, pieces)
+
+
+def mm_prefix_ranges(states: list[CachedRequestState], counts: list[int]) -> list[list[tuple[int, int]]] | None:
+    """The step's ``AttentionMetadata.mm_prefix_ranges`` for a multimodal prefix-LM: per request, the runs of
+    image embedding positions (``PlaceholderRange.embed_runs``) that overlap its scheduled tokens; ``None`` when
+    no request has one.
+
+    Args:
+        states: the step's requests (``num_computed_tokens`` not yet advanced).
+        counts: tokens scheduled per request.
+    """
+    ranges: list[list[tuple[int, int]]] = []
+    for state, n in zip(states, counts):
+        start, end = state.num_computed_tokens, state.num_computed_tokens + n
+        ranges.append([(a, b) for feature in state.mm_features or () for a, b in feature.placeholder.embed_runs()
+                       if a < end and b > start])
+    return ranges if any(ranges) else None

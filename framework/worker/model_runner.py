@@ -23,7 +23,7 @@ from tokenmill.dtypes import str_to_dtype
 from tokenmill.model_loader.loader import get_model
 from tokenmill.model_contract import supports_multimodal
 from tokenmill.worker.compiled_runner import CompiledRunner
-from tokenmill.worker.encoder_runner import EncoderRunner
+from tokenmill.worker.encoder_runner import EncoderRunner, mm_prefix_ranges
 from tokenmill.worker.grammar_bitmask import apply_grammar_bitmask
 from tokenmill.worker.graph_runner import GraphRunner
 from tokenmill.worker.input_batch import CachedRequestState, build_batch_inputs, build_sampling_metadata
@@ -83,6 +83,7 @@ class ModelRunner:
         self.pooling_collector: PoolingCollector | None = None  # with the pooling runner (docs/pooling.md)
         self.encoder_runner: EncoderRunner | None = None  # a model that takes images (docs/multimodal.md)
         self.uses_mrope = False  # 3-D rotary positions (Qwen2-VL): the model gets [3, T] positions
+        self.mm_prefix_lm = False  # bidirectional attention within an image's tokens (Gemma 3)
 
     def load_model(self) -> None:
         """Build and load the model, attach quantized copies, then the platform's linear method (which may
@@ -104,6 +105,11 @@ class ModelRunner:
         if supports_multimodal(self.model):
             self.encoder_runner = EncoderRunner(self.model, self.device)
         self.uses_mrope = bool(getattr(self.model, "uses_mrope", False))
+        self.mm_prefix_lm = bool(getattr(self.model, "is_mm_prefix_lm", False))
+        if self.mm_prefix_lm and not getattr(self.attn_backend, "supports_mm_prefix", False):
+            raise ValueError(f"attention backend {self.attn_backend.name or self.attn_backend.__qualname__} does not "
+                             "support bidirectional attention within an image's tokens (supports_mm_prefix), which "
+                             f"{type(self.model).__name__} needs; use TORCH_PAGED")
         mc = self.config.model_config
         if mc.runner_type == "pooling":
             self.pooling_collector = PoolingCollector(build_pooler(self.model, mc.pooler_config, mc.convert))
@@ -249,6 +255,8 @@ class ModelRunner:
         inputs_embeds = None
         if self.encoder_runner is not None:
             self.encoder_runner.execute(so, self.requests)
+            if self.mm_prefix_lm:
+                batch.attn_metadata.mm_prefix_ranges = mm_prefix_ranges(states, counts)
             inputs_embeds = self.encoder_runner.input_embeddings(batch.input_ids, states, counts,
                                                                  batch.attn_metadata.query_start_loc_cpu)
         if self.lora_manager is not None:

@@ -101,13 +101,16 @@ def new_kv(batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def reference_attention(
-    batch: PagedBatch, scale: float, sliding_window: int | None = None, soft_cap: float | None = None
+    batch: PagedBatch, scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+    spans: list[list[tuple[int, int]]] | None = None,
 ) -> torch.Tensor:
     """Plain softmax attention in float64 from the full per-request keys/values: ``[T, Hq, D]`` float64.
 
     Query ``i`` of a request with ``q_len`` new and ``seq_len`` total tokens sits at ``p = seq_len - q_len + i``
     and sees keys ``0 .. p`` (with ``sliding_window`` W: keys ``j`` with ``p - W < j <= p``). With ``soft_cap``
-    c the scaled scores become ``c * tanh(s / c)`` before the mask (Gemma 2).
+    c the scaled scores become ``c * tanh(s / c)`` before the mask (Gemma 2). ``spans``: per request,
+    ``(start, end)`` positions within which every query also sees the later keys (still within the window:
+    transformers' Gemma 3 image mask).
     """
     qsl, sl = batch.md.query_start_loc_cpu, batch.md.seq_lens_cpu
     num_heads = batch.q.shape[1]
@@ -123,6 +126,9 @@ def reference_attention(
             scores = torch.tanh(scores / soft_cap) * soft_cap
         pos = torch.arange(e - s) + seq_len - (e - s)
         hidden = torch.arange(seq_len)[None, None, :] > pos[None, :, None]
+        for a, b in spans[r] if spans else ():
+            keys = torch.arange(seq_len)
+            hidden &= ~(((pos >= a) & (pos < b))[None, :, None] & ((keys >= a) & (keys < b))[None, None, :])
         if sliding_window is not None:
             hidden |= torch.arange(seq_len)[None, None, :] <= pos[None, :, None] - sliding_window
         probs = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)

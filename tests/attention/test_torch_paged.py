@@ -86,6 +86,30 @@ def test_torch_backend_sliding_window_and_soft_cap_never_read_blocks_outside_the
     assert rel_err(out.view_as(dec.q), reference_attention(dec, scale, window, soft_cap)) < 1e-5
 
 
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (3, None), (None, 5.0)], ids=["full", "w3", "softcap"])
+def test_bidirectional_spans_match_the_reference(window, soft_cap):
+    """``mm_prefix_ranges`` (Gemma 3's image tokens): a fresh prompt with two spans, a chunk on a cached prefix
+    whose span began in the cache (a prefix-cache hit inside an image), a span wholly in the past, a span
+    reaching past the chunk's end (clipped: its later keys do not exist yet), and decodes."""
+    num_heads, num_kv_heads, head_size, block_size = 4, 2, 16, 4
+    q_lens, seq_lens = [12, 6, 1, 5, 4], [12, 15, 20, 9, 10]
+    spans = [[(2, 7), (8, 11)], [(7, 13)], [(3, 9)], [(1, 4)], [(7, 14)]]
+    batch = make_batch(q_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+                       block_size=block_size, fill_cache=False, poison=1.0e4, seed=3)
+    batch.md.mm_prefix_ranges = spans
+    scale = head_size**-0.5
+    impl = TorchPagedAttentionBackend.get_impl_cls()(num_heads, head_size, scale, num_kv_heads,
+                                                     sliding_window=window, logits_soft_cap=soft_cap)
+    k, v = new_kv(batch)
+    kv_cache = batch.kv_cache.permute(0, 3, 1, 2, 4).contiguous()
+    out = impl.forward(batch.q.reshape(len(batch.q), -1), k.reshape(len(k), -1), v.reshape(len(v), -1), kv_cache,
+                       batch.md).view_as(batch.q)
+    want = reference_attention(batch, scale, window, soft_cap, spans=[[(a, min(b, n)) for a, b in r]
+                                                                      for r, n in zip(spans, seq_lens)])
+    assert rel_err(out, want) < 1e-5
+    assert rel_err(out, reference_attention(batch, scale, window, soft_cap)) > 1e-2  # the spans changed it
+
+
 def test_sliding_window_decode_branch_for_torch_compile(monkeypatch):
     """The decode path's traced branch (broadcast products instead of matmuls, taken under torch.compile), run
     eagerly: with window and soft cap it matches the reference too. (tests/models/test_compiled_families.py
@@ -129,3 +153,28 @@ def test_attention_layer_refuses_options_its_backend_lacks():
         Attention(4, 16, 0.25, 2, prefix="x", logits_soft_cap=5.0)  # supported: fine
     finally:
         set_attn_backend(None)
+
+
+def test_a_multimodal_prefix_lm_leaves_a_backend_without_supports_mm_prefix(monkeypatch):
+    """The platform's pick falls back to TORCH_PAGED; a backend the user named is refused."""
+    from types import SimpleNamespace
+
+    from tokenmill.attention.selector import ATTENTION_BACKEND_ENV, select_attn_backend
+
+    monkeypatch.delenv(ATTENTION_BACKEND_ENV, raising=False)
+
+    class Platform:
+        name = "fake"
+
+        @classmethod
+        def get_attn_backend_cls(cls, config):
+            return "TRITON_PAGED"
+
+    config = SimpleNamespace(attention_backend=None, model_config=SimpleNamespace(is_mm_prefix_lm=True))
+    choice = select_attn_backend(Platform, config)
+    assert choice.backend_cls is TorchPagedAttentionBackend and "lacks supports_mm_prefix" in choice.reason
+    config.model_config.is_mm_prefix_lm = False
+    assert select_attn_backend(Platform, config).name == "TRITON_PAGED"
+    config.model_config.is_mm_prefix_lm, config.attention_backend = True, "TRITON_PAGED"
+    with pytest.raises(ValueError, match="supports_mm_prefix"):
+        select_attn_backend(Platform, config)

@@ -52,3 +52,19 @@ class LeakyEncoderBackend(TorchPagedAttentionBackend):
     @staticmethod
     def get_impl_cls():  # noqa: ANN205
         return LeakyEncoderImpl
+
+
+class CausalOnlyImpl(TorchPagedAttentionImpl):
+    """Declares ``supports_mm_prefix`` (inherited) but drops ``mm_prefix_ranges``: image tokens stay causal."""
+
+    def forward(self, query, key, value, kv_cache, attn_metadata):  # noqa: ANN001, ANN201
+        md = attn_metadata and dataclasses.replace(attn_metadata, mm_prefix_ranges=None)
+        return super().forward(query, key, value, kv_cache, md)
+
+
+class CausalOnlyBackend(TorchPagedAttentionBackend):
+    name = "CAUSAL_ONLY"
+
+    @staticmethod
+    def get_impl_cls():  # noqa: ANN205
+        return CausalOnlyImpl

@@ -38,7 +38,7 @@ def test_cpu_plugin_conforms(clean_plugin_state: None) -> None:
     assert report.mode == "real"
     s = statuses(report)
     assert s["graph_capture"] == "skip" and s["e2e.greedy"] == "pass" and s["attention.reference"] == "pass"
-    assert s["attention.encoder_only"] == "pass"
+    assert s["attention.encoder_only"] == "pass" and s["attention.mm_prefix"] == "pass"
     assert "CPU_PAGED" in report.attention_backend
 
 
@@ -54,6 +54,7 @@ def test_cuda_plugin_conforms_on_an_emulated_device(clean_plugin_state: None) ->
     assert any("EmulatedGraphCapture" in n for n in graphs.notes)
     assert s["kv_cache"] == "pass" and any("negative slots" in n for r in report.results for n in r.notes)
     assert s["attention.encoder_only"] == "pass"  # the Triton kernel without the causal mask
+    assert s["attention.mm_prefix"] == "skip"  # no bidirectional spans in the Triton kernel
 
 
 @pytest.mark.slow
@@ -79,10 +80,11 @@ def test_example_platform_conforms(clean_plugin_state: None, monkeypatch: pytest
     ("WrongScaleBackend", "attention.reference", "scale 0.3"),
     ("OffByOneSlotBackend", "kv_cache", "wrong slots"),
     ("LeakyEncoderBackend", "attention.encoder_only", "the 1-token sequence at rows 0..0"),
+    ("CausalOnlyBackend", "attention.mm_prefix", "step 'fresh prefills', request A"),
 ])
 def test_broken_backends_fail_naming_the_item(clean_plugin_state: None, backend: str, item: str, words: str) -> None:
     report = run_conformance("cpu", attention_backend=f"{BROKEN}:{backend}",
-                             items=["kv_cache", "attention.reference", "attention.encoder_only"])
+                             items=["kv_cache", "attention.reference", "attention.encoder_only", "attention.mm_prefix"])
     assert not report.ok
     failed = {r.item: r.message for r in report.results if r.status == "fail"}
     assert item in failed and words in failed[item], report.format()

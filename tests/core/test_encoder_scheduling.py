@@ -125,3 +125,74 @@ def test_an_image_with_text_among_its_tokens_costs_only_its_embedding_rows():
     assert first.scheduled_encoder_inputs == {"r": [0]}
     assert first.num_scheduled_tokens["r"] == 16
     assert sched.encoder_cache_manager.num_free_rows == 0
+
+
+def prefix_lm_scheduler(**kw):
+    """A scheduler for a multimodal prefix-LM (Gemma 3: bidirectional attention among an image's tokens)."""
+    sched = make_scheduler(**kw)
+    sched.mm_prefix_lm = True
+    return sched
+
+
+def chunk_ends(steps: list, rid: str) -> list[int]:
+    """Tokens of request ``rid`` computed after each step."""
+    ends, done = [], 0
+    for so in steps:
+        done += so.num_scheduled_tokens.get(rid, 0)
+        ends.append(done)
+    return ends
+
+
+def test_a_prefix_lm_chunk_never_ends_inside_an_image():
+    sched = prefix_lm_scheduler(budget=8, block_size=4)
+    sched.add_request(image_request(24, [image("a", 5, 6), image("b", 12, 7)], rid="r"))
+    steps: list = []
+    run_to_end(sched, steps)
+    ends = chunk_ends(steps, "r")
+    # 8-token steps would end at 8 (inside a) and 16 (inside b): the chunks stop before each image instead
+    assert ends[:4] == [5, 12, 20, 24]
+    assert [so.scheduled_encoder_inputs for so in steps if so.scheduled_encoder_inputs] == [{"r": [0]}, {"r": [1]}]
+
+
+def test_a_prefix_cache_hit_inside_an_image_is_followed_by_the_rest_of_the_image_in_one_chunk():
+    sched = prefix_lm_scheduler(budget=8, block_size=4)
+    sched.add_request(image_request(16, [image("a", 5, 6)], rid="first"))
+    run_to_end(sched, [])
+    again = image_request(16, [image("a", 5, 6)], rid="again")
+    again.prompt_token_ids[11] = again.all_token_ids[11] = 3  # the same first two blocks, then other text
+    sched.add_request(again)
+    so = sched.schedule()
+    assert again.num_cached_tokens == 8  # the hit ends inside the image (positions 5..10)
+    assert so.num_scheduled_tokens["again"] == 8  # positions 8..15 in one chunk: the image's rest included
+    # with room for less than the image's rest, such a chunk waits rather than split it
+    late = image_request(16, [image("b", 5, 6)], rid="late")
+    assert sched._schedule_encoder_inputs(late, 8, 2, 100)[1] == 0
+    assert sched._schedule_encoder_inputs(late, 8, 3, 100)[1] == 3
+
+
+def test_a_prefix_lm_image_longer_than_a_step_is_refused():
+    import pytest
+
+    from tokenmill.errors import InvalidRequestError
+
+    sched = prefix_lm_scheduler(budget=8, threshold=6)
+    with pytest.raises(InvalidRequestError, match="one step") as err:
+        sched.add_request(image_request(20, [image("big", 2, 7)]))
+    assert err.value.param == "prompt"
+    sched.add_request(image_request(20, [image("fits", 2, 6)]))  # within the 6-token prefill threshold
+
+
+def test_a_prefix_lm_chunk_may_end_between_the_runs_of_one_image():
+    """An image of several runs (Gemma 3's pan-and-scan crops, text between them): each run is one block of
+    bidirectional attention, so a chunk may end between runs, never inside one; a run longer than a step is
+    refused, the whole image need not fit."""
+    sched = prefix_lm_scheduler(budget=8, block_size=4)
+    mask = (True,) * 6 + (False,) * 3 + (True,) * 4
+    feature = MultiModalFeature("image", "crops", PlaceholderRange(3, 13, mask), {})
+    sched.add_request(image_request(20, [feature], rid="r"))
+    steps: list = []
+    run_to_end(sched, steps)
+    ends = chunk_ends(steps, "r")
+    # runs at 3..8 and 12..15: 8 would split the first; 3 + 8 = 11 lies between the runs
+    assert ends[:4] == [3, 11, 19, 20]
+    assert [so.scheduled_encoder_inputs for so in steps if so.scheduled_encoder_inputs] == [{"r": [0]}]

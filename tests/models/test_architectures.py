@@ -23,7 +23,8 @@ POOLING_ARCHS = ["Qwen3Model", "Qwen2Model", "LlamaModel", "Qwen3ForSequenceClas
                  "BertForSequenceClassification", "XLMRobertaForSequenceClassification"]
 # vision-language models (docs/multimodal.md), tested in tests/models/test_vision_models.py
 VISION_ARCHS = ["LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
-                "Qwen2_5_VLForConditionalGeneration", "Idefics3ForConditionalGeneration"]
+                "Qwen2_5_VLForConditionalGeneration", "Idefics3ForConditionalGeneration",
+                "Gemma3ForConditionalGeneration", "LlavaNextForConditionalGeneration"]
 
 
 def test_every_family_is_registered_through_the_entry_point_and_imports():

@@ -45,23 +45,13 @@ def randomize(model: Any, projection: Any) -> None:
         projection.mul_(50.0)
 
 
-def build_llava(path: str) -> str:
-    """A 2-layer CLIP tower (28 px images, 7 px patches: 16 image tokens) + projector + 2-layer Llama, float32,
-    saved with a ``LlavaProcessor`` (the byte-level test tokenizer plus ``<image>``) and a chat template."""
-    import torch
-    from transformers import (
-        CLIPImageProcessor,
-        CLIPVisionConfig,
-        LlamaConfig,
-        LlavaConfig,
-        LlavaForConditionalGeneration,
-        LlavaProcessor,
-    )
+def llava_parts() -> tuple[Any, Any, Any]:
+    """The byte-level test tokenizer plus ``<image>`` (with the chat template), a 3-layer CLIP tower config (28 px
+    images, 7 px patches: 16 image tokens) and a 2-layer Llama config: shared by the Llava builders."""
+    from transformers import CLIPVisionConfig, LlamaConfig
 
     from tests.engine.engine_fakes import byte_level_tokenizer
 
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return path
     tok = byte_level_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": ["<special>", "<image>"]})
     tok.chat_template = CHAT_TEMPLATE
@@ -69,18 +59,35 @@ def build_llava(path: str) -> str:
                               image_size=28, patch_size=7)
     text = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    return tok, vision, text
+
+
+def save_llava(path: str, model: Any, image_processor: Any, tok: Any, processor_cls: Any) -> str:
+    """Randomize ``model`` (a Llava-family model) and save it with its processor at ``path``."""
+    randomize(model, model.model.multi_modal_projector.linear_2.weight)
+    processor = processor_cls(image_processor=image_processor, tokenizer=tok, patch_size=7,
+                              vision_feature_select_strategy="default", image_token="<image>",
+                              num_additional_image_tokens=1, chat_template=CHAT_TEMPLATE)
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return path
+
+
+def build_llava(path: str) -> str:
+    """:func:`llava_parts`' CLIP tower + projector + Llama, float32, saved with a ``LlavaProcessor`` and a chat
+    template."""
+    import torch
+    from transformers import CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    tok, vision, text = llava_parts()
     config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=tok.convert_tokens_to_ids("<image>"),
                          image_seq_length=16, architectures=["LlavaForConditionalGeneration"])
     torch.manual_seed(0)
     model = LlavaForConditionalGeneration(config).eval()
-    randomize(model, model.model.multi_modal_projector.linear_2.weight)
-    processor = LlavaProcessor(
-        image_processor=CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}),
-        tokenizer=tok, patch_size=7, vision_feature_select_strategy="default", image_token="<image>",
-        num_additional_image_tokens=1, chat_template=CHAT_TEMPLATE)
-    model.save_pretrained(path)
-    processor.save_pretrained(path)
-    return path
+    image_processor = CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    return save_llava(path, model, image_processor, tok, LlavaProcessor)
 
 
 QWEN2_VL_CHAT_TEMPLATE = (
@@ -190,3 +197,69 @@ def build_idefics3(path: str) -> str:
     model.save_pretrained(path)
     processor.save_pretrained(path)
     return path
+
+
+def build_gemma3(path: str) -> str:
+    """A 2-layer SigLIP tower (42 px images, 7 px patches: a 6x6 grid pooled 2x2 to 9 image tokens) + a 2-layer
+    Gemma 3 decoder (a sliding layer with a 6-token window, shorter than an image, and a global layer), float32,
+    saved with a ``Gemma3Processor`` (Pillow image processor) and the byte-level test tokenizer plus Gemma 3's
+    image tokens."""
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor, PreTrainedTokenizerFast
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    from tests.engine.engine_fakes import byte_level_tokenizer
+
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    specials = ["<start_of_image>", "<image_soft_token>", "<end_of_image>"]
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=byte_level_tokenizer().backend_tokenizer, eos_token="<eos>",
+        additional_special_tokens=["<special>", *specials],
+        extra_special_tokens={"boi_token": specials[0], "image_token": specials[1], "eoi_token": specials[2]})
+    template = CHAT_TEMPLATE.replace("<image>", "<start_of_image>")
+    tok.chat_template = template
+    ids = [tok.convert_tokens_to_ids(t) for t in specials]
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=42,
+                  patch_size=7, vision_use_head=False)
+    text = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, sliding_window=6,
+                layer_types=["sliding_attention", "full_attention"], pad_token_id=0, bos_token_id=None,
+                eos_token_id=2, tie_word_embeddings=False)
+    config = Gemma3Config(vision_config=vision, text_config=text, mm_tokens_per_image=9, boi_token_index=ids[0],
+                          image_token_index=ids[1], eoi_token_index=ids[2], tie_word_embeddings=False,
+                          architectures=["Gemma3ForConditionalGeneration"])
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # transformers initialises the projection to zeros
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.02)
+    randomize(model, model.model.multi_modal_projector.mm_input_projection_weight)
+    processor = Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 42, "width": 42}),
+                                tokenizer=tok, image_seq_length=9, chat_template=template)
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return path
+
+
+def build_llava_next(path: str) -> str:
+    """:func:`llava_parts`' CLIP tower (28 px tiles, 16 tokens each) and Llama with LLaVA-NeXT's any-resolution
+    tiles: grid resolutions 28x56, 56x28 and 56x56 px (a 40x30 image: a 2x2 grid plus the base tile, 16 + 6 rows
+    of 8 + 1 tokens after unpadding), saved with a ``LlavaNextProcessor`` (Pillow image processor)."""
+    import torch
+    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextProcessor
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    tok, vision, text = llava_parts()
+    pinpoints = [[28, 56], [56, 28], [56, 56]]
+    config = LlavaNextConfig(vision_config=vision, text_config=text, image_grid_pinpoints=pinpoints,
+                             image_token_index=tok.convert_tokens_to_ids("<image>"),
+                             architectures=["LlavaNextForConditionalGeneration"])
+    torch.manual_seed(0)
+    model = LlavaNextForConditionalGeneration(config).eval()
+    with torch.no_grad():  # as large as the (scaled-up) projected features, so that a misplaced newline shows
+        model.model.image_newline.mul_(50.0)
+    image_processor = LlavaNextImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
+                                                 image_grid_pinpoints=pinpoints)
+    return save_llava(path, model, image_processor, tok, LlavaNextProcessor)

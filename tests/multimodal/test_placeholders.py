@@ -54,3 +54,9 @@ def test_encoder_runner_writes_rows_only_at_embedding_positions():
     ids = torch.tensor([30, 40, 50, 60])
     out = runner.input_embeddings(ids, [state], [4], [0, 4])
     assert out[:, 0].tolist() == [30.0, 40.0, 101.0, 102.0]  # positions 2, 3 text; 4, 5 image rows 1, 2
+
+
+def test_embed_runs_are_the_maximal_runs_of_embedding_positions():
+    assert PlaceholderRange(3, 4).embed_runs() == [(3, 7)]
+    mask = (True, True, False, True, False, False, True)
+    assert PlaceholderRange(10, 7, mask).embed_runs() == [(10, 12), (13, 14), (16, 17)]

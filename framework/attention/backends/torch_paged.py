@@ -8,7 +8,10 @@ the gathered, padded context; prefill chunks run one SDPA call per request
 (sliding windows and logit soft caps as masks / a float32 path, see :class:`TorchPagedAttentionImpl`); the
 fresh prompts of a step (nothing cached before them) go through :meth:`TorchPagedAttentionImpl.forward_prefills`
 together. A pure decode step reads only device tensors of the metadata (and ``max_query_len``),
-so torch.compile can trace it (``supports_compile``).
+so torch.compile can trace it (``supports_compile``). A prompt chunk holding a bidirectional span
+(``AttentionMetadata.mm_prefix_ranges``, ``supports_mm_prefix``) attends with an explicit mask on torch's path,
+never through the extension points below (their kernels know only causal masks); one-token queries need no
+span (no key of their span comes after them).
 
 A vendor kernel for one-token queries plugs in by subclassing :class:`TorchPagedAttentionImpl` and overriding
 :meth:`TorchPagedAttentionImpl.forward_decode`, one for prompt chunks by overriding
@@ -34,6 +37,7 @@ class TorchPagedAttentionBackend(AttentionBackend):
     supports_sliding_window = True
     supports_logits_soft_cap = True
     supports_encoder_only = True
+    supports_mm_prefix = True
 
     # get_impl_cls / get_kv_cache_shape: the AttentionBackend interface, which every backend spells out.
     @staticmethod
@@ -81,18 +85,30 @@ class TorchPagedAttentionImpl(AttentionImpl):
         else:
             done = set()
         fresh: list[tuple[int, int]] = []  # prompt chunks with nothing cached before them
+        prefix_ranges = attn_metadata.mm_prefix_ranges
         for i in range(len(seq_lens)):
             if i in done:
                 continue
             start, end, seq_len = qsl[i], qsl[i + 1], seq_lens[i]
             offset = seq_len - (end - start)  # position of the chunk's first query
-            if offset == 0:  # its own keys/values are the context
+            spans = bidirectional_spans(prefix_ranges[i], offset, seq_len) if prefix_ranges else []
+            if offset == 0 and not spans:  # its own keys/values are the context
                 fresh.append((start, end))
                 continue
             first = 0 if self.sliding_window is None else max(0, offset - self.sliding_window + 1) // bs
-            k_ctx, v_ctx = gather_kv(kv_cache, attn_metadata.block_table[i], seq_len, bs, first_block=first)
-            k_ctx, v_ctx = k_ctx.to(q.dtype), v_ctx.to(q.dtype)  # a cache in another dtype (--kv-cache-dtype)
-            out[start:end] = self.forward_prefill(q[start:end], k_ctx, v_ctx).view(-1, *q.shape[1:])
+            if offset == 0:
+                k_ctx, v_ctx = k[start:end], v[start:end]
+            else:
+                k_ctx, v_ctx = gather_kv(kv_cache, attn_metadata.block_table[i], seq_len, bs, first_block=first)
+                k_ctx, v_ctx = k_ctx.to(q.dtype), v_ctx.to(q.dtype)  # a cache in another dtype (--kv-cache-dtype)
+            if spans:
+                # the kernels behind forward_prefill know only causal masks: this chunk takes the torch path
+                base = first * bs if offset else 0  # position of the context's first row
+                shifted = [(a - base, b - base) for a, b in spans]
+                o = self._sdpa(q[start:end], k_ctx, v_ctx, causal_offset=offset - base, spans=shifted)
+                out[start:end] = o
+            else:
+                out[start:end] = self.forward_prefill(q[start:end], k_ctx, v_ctx).view(-1, *q.shape[1:])
         if fresh:
             self.forward_prefills(q, k, v, fresh, out.view(num_tokens, -1))
         return out.reshape(num_tokens, -1)
@@ -180,32 +196,37 @@ class TorchPagedAttentionImpl(AttentionImpl):
         """
         return self._sdpa(q, k, v, causal_offset=k.shape[0] - q.shape[0]).reshape(q.shape[0], -1)
 
-    def _mask(self, lq: int, lk: int, causal_offset: int, device: torch.device) -> torch.Tensor:
-        """``[Lq, Lk]`` bool: query ``i`` (at ``causal_offset + i``) sees key ``j``."""
+    def _mask(self, lq: int, lk: int, causal_offset: int, device: torch.device,
+              spans: list[tuple[int, int]] | None = None) -> torch.Tensor:
+        """``[Lq, Lk]`` bool: query ``i`` (at ``causal_offset + i``) sees key ``j``; within each ``(start, end)``
+        of ``spans`` (context rows) every query sees every key (before the sliding window applies)."""
         rows = torch.arange(lq, device=device).unsqueeze(1) + causal_offset
         cols = torch.arange(lk, device=device).unsqueeze(0)
         mask = cols <= rows
+        for a, b in spans or ():
+            mask |= (rows >= a) & (rows < b) & (cols >= a) & (cols < b)
         if self.sliding_window is not None:
             mask &= cols > rows - self.sliding_window
         return mask
 
-    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int) -> torch.Tensor:
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int,
+              spans: list[tuple[int, int]] | None = None) -> torch.Tensor:
         """Causal attention of ``q`` ``[Lq, Hq, D]`` over ``k``/``v`` ``[Lk, Hkv, D]``; query i sits at position
-        ``causal_offset + i`` of the context."""
+        ``causal_offset + i`` of the context; ``spans``: bidirectional context rows (see :meth:`_mask`)."""
         lq, lk = q.shape[0], k.shape[0]
         if self.logits_soft_cap is not None:
-            return self._softcap_attention(q, k, v, self._mask(lq, lk, causal_offset, q.device))
+            return self._softcap_attention(q, k, v, self._mask(lq, lk, causal_offset, q.device, spans))
         # 4-D inputs: torch's fused CPU kernel (flash attention) accepts only [N, H, L, D]; 3-D inputs take the
         # unfused math path, 1.6x slower on 128-token prefills.
         qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         gqa = self.num_heads != self.num_kv_heads
         windowed = self.sliding_window is not None and causal_offset + lq > self.sliding_window
-        if causal_offset == 0 and lq == lk and not windowed:
+        if causal_offset == 0 and lq == lk and not windowed and not spans:
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale, enable_gqa=gqa)
-        elif lq == 1 and not windowed:
+        elif lq == 1 and not windowed and not spans:
             o = F.scaled_dot_product_attention(qh, kh, vh, scale=self.scale, enable_gqa=gqa)
         else:
-            mask = self._mask(lq, lk, causal_offset, q.device)
+            mask = self._mask(lq, lk, causal_offset, q.device, spans)
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
         return o[0].transpose(0, 1)
 
@@ -308,6 +329,14 @@ class TorchPagedAttentionImpl(AttentionImpl):
         tokens = md.query_start_loc[idx].long()
         o = self.forward_decode(q[tokens], kv_cache, md.block_table[idx, :nb], md.seq_lens[idx], md.block_size)
         out[tokens] = o.view(-1, self.num_heads, self.head_size)
+
+
+def bidirectional_spans(ranges: list[tuple[int, int]], offset: int, seq_len: int) -> list[tuple[int, int]]:
+    """The ``ranges`` (``(start, end)`` positions, :attr:`AttentionMetadata.mm_prefix_ranges`) that change a
+    chunk's attention: those in which some query of the chunk ``[offset, seq_len)`` has a later key, clipped to
+    the sequence so far (a span's keys past ``seq_len`` do not exist yet; the scheduler keeps a span's end in
+    the chunk that reaches it)."""
+    return [(a, min(b, seq_len)) for a, b in ranges if max(a, offset) < min(b, seq_len) - 1]
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
