@@ -121,6 +121,9 @@ class AttentionBackend(ABC):
         supports_logits_soft_cap: the impl takes ``logits_soft_cap``.
         supports_encoder_only: the impl has ``forward_encoder(query, key, value, attn_metadata)``:
             bidirectional attention within each (whole) sequence of the step, for encoder models.
+        supported_quantized_kv_cache_dtypes: the quantized ``--kv-cache-dtype`` names (``"int8"``,
+            ``"fp8_e4m3"``, ``"fp8_e5m2"``) whose caches the impl writes and reads, rows as
+            :mod:`tokenmill.attention.kv_cache_quant` defines them; any other is refused at start-up.
     """
 
     name: str = ""
@@ -129,6 +132,7 @@ class AttentionBackend(ABC):
     supports_sliding_window: bool = False
     supports_logits_soft_cap: bool = False
     supports_encoder_only: bool = False
+    supported_quantized_kv_cache_dtypes: tuple[str, ...] = ()
 
     @staticmethod
     @abstractmethod
@@ -143,4 +147,5 @@ class AttentionBackend(ABC):
     @staticmethod
     @abstractmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
-        """Shape of one layer's KV cache tensor."""
+        """Shape of one layer's KV cache tensor, ``head_size`` being the elements of one (token, KV head) row:
+        the model's head size, or ``kv_cache_quant.kv_cache_row_size`` of it for a quantized cache."""

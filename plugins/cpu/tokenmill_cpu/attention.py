@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.plugin_api import AttentionImpl, TorchPagedAttentionBackend, TorchPagedAttentionImpl
+from tokenmill.plugin_api import AttentionImpl, TorchPagedAttentionBackend, TorchPagedAttentionImpl, is_quantized_kv_dtype
 from tokenmill_cpu import kernels
 
 _WIDENED = (torch.bfloat16, torch.float16)  # caches the kernels take under a float32 model (--kv-cache-dtype)
@@ -68,7 +68,7 @@ class CpuPagedAttentionImpl(TorchPagedAttentionImpl):
     ) -> torch.Tensor:
         """The C++ kernel (:func:`tokenmill_cpu.kernels.paged_decode`) under the torch backend's decode contract
         (:meth:`TorchPagedAttentionImpl.forward_decode`)."""
-        if not self.use_kernel or kv_cache.device.type != "cpu":
+        if not self.use_kernel or kv_cache.device.type != "cpu" or is_quantized_kv_dtype(kv_cache.dtype):
             return super().forward_decode(q, kv_cache, block_table, seq_lens, block_size)
         dtype = q.dtype
         if not _kernel_converts(q.dtype, kv_cache.dtype):
