@@ -103,3 +103,45 @@ def dequantize_kv(rows: torch.Tensor, head_size: int, dtype: torch.dtype) -> tor
     if rows.dtype == torch.int8:
         return (rows[..., :head_size].to(torch.float32) * row_scales(rows).unsqueeze(-1)).to(dtype)
     return rows.to(dtype)
+
+
+# fp8 rounding bound: half a step of the 3 (e4m3) or 2 (e5m2) mantissa bits relative to a normal value, half the
+# subnormal step below the smallest normal.
+_FP8_ERROR = {torch.float8_e4m3fn: (2.0**-4, 2.0**-10), torch.float8_e5m2: (2.0**-3, 2.0**-17)}
+
+
+def read_back_error_bound(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Largest ``|x - dequantize_kv(quantize_kv(x))|`` each element of ``x`` ``[..., D]`` may have in a ``dtype``
+    cache, float64 of ``x``'s shape: ``scale / 2`` of its row for int8 (plus float32's rounding of ``code *
+    scale``), the fp8 rounding bound (module docstring; values within the format's range).
+
+    Raises:
+        ValueError: ``dtype`` is not a quantized KV-cache dtype.
+    """
+    xd = x.double()
+    if dtype == torch.int8:
+        scale = xd.abs().amax(dim=-1, keepdim=True) / INT8_MAX
+        return (scale / 2).expand_as(xd) + xd.abs() * 2.0**-23
+    if dtype not in _FP8_ERROR:
+        raise ValueError(f"{dtype} is not a quantized KV-cache dtype")
+    rel, absolute = _FP8_ERROR[dtype]
+    return torch.maximum(xd.abs() * rel, torch.full_like(xd, absolute))
+
+
+def attention_error_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype,
+                          scale: float) -> torch.Tensor:
+    """Bound on how far attention of queries ``q`` ``[L, Hq, D]`` over keys / values ``[S, Hkv, D]`` read back
+    from a ``dtype`` cache can be from attention over the exact values, float64 ``[L, Hq, D]``, for any causal
+    mask, sliding window or logit soft cap (``c * tanh(s / c)`` moves no score more than ``s`` moved).
+
+    A key error ``|e| <= eps_k`` moves a score by at most ``delta = scale * sum_d |q_d| * max eps_k``; each
+    probability then changes by a factor within ``exp(+-2 delta)``, so the probabilities move by at most
+    ``exp(2 delta) - 1`` in total, which moves the output by at most that times the largest ``|v|``; value errors
+    add at most their own largest bound. Arithmetic rounding is not included.
+    """
+    group = q.shape[1] // k.shape[1]
+    eps_k = read_back_error_bound(k, dtype).amax(dim=(0, 2)).repeat_interleave(group)  # [Hq]
+    eps_v = read_back_error_bound(v, dtype).amax(dim=0).repeat_interleave(group, dim=0)  # [Hq, D]
+    v_max = v.double().abs().amax(dim=0).repeat_interleave(group, dim=0)  # [Hq, D]
+    delta = scale * q.double().abs().sum(-1) * eps_k  # [L, Hq]
+    return torch.expm1(2 * delta)[..., None] * v_max + eps_v

@@ -9,36 +9,16 @@ import math
 import torch
 
 from tests.attention.paged_reference import PagedBatch, reference_attention
-from tokenmill.attention.kv_cache_quant import INT8_MAX, dequantize_kv, quantize_kv
+from tokenmill.attention.kv_cache_quant import attention_error_bound, dequantize_kv, quantize_kv
 
 QUANT_DTYPES = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
 QUANT_IDS = ["int8", "fp8_e4m3", "fp8_e5m2"]
-# fp8 rounding: half a step of the 3 (e4m3) or 2 (e5m2) mantissa bits relative to a normal value, half the
-# subnormal step below the smallest normal.
-FP8_BOUND = {torch.float8_e4m3fn: (2.0**-4, 2.0**-10), torch.float8_e5m2: (2.0**-3, 2.0**-17)}
-
-
-def element_error_bound(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Largest ``|x - dequantize(quantize(x))|`` each element of ``x`` ``[..., D]`` may have in a ``dtype`` cache
-    (float64, ``x``'s shape): ``scale / 2`` of its row for int8 (``scale = absmax / 127``), the fp8 rounding bound
-    otherwise; plus float32's rounding of the read-back product."""
-    xd = x.double()
-    if dtype == torch.int8:
-        scale = xd.abs().amax(dim=-1, keepdim=True) / INT8_MAX
-        return (scale / 2).expand_as(xd) + xd.abs() * 2.0**-23
-    rel, absolute = FP8_BOUND[dtype]
-    return torch.maximum(xd.abs() * rel, torch.full_like(xd, absolute))
 
 
 def head_major_quantized(batch: PagedBatch, dtype: torch.dtype) -> torch.Tensor:
     """make_batch's float cache ``[2, blocks, block_size, Hkv, D]`` quantized into the torch backend's layout
     ``[2, Hkv, blocks, block_size, R]``."""
     return quantize_kv(batch.kv_cache.permute(0, 3, 1, 2, 4), dtype).contiguous()
-
-
-def slot_rows(batch: PagedBatch, dtype: torch.dtype) -> torch.Tensor:
-    """make_batch's float cache quantized in its own layout ``[2, blocks, block_size, Hkv, R]`` (the Triton one)."""
-    return quantize_kv(batch.kv_cache, dtype).contiguous()
 
 
 def read_back(batch: PagedBatch, dtype: torch.dtype, keep_fresh: bool) -> PagedBatch:
@@ -61,32 +41,21 @@ def read_back(batch: PagedBatch, dtype: torch.dtype, keep_fresh: bool) -> PagedB
     return out
 
 
-def attention_error_bound(batch: PagedBatch, dtype: torch.dtype, scale: float) -> torch.Tensor:
-    """``[T, Hq, D]`` bound on ``|attention over the dtype cache - float64 reference|``.
-
-    A key error ``|e| <= eps_k`` moves a score by at most ``delta = scale * sum_d |q_d| * max eps_k``; each
-    probability then changes by a factor within ``exp(+-2 delta)``, so the probabilities move by at most
-    ``exp(2 delta) - 1`` in total, which moves the output by at most that times the largest ``|v|``; value errors
-    add at most their own largest bound. Plus 1e-4 for float32 arithmetic.
-    """
+def batch_error_bound(batch: PagedBatch, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """``[T, Hq, D]`` bound on ``|attention over the dtype cache - float64 reference|``
+    (:func:`tokenmill.attention.kv_cache_quant.attention_error_bound` per request), plus 1e-4 for float32
+    arithmetic."""
     qsl = batch.md.query_start_loc_cpu
-    num_heads = batch.q.shape[1]
     bound = torch.empty(batch.q.shape, dtype=torch.float64)
     for r, (k, v) in enumerate(zip(batch.k_full, batch.v_full)):
-        group = num_heads // k.shape[1]
-        eps_k = element_error_bound(k, dtype).amax(dim=(0, 2)).repeat_interleave(group)  # [Hq]
-        eps_v = element_error_bound(v, dtype).amax(dim=0).repeat_interleave(group, dim=0)  # [Hq, D]
-        v_max = v.double().abs().amax(dim=0).repeat_interleave(group, dim=0)  # [Hq, D]
-        q = batch.q[qsl[r]:qsl[r + 1]].double()  # [L, Hq, D]
-        delta = scale * q.abs().sum(-1) * eps_k  # [L, Hq]
-        bound[qsl[r]:qsl[r + 1]] = torch.expm1(2 * delta)[..., None] * v_max + eps_v + 1e-4
+        bound[qsl[r]:qsl[r + 1]] = attention_error_bound(batch.q[qsl[r]:qsl[r + 1]], k, v, dtype, scale) + 1e-4
     return bound
 
 
 def assert_within_quantization_bound(out: torch.Tensor, batch: PagedBatch, dtype: torch.dtype, scale: float) -> None:
-    """``out`` ``[T, Hq, D]`` is the float64 reference of ``batch`` within :func:`attention_error_bound`."""
+    """``out`` ``[T, Hq, D]`` is the float64 reference of ``batch`` within :func:`batch_error_bound`."""
     err = (out.double() - reference_attention(batch, scale)).abs()
-    bound = attention_error_bound(batch, dtype, scale)
+    bound = batch_error_bound(batch, dtype, scale)
     assert bool((err <= bound).all()), f"largest error {err.max():.3g}, worst error/bound {(err / bound).max():.3g}"
     assert math.isfinite(float(err.max()))
 

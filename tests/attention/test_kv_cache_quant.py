@@ -11,12 +11,17 @@ from tests.attention.quant_reference import (
     QUANT_DTYPES,
     QUANT_IDS,
     assert_within_quantization_bound,
-    element_error_bound,
     head_major_quantized,
     read_back,
 )
 from tokenmill.attention.backends.torch_paged import TorchPagedAttentionBackend, gather_kv
-from tokenmill.attention.kv_cache_quant import dequantize_kv, kv_cache_row_size, quantize_kv, row_scales
+from tokenmill.attention.kv_cache_quant import (
+    dequantize_kv,
+    kv_cache_row_size,
+    quantize_kv,
+    read_back_error_bound,
+    row_scales,
+)
 
 
 @pytest.mark.parametrize("dtype", QUANT_DTYPES, ids=QUANT_IDS)
@@ -29,7 +34,7 @@ def test_rows_read_back_within_the_format_bound(dtype, head_size):
     rows = quantize_kv(x, dtype)
     assert rows.dtype == dtype and rows.shape == (50, 3, kv_cache_row_size(head_size, dtype))
     back = dequantize_kv(rows, head_size, torch.float64)
-    assert bool(((back - x.double()).abs() <= element_error_bound(x, dtype)).all())
+    assert bool(((back - x.double()).abs() <= read_back_error_bound(x, dtype)).all())
     assert torch.equal(back[0], torch.zeros(3, head_size, dtype=torch.float64))
     assert torch.equal(quantize_kv(x, dtype), rows)  # deterministic: a row depends on its values only
     assert torch.equal(quantize_kv(x[7:9], dtype), rows[7:9])
@@ -75,4 +80,4 @@ def test_gather_kv_reads_a_quantized_cache_back(dtype):
     assert raw_k.dtype == dtype and raw_k.shape == (13, 2, kv_cache_row_size(18, dtype))
     k, v = gather_kv(cache, batch.md.block_table[0], 13, 4, dtype=torch.float32, head_size=18)
     assert k.shape == (13, 2, 18) and k.dtype == torch.float32
-    assert bool(((v.double() - batch.v_full[0].double()).abs() <= element_error_bound(batch.v_full[0], dtype)).all())
+    assert bool(((v.double() - batch.v_full[0].double()).abs() <= read_back_error_bound(batch.v_full[0], dtype)).all())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 import pytest
 import torch
@@ -85,11 +86,15 @@ def float32_reference(tiny_llama_dir):
 
 
 @pytest.mark.parametrize("name", ["int8", "fp8", "fp8_e5m2"])
-def test_quantized_cache_holds_more_blocks_and_generates_alike(tiny_llama_dir, float32_reference, name):
+def test_quantized_cache_holds_more_blocks_and_generates_alike(tiny_llama_dir, float32_reference, name, caplog):
     # The freed memory shows as blocks: fp8 takes a quarter of float32's bytes per row, int8 a quarter plus the
     # 4-byte scale of each row (head size 16 here: 20 bytes against 64, 32 for bfloat16).
     ref_tokens, full_blocks, half_blocks = float32_reference
-    core = _core(tiny_llama_dir, dtype="float32", block_size=4, kv_cache_memory="1MiB", kv_cache_dtype=name)
+    with caplog.at_level(logging.INFO, logger="tokenmill.worker.worker"):
+        core = _core(tiny_llama_dir, dtype="float32", block_size=4, kv_cache_memory="1MiB", kv_cache_dtype=name)
+    # 2 layers x K and V x 2 KV heads x 4 tokens x a row of 20 (int8) or 16 bytes
+    row = 20 if name == "int8" else 16
+    assert f"KV cache: {_blocks(core)} blocks of {2 * 2 * 2 * 4 * row} bytes" in caplog.text
     runner = core.executor.worker.model_runner
     want = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[name]
     assert core.config.cache_config.cache_dtype == ("fp8_e4m3" if name == "fp8" else name)
