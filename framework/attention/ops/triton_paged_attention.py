@@ -132,10 +132,11 @@ def _reshape_and_cache_kernel(
         v_scale = tl.max(tl.where(mask, tl.abs(v), 0.0), axis=1) / 127.0
         k_scale = tl.where(k_scale > 0.0, k_scale, 1.0)
         v_scale = tl.where(v_scale > 0.0, v_scale, 1.0)
-        # Adding and subtracting 1.5 * 2**23 rounds a float32 of magnitude below 2**22 to an integer, half to even
-        # (|x / scale| <= 127 here), in portable Triton (no libdevice rint), as torch.round does.
-        k = tl.minimum(tl.maximum((k / k_scale[:, None] + 12582912.0) - 12582912.0, -127.0), 127.0)
-        v = tl.minimum(tl.maximum((v / v_scale[:, None] + 12582912.0) - 12582912.0, -127.0), 127.0)
+        # x / scale correctly rounded (div_rn: the plain "/" may compile to an approximate division on GPUs), then
+        # adding and subtracting 1.5 * 2**23 rounds a float32 of magnitude below 2**22 to an integer, half to even
+        # (|x / scale| <= 127 here), in portable Triton (no libdevice rint): the codes torch.round gives.
+        k = tl.minimum(tl.maximum((tl.math.div_rn(k, k_scale[:, None]) + 12582912.0) - 12582912.0, -127.0), 127.0)
+        v = tl.minimum(tl.maximum((tl.math.div_rn(v, v_scale[:, None]) + 12582912.0) - 12582912.0, -127.0), 127.0)
         h_valid = offs_h < NUM_KV_HEADS
         tl.store(k_scale_ptr + k_row // 4 + SCALE_COL, k_scale, mask=h_valid)
         tl.store(v_scale_ptr + v_row // 4 + SCALE_COL, v_scale, mask=h_valid)
