@@ -78,7 +78,7 @@ def test_quantized_kernels_refuse_bad_rows_and_queries():
     with pytest.raises(RuntimeError, match="under float32 q"):
         kernels.paged_decode(batch.q.bfloat16(), cache, batch.md.block_table, batch.md.seq_lens, 0.25)
     k = torch.zeros(1, 1, 16)
-    with pytest.raises(RuntimeError, match=r"rows \(20 elements for head size 16\)"):
+    with pytest.raises(RuntimeError, match=r"rows of 20 elements for head size 16"):
         kernels.write_kv_cache(k, k, narrow, torch.zeros(1, dtype=torch.int64))
 
 

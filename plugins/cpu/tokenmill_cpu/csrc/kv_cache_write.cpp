@@ -107,8 +107,8 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cac
   // int8 rows: the codes padded to a multiple of 4 bytes, then the float32 scale (kv_cache_quant.kv_cache_row_size).
   const int64_t row = cache_type == at::kChar ? (k.size(2) + 3) / 4 * 4 + 4 : k.size(2);
   TORCH_CHECK(kv_cache.size(1) == k.size(1) && kv_cache.size(4) == row,
-              "kv_cache's KV heads and rows (", row, " elements for head size ", k.size(2), ") must match k's, got ",
-              kv_cache.sizes(), " for ", k.sizes());
+              "kv_cache's KV heads and head size must match k's (rows of ", row, " elements for head size ", k.size(2),
+              "), got ", kv_cache.sizes(), " for ", k.sizes());
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.is_contiguous()
                   && slot_mapping.size(0) == k.size(0),
               "slot_mapping must be a contiguous [T] int64 tensor, one slot for each of k's ", k.size(0), " rows");
