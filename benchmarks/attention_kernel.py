@@ -12,7 +12,8 @@ Inductor generates), and the C++ kernel, plus the memory floor (keys and values 
 streaming bandwidth of this machine) and each path's error against the same attention in float64
 (``max |out - ref| / max |ref|``).
 
-``--cache-dtype`` puts the cache in another dtype than the queries (``--kv-cache-dtype``). The cache is allocated
+``--cache-dtype`` puts the cache in another dtype than the queries (``--kv-cache-dtype``; the quantized ones,
+``int8``, ``fp8_e4m3``, ``fp8_e5m2``, under ``--dtype float32``). The cache is allocated
 as the engine allocates it on CPU (``tokenmill_cpu.memory.lazily_zeroed_tensor``: transparent huge pages);
 ``--no-huge-pages`` puts it in an ordinary torch tensor (4 KiB pages where THP is only on request).
 """
@@ -24,6 +25,8 @@ import argparse
 import torch
 
 from tokenmill.attention.backends.torch_paged import TorchPagedAttentionImpl
+from tokenmill.attention.kv_cache_quant import dequantize_kv, kv_cache_row_size, quantize_kv
+from tokenmill.dtypes import kv_cache_dtype_to_torch
 from tokenmill_cpu import kernels
 from tokenmill_cpu.platform import separate_inductor_cache
 
@@ -61,9 +64,10 @@ def main() -> None:
     b, bs, d = args.batch, args.block_size, args.head_size
     nb = -(-args.context // bs)
     num_blocks = b * nb + 1
-    cache_dtype = getattr(torch, args.cache_dtype or args.dtype)
-    shape = (2, args.num_kv_heads, num_blocks, bs, d)
-    values = torch.randn(shape, generator=g).to(cache_dtype)
+    cache_dtype = kv_cache_dtype_to_torch(args.cache_dtype or args.dtype)
+    row = kv_cache_row_size(d, cache_dtype)  # an int8 row carries its scale
+    shape = (2, args.num_kv_heads, num_blocks, bs, row)
+    values = quantize_kv(torch.randn(*shape[:-1], d, generator=g), cache_dtype)
     caches = []
     for _ in range(args.layers):
         if args.no_huge_pages:
@@ -81,7 +85,7 @@ def main() -> None:
     compiled = torch.compile(impl.forward_decode, dynamic=True)
 
     with torch.inference_mode():
-        ref = impl.forward_decode(q.double(), cache.double(), table, seq_lens, bs)
+        ref = impl.forward_decode(q.double(), dequantize_kv(cache, d, torch.float64), table, seq_lens, bs)
         results = {  # each returns the first layer's output
             "torch eager (gather + bmm)": (lambda: [impl.forward_decode(q, c, table, seq_lens, bs) for c in caches][0]),
             "torch.compile (Inductor loops)": (lambda: [compiled(q, c, table, seq_lens, bs) for c in caches][0]),
@@ -95,7 +99,7 @@ def main() -> None:
         # float32: torch's bfloat16 sum is compute-bound here (17 vs 27 GB/s) and would understate the floor
         big = torch.empty(1 << 27, dtype=torch.float32).fill_(1)
         bw = big.numel() * big.element_size() / (median_ms(big.sum, 5) / 1000)
-        kv_bytes = 2 * b * args.context * args.num_kv_heads * d * cache.element_size() * args.layers
+        kv_bytes = 2 * b * args.context * args.num_kv_heads * row * cache.element_size() * args.layers
         print(f"{b} requests x {args.context} tokens, {args.num_heads}/{args.num_kv_heads} heads of {d}, {args.dtype} "
               f"queries, {cache_dtype} cache ({'ordinary pages' if args.no_huge_pages else 'huge pages asked'}), "
               f"{torch.get_num_threads()} threads, {args.layers} layer(s) per call, {args.blocks} blocks")

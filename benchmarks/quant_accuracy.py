@@ -1,9 +1,10 @@
 """Accuracy of each quantized checkpoint format against the float32 model: greedy agreement and the mean KL
 divergence of next-token distributions.
 
-Usage (the table in docs/quantization.md, "Accuracy by format"):
+Usage (the tables in docs/quantization.md, "Accuracy by format" and "Quantized KV cache"):
 
     nice -n 15 python benchmarks/quant_accuracy.py --json benchmarks/results/<date>_<machine>_quant_accuracy.json
+    nice -n 15 python benchmarks/quant_accuracy.py --kv-cache --embedded --json ...
 
 For each method a model is written and run next to its float32 reference, every engine in this process
 (``EngineCore``, float32 activations, eager):
@@ -15,7 +16,10 @@ For each method a model is written and run next to its float32 reference, every 
   ``Q4_0``, ``Q4_1``, ``Q5_0``, ``Q5_1``, ``Q8_0`` loaded with ``-q``, and the ``F32`` file quantized at load with
   ``-q int8`` / ``-q int4``;
 * with ``--embedded``, the embedded default model (SmolLM2-135M-Instruct, a ``Q4_1``/``Q8_0`` GGUF) with
-  ``-q int8`` / ``-q int4`` against its float32 (dequantized) load, on English prompts.
+  ``-q int8`` / ``-q int4`` against its float32 (dequantized) load, on English prompts;
+* with ``--kv-cache``, instead of the formats: the float models (the tiny one, and with ``--embedded`` the
+  embedded one) with a quantized KV cache (``--kv-cache-dtype int8``, ``fp8_e4m3``, ``fp8_e5m2``, and
+  ``bfloat16`` for comparison) against the same model with its float32 cache.
 
 Figures, per method: the share of prompts whose free-running greedy tokens equal the reference's, the mean
 number of leading tokens that agree, and, with the method's model forced along the reference's greedy tokens (a
@@ -47,6 +51,7 @@ from tokenmill.worker.logits_processor import LogitsProcessor, LogitsProcessorBa
 
 RECORDED: dict[str, list[torch.Tensor]] = {}  # request id -> log-probabilities [vocab] per generated position
 
+KV_CACHE_DTYPES = ["bfloat16", "int8", "fp8_e4m3", "fp8_e5m2"]  # --kv-cache
 ENGLISH = ["The capital of France is", "Photosynthesis is the process by which", "Here is a haiku about the sea:",
            "To reverse a list in Python, you", "The sky is blue because", "A CPU cache is", "Once upon a time,",
            "The three laws of motion are"]
@@ -68,11 +73,12 @@ class Recorder(LogitsProcessor):
 
 
 def run(path: str, quantization: str | None, prompts: list[list[int]], max_tokens: int,
-        forced: list[list[int]] | None = None) -> dict[str, Any]:
+        forced: list[list[int]] | None = None, kv_cache_dtype: str = "auto") -> dict[str, Any]:
     """Greedy tokens of ``prompts`` (``tokens``) and, with ``forced``, the log-probabilities along those
     sequences (``forced_logprobs``, ``[max_tokens, vocab]`` per prompt; without: along its own tokens)."""
     config = EngineArgs(model=path, dtype="float32", quantization=quantization, num_gpu_blocks_override=512,
-                        enforce_eager=True, logits_processors=[Recorder]).create_engine_config()
+                        enforce_eager=True, logits_processors=[Recorder],
+                        kv_cache_dtype=kv_cache_dtype).create_engine_config()
     core = EngineCore(config)
     tag = f"{time.monotonic_ns()}"
     requests = [EngineCoreRequest(f"{tag}-free-{i}", p, SamplingParams(temperature=0, max_tokens=max_tokens,
@@ -159,12 +165,16 @@ def gguf_methods(folder: str, base: str) -> list[tuple[str, str, str | None]]:
 
 
 def measure(label: str, ref_path: str, methods: list[tuple[str, str, str | None]], prompts: list[list[int]],
-            max_tokens: int) -> list[dict[str, Any]]:
+            max_tokens: int, kv_cache_dtypes: list[str] | None = None) -> list[dict[str, Any]]:
+    """Every method against ``ref_path``'s float32 model; with ``kv_cache_dtypes``, those KV-cache dtypes of the
+    reference model instead (``methods`` unused)."""
     ref = run(ref_path, None, prompts, max_tokens)
     rows = []
-    for name, path, quantization in methods:
+    if kv_cache_dtypes is not None:
+        methods = [(f"--kv-cache-dtype {d}", ref_path, None, d) for d in kv_cache_dtypes]
+    for name, path, quantization, *kv in methods:
         start = time.perf_counter()
-        got = run(path, quantization, prompts, max_tokens, forced=ref["tokens"])
+        got = run(path, quantization, prompts, max_tokens, forced=ref["tokens"], kv_cache_dtype=(kv or ["auto"])[0])
         row = {"model": label, "method": name, **compare(ref, got), "seconds": round(time.perf_counter() - start, 1)}
         print(f"{label:9s} {name:40s} identical {row['identical_share']:.2f}  leading {row['mean_leading_tokens']:5.1f}"
               f"  top-1 {row['top1_agreement']:.3f}  KL {row['mean_kl']:.2e} (max {row['max_kl']:.2e})", flush=True)
@@ -179,6 +189,8 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--embedded", action="store_true", help="also the embedded default model with -q int8 / int4")
+    p.add_argument("--kv-cache", action="store_true",
+                   help="measure quantized KV caches of the float models instead of the weight formats")
     p.add_argument("--json", default=None, help="write the record here")
     args = p.parse_args()
     torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -186,10 +198,20 @@ def main() -> None:
     prompts = [torch.randint(3, 512, (int(n),), generator=gen).tolist()
                for n in torch.randint(4, 40, (args.prompts,), generator=gen)]
     rows: list[dict[str, Any]] = []
+    kv = KV_CACHE_DTYPES if args.kv_cache else None
     with tempfile.TemporaryDirectory() as folder:
-        base, hf = tiny_methods(os.path.join(folder, "hf"), args.hidden, args.layers)
-        os.makedirs(os.path.join(folder, "gguf"))
-        rows += measure("tiny", base, hf + gguf_methods(os.path.join(folder, "gguf"), base), prompts, args.max_tokens)
+        if kv:
+            from tests.conftest import build_tiny_llama
+
+            base = build_tiny_llama(os.path.join(folder, "base"), hidden_size=args.hidden,
+                                    intermediate_size=args.hidden * 2, num_hidden_layers=args.layers,
+                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+            rows += measure("tiny", base, [], prompts, args.max_tokens, kv)
+        else:
+            base, hf = tiny_methods(os.path.join(folder, "hf"), args.hidden, args.layers)
+            os.makedirs(os.path.join(folder, "gguf"))
+            rows += measure("tiny", base, hf + gguf_methods(os.path.join(folder, "gguf"), base), prompts,
+                            args.max_tokens)
     if args.embedded:
         from transformers import AutoTokenizer
 
@@ -199,7 +221,7 @@ def main() -> None:
         tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
         english = [tok.encode(s) for s in ENGLISH[:args.prompts]]
         rows += measure("embedded", path, [("-q int8", path, "int8"), ("-q int4", path, "int4")], english,
-                        args.max_tokens)
+                        args.max_tokens, kv)
     if args.json:
         record = base_record("quant_accuracy", args)
         record["results"] = rows

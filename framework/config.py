@@ -15,7 +15,14 @@ COMPILE_MODES = ("background", "blocking")  # see tokenmill.worker.compiled_runn
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # torch dtypes of these: tokenmill.dtypes.TORCH_DTYPES
 MODEL_DTYPES = ("auto", *DTYPE_NAMES)  # see ModelConfig.dtype
-KV_CACHE_DTYPES = ("auto", *DTYPE_NAMES)  # see CacheConfig.cache_dtype
+# Quantized KV caches (vLLM's names; "fp8" is "fp8_e4m3"): tokenmill.attention.kv_cache_quant, docs/quantization.md
+QUANTIZED_KV_CACHE_DTYPES = ("int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", *DTYPE_NAMES, *QUANTIZED_KV_CACHE_DTYPES)  # see CacheConfig.cache_dtype
+
+
+def canonical_kv_cache_dtype(name: str) -> str:
+    """``name`` with vLLM's alias resolved (``"fp8"`` -> ``"fp8_e4m3"``); other names unchanged."""
+    return "fp8_e4m3" if name == "fp8" else name
 
 
 @dataclass
@@ -103,10 +110,12 @@ class CacheConfig:
 
     Attributes:
         block_size: tokens per KV block.
-        cache_dtype: element type of the KV cache, ``"float32"``, ``"bfloat16"`` or ``"float16"`` once resolved
-            (``"auto"``, the model's dtype, before). vLLM's ``--kv-cache-dtype``: a float32 model with a
-            bfloat16 cache reads half the KV bytes per decode step; keys and values are rounded once when they
-            are written, queries and outputs stay in the model dtype.
+        cache_dtype: element type of the KV cache, ``"float32"``, ``"bfloat16"`` or ``"float16"``, or a quantized
+            cache ``"int8"``, ``"fp8_e4m3"`` or ``"fp8_e5m2"`` once resolved (``"auto"``, the model's dtype, and
+            ``"fp8"``, an alias of ``"fp8_e4m3"``, before). vLLM's ``--kv-cache-dtype``: a float32 model with a
+            bfloat16 cache reads half the KV bytes per decode step; keys and values are rounded (or quantized,
+            :mod:`tokenmill.attention.kv_cache_quant`) once when they are written, queries and outputs stay in the
+            model dtype.
         kv_cache_memory: bytes for the KV cache on CPU (``None``: the platform decides).
         gpu_memory_utilization: fraction of accelerator memory the engine may use.
         enable_prefix_caching: share full blocks between requests by content hash.

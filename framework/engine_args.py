@@ -31,6 +31,7 @@ from tokenmill.config import (
     ParallelConfig,
     SchedulerConfig,
     StructuredOutputsConfig,
+    canonical_kv_cache_dtype,
     parse_json_object,
 )
 
@@ -126,7 +127,9 @@ class EngineArgs:
         g.add_argument("--block-size", type=int, default=d.block_size, help="Tokens per KV-cache block.")
         g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
                        help="Element type of the KV cache (default auto: the model's dtype). A float32 model with "
-                            "a bfloat16 cache reads half the KV bytes per decode step.")
+                            "a bfloat16 cache reads half the KV bytes per decode step; int8 (per-token scales) and "
+                            "fp8 (= fp8_e4m3) / fp8_e5m2 (scale 1.0) quantize keys and values when they are "
+                            "written (docs/quantization.md).")
         g.add_argument("--kv-cache-memory", default=d.kv_cache_memory,
                        help="KV cache size on CPU, e.g. 4GiB (default: min(4 GiB, 1/4 of available RAM)).")
         g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
@@ -277,6 +280,9 @@ class EngineArgs:
         """
         from tokenmill.platforms import get_platform_selection, set_current_platform
 
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:  # before the model's config is read: cheap to refuse
+            raise ValueError(f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.platform or os.environ.get("TOKENMILL_PLATFORM"):
             platform = set_current_platform(self.platform or os.environ["TOKENMILL_PLATFORM"])
         else:
@@ -325,15 +331,11 @@ class EngineArgs:
             max_batched = max(max_batched, model_config.max_model_len)
             if self.tensor_parallel_size > 1:
                 raise ValueError("tensor_parallel_size: encoder models run on one rank")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            hint = " (fp8 KV caches are not supported yet)" if str(self.kv_cache_dtype).startswith("fp8") else ""
-            raise ValueError(f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPES)}, "
-                             f"got {self.kv_cache_dtype!r}{hint}")
         config = EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
                 block_size=self.block_size,
-                cache_dtype=self.kv_cache_dtype,
+                cache_dtype=canonical_kv_cache_dtype(self.kv_cache_dtype),
                 kv_cache_memory=parse_size(self.kv_cache_memory),
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 enable_prefix_caching=self.enable_prefix_caching and not encoder_only,

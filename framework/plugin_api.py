@@ -22,7 +22,8 @@ Contents, by what a plugin does with them:
   :class:`AttentionBackendRegistry`, the portable :class:`TorchPagedAttentionBackend` /
   :class:`TorchPagedAttentionImpl` (subclass it and override ``forward_decode`` for a decode kernel), the
   Triton backend, and the paged-cache helpers :func:`write_kv_cache`, :func:`gather_kv`,
-  :func:`compute_slot_mapping`;
+  :func:`compute_slot_mapping`, and the quantized-cache rows' :func:`quantize_kv`, :func:`dequantize_kv`,
+  :func:`kv_cache_row_size`, :func:`is_quantized_kv_dtype`;
 * device graphs: :class:`GraphCapture` (what a platform implements), :class:`EmulatedGraphCapture` (the CPU
   emulator tests use), :class:`GraphCaptureError`;
 * kernels a platform may replace: :class:`QuantizedWeight` (``--quantization``), :class:`UnquantizedLinearMethod`
@@ -101,6 +102,10 @@ _LAZY: dict[str, str] = {
     "TritonPagedAttentionBackend": "tokenmill.attention.backends.triton_paged",
     "TritonPagedAttentionImpl": "tokenmill.attention.backends.triton_paged",
     "compute_slot_mapping": "tokenmill.attention.paged_cache",
+    "is_quantized_kv_dtype": "tokenmill.attention.kv_cache_quant",
+    "kv_cache_row_size": "tokenmill.attention.kv_cache_quant",
+    "quantize_kv": "tokenmill.attention.kv_cache_quant",
+    "dequantize_kv": "tokenmill.attention.kv_cache_quant",
     # device graphs
     "GraphCapture": "tokenmill.worker.graph_runner",
     "EmulatedGraphCapture": "tokenmill.worker.graph_emulator",
@@ -164,6 +169,7 @@ if TYPE_CHECKING:
         write_kv_cache,
     )
     from tokenmill.attention.backends.triton_paged import TritonPagedAttentionBackend, TritonPagedAttentionImpl
+    from tokenmill.attention.kv_cache_quant import dequantize_kv, is_quantized_kv_dtype, kv_cache_row_size, quantize_kv
     from tokenmill.attention.paged_cache import compute_slot_mapping
     from tokenmill.attention.registry import AttentionBackendRegistry, UnknownAttentionBackendError
     from tokenmill.config import (

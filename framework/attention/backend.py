@@ -133,6 +133,9 @@ class AttentionBackend(ABC):
         supports_mm_prefix: the impl honours :attr:`AttentionMetadata.mm_prefix_ranges` (bidirectional
             attention within an image's tokens, Gemma 3's vision model); models that need it run on another
             backend (see :func:`tokenmill.attention.selector.select_attn_backend`).
+        supported_quantized_kv_cache_dtypes: the quantized ``--kv-cache-dtype`` names (``"int8"``,
+            ``"fp8_e4m3"``, ``"fp8_e5m2"``) whose caches the impl writes and reads, rows as
+            :mod:`tokenmill.attention.kv_cache_quant` defines them; any other is refused at start-up.
     """
 
     name: str = ""
@@ -142,6 +145,7 @@ class AttentionBackend(ABC):
     supports_logits_soft_cap: bool = False
     supports_encoder_only: bool = False
     supports_mm_prefix: bool = False
+    supported_quantized_kv_cache_dtypes: tuple[str, ...] = ()
 
     @staticmethod
     @abstractmethod
@@ -156,4 +160,5 @@ class AttentionBackend(ABC):
     @staticmethod
     @abstractmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
-        """Shape of one layer's KV cache tensor."""
+        """Shape of one layer's KV cache tensor, ``head_size`` being the elements of one (token, KV head) row:
+        the model's head size, or ``kv_cache_quant.kv_cache_row_size`` of it for a quantized cache."""

@@ -8,9 +8,16 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadata
+from tokenmill.attention.kv_cache_quant import (
+    attention_error_bound,
+    is_quantized_kv_dtype,
+    kv_cache_row_size,
+    quantize_kv,
+    row_scales,
+)
 from tokenmill.conformance import reference as ref
 from tokenmill.conformance.target import ConformanceTarget, ContractFailure, ItemSkipped
-from tokenmill.dtypes import TORCH_DTYPES
+from tokenmill.dtypes import TORCH_DTYPES, kv_cache_dtype_to_torch
 
 BLOCK_SIZES = (4, 16)
 GARBAGE = 8.0  # unwritten slots of used blocks hold uniform(-8, 8): finite, and wrong if ever attended to
@@ -86,8 +93,14 @@ def _dtypes(t: ConformanceTarget) -> list[torch.dtype]:
 
 def _new_cache(backend: type[AttentionBackend], num_blocks: int, block_size: int, variant: ref.Variant,
                dtype: torch.dtype, device: torch.device, seed: int) -> torch.Tensor:
-    shape = backend.get_kv_cache_shape(num_blocks, block_size, variant.num_kv_heads, variant.head_size)
+    """Garbage in ``dtype``; a quantized ``dtype`` needs a layout whose last dimension is the row (the garbage is
+    then quantized rows, :func:`tokenmill.attention.kv_cache_quant.quantize_kv`)."""
+    row = kv_cache_row_size(variant.head_size, dtype)
+    shape = tuple(backend.get_kv_cache_shape(num_blocks, block_size, variant.num_kv_heads, row))
     g = torch.Generator().manual_seed(seed)
+    if is_quantized_kv_dtype(dtype):
+        garbage = (torch.rand(*shape[:-1], variant.head_size, generator=g) * 2 - 1) * GARBAGE
+        return quantize_kv(garbage, dtype).contiguous().to(device)
     return ((torch.rand(shape, generator=g) * 2 - 1) * GARBAGE).to(dtype).to(device)
 
 
@@ -99,7 +112,8 @@ def _poison_blocks(cache: torch.Tensor, layout: Layout | None, keep: set[int]) -
     count = 0
     for b in range(view.shape[1]):
         if b not in keep:
-            view[:, b].fill_(float("nan"))
+            # an int8 row reads back as NaN through its scale
+            (row_scales(view[:, b]) if cache.dtype == torch.int8 else view[:, b]).fill_(float("nan"))
             count += 1
     return count
 
@@ -161,10 +175,17 @@ def _check_reference(t: ConformanceTarget, with_spans: bool = False) -> None:
     checked = 0
     # (query dtype, cache dtype, block sizes): each model dtype over its own cache, then float32 queries over
     # every reduced cache dtype the platform supports (--kv-cache-dtype), within the cache dtype's tolerance.
+    # Then float32 queries over each quantized cache the backend lists, within the quantization error bound
+    # (tokenmill.attention.kv_cache_quant.attention_error_bound), where the layout ends in the row.
     runs = [(dtype, dtype, BLOCK_SIZES) for dtype in _dtypes(t)]
     if torch.float32 in _dtypes(t) and not with_spans:
         runs += [(torch.float32, TORCH_DTYPES[n], BLOCK_SIZES[-1:]) for n in ("bfloat16", "float16")
                  if n in t.run_cls.supported_dtypes]
+        quantized = tuple(getattr(backend, "supported_quantized_kv_cache_dtypes", ()))
+        if quantized and layout is not None and layout.dim == 4:
+            runs += [(torch.float32, kv_cache_dtype_to_torch(n), BLOCK_SIZES[-1:]) for n in quantized]
+        elif quantized:
+            t.note(f"quantized KV caches {', '.join(quantized)} not checked: the layout does not end in the row")
     with torch.inference_mode():
         for dtype, cache_dtype, block_sizes in runs:
             for bs in block_sizes:
@@ -182,7 +203,12 @@ def _check_reference(t: ConformanceTarget, with_spans: bool = False) -> None:
                                            | _blocks_written(scenario, step))
                         q, k, v, md, expected = ref.step_inputs(scenario, step, variant, dtype, t.device, spans)
                         out = impl.forward(q, k, v, cache, md)
-                        _compare(out, expected, step, md, dtype, bs, variant, t, cache_dtype)
+                        bounds = None
+                        if is_quantized_kv_dtype(cache_dtype):
+                            bounds = [attention_error_bound(r.q[a:a + c], r.k[:a + c], r.v[:a + c], cache_dtype,
+                                                            variant.softmax_scale).reshape(c, -1)
+                                      for r, a, c in ((scenario.requests[n], a, c) for n, a, c in step.chunks)]
+                        _compare(out, expected, step, md, dtype, bs, variant, t, cache_dtype, bounds)
                         checked += 1
     t.note(f"{checked} steps checked{' with bidirectional spans' if with_spans else ''}: block sizes {BLOCK_SIZES}, "
            "query / cache dtypes "
@@ -201,7 +227,9 @@ def _blocks_written(scenario: ref.Scenario, step: ref.Step) -> set[int]:
 
 def _compare(out: torch.Tensor, expected: list[torch.Tensor], step: ref.Step, md: AttentionMetadata,
              dtype: torch.dtype, block_size: int, variant: ref.Variant, t: ConformanceTarget,
-             cache_dtype: torch.dtype | None = None) -> None:
+             cache_dtype: torch.dtype | None = None, bounds: list[torch.Tensor] | None = None) -> None:
+    """``out`` against the float64 reference of each chunk: within the dtypes' tolerance, or with ``bounds``
+    (a quantized cache's, ``[count, Hq * D]`` per chunk) within the bound plus float32's tolerance per element."""
     if out.shape != (md.num_actual_tokens, variant.num_heads * variant.head_size):
         raise ContractFailure(f"forward returned shape {tuple(out.shape)}, expected "
                               f"[{md.num_actual_tokens}, {variant.num_heads * variant.head_size}]")
@@ -210,9 +238,17 @@ def _compare(out: torch.Tensor, expected: list[torch.Tensor], step: ref.Step, md
     tol = max(ref.tolerance(dtype), ref.tolerance(cache_dtype or dtype))
     qsl = md.query_start_loc_cpu
     for i, (name, start, count) in enumerate(step.chunks):
-        err = ref.max_abs_diff(out[qsl[i] : qsl[i + 1]], expected[i])
-        if not err <= tol:
-            what = "NaN (it read a block it must not read)" if err == float("inf") else f"{err:.3g} > {tol:g}"
+        if bounds is not None:
+            diff = (out[qsl[i] : qsl[i + 1]].double().cpu() - expected[i]).abs()
+            if bool((diff <= bounds[i] + tol).all()):  # NaN fails
+                continue
+            err = float("inf") if bool(diff.isnan().any()) else float(diff.max())
+            limit = f"the {_name(cache_dtype)} quantization bound (+{tol:g})"
+        else:
+            err = ref.max_abs_diff(out[qsl[i] : qsl[i + 1]], expected[i])
+            limit = f"{tol:g}"
+        if bounds is not None or not err <= tol:
+            what = "NaN (it read a block it must not read)" if err == float("inf") else f"{err:.3g} > {limit}"
             raise ContractFailure(
                 f"{t.backend_choice().name}, {_name(dtype)}"
                 + (f" over a {_name(cache_dtype)} cache" if cache_dtype not in (None, dtype) else "")

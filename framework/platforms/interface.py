@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from tokenmill.config import QUANTIZED_KV_CACHE_DTYPES
 from tokenmill.platforms.errors import NoPlatformError
 
 if TYPE_CHECKING:
@@ -377,7 +378,8 @@ class Platform:
         """Validate ``config`` for this platform and fill in what the platform decides.
 
         Resolves ``model_config.dtype == "auto"`` to :attr:`default_dtype` and ``cache_config.cache_dtype ==
-        "auto"`` to the model's dtype, records the platform in
+        "auto"`` to the model's dtype (a quantized cache dtype, ``int8`` / ``fp8_*``, is left to the attention
+        backend, ``AttentionBackend.supported_quantized_kv_cache_dtypes``), records the platform in
         ``config.device_config`` and, unless :attr:`ranks_share_device`, checks that at least
         :meth:`local_ranks_needed` devices are visible (without creating a device context).
 
@@ -389,8 +391,9 @@ class Platform:
         """
         model_config, cache_config = config.model_config, config.cache_config
         model_config.dtype = cls._resolve_dtype("dtype", model_config.dtype, cls.default_dtype, cls.default_dtype)
-        cache_config.cache_dtype = cls._resolve_dtype("kv_cache_dtype", cache_config.cache_dtype, model_config.dtype,
-                                                      "the model's dtype")
+        if cache_config.cache_dtype not in QUANTIZED_KV_CACHE_DTYPES:  # quantized: the attention backend decides
+            cache_config.cache_dtype = cls._resolve_dtype("kv_cache_dtype", cache_config.cache_dtype,
+                                                          model_config.dtype, "the model's dtype")
         config.device_config.platform = cls.name
         config.device_config.device_type = cls.device_type
         if not cls.ranks_share_device and cls.device_type != "cpu":

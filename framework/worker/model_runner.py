@@ -14,12 +14,13 @@ from tokenmill.forward_context import set_forward_context
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.pipeline import IntermediateTensors
 from tokenmill.layers.pooler import build_pooler
+from tokenmill.attention.kv_cache_quant import check_kv_cache_dtype
 from tokenmill.attention.paged_cache import allocate_kv_caches, kv_cache_bytes_per_block
 from tokenmill.layers.linear_method import attach_linear_method
 from tokenmill.layers.mamba import MambaBase, StateMetadata, allocate_state_caches, state_bytes_per_slot
 from tokenmill.layers.quantization import quantize_model
 from tokenmill.lora.manager import LoRAModelManager
-from tokenmill.dtypes import str_to_dtype
+from tokenmill.dtypes import kv_cache_dtype_to_torch, str_to_dtype
 from tokenmill.model_loader.loader import get_model
 from tokenmill.model_contract import supports_multimodal
 from tokenmill.worker.compiled_runner import CompiledRunner
@@ -50,8 +51,9 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.dtype = str_to_dtype(config.model_config.dtype)
         cache_dtype = config.cache_config.cache_dtype
-        self.kv_cache_dtype = self.dtype if cache_dtype == "auto" else str_to_dtype(cache_dtype)
+        self.kv_cache_dtype = self.dtype if cache_dtype == "auto" else kv_cache_dtype_to_torch(cache_dtype)
         self.attn_backend = load_backend_cls(attn_backend_path)
+        check_kv_cache_dtype(self.attn_backend, cache_dtype)
         set_attn_backend(self.attn_backend)
         self.model: torch.nn.Module | None = None
         self.attn_layers: list[Attention] = []

@@ -119,6 +119,9 @@ class Worker:
         if state_bytes and self.rank == 0:
             logger.info("hybrid cache: %d state slots (%.2f GiB) and %d KV blocks", cc.num_state_slots,
                         state_bytes / GiB, num_blocks)
+        if self.rank == 0:  # a quantized --kv-cache-dtype shows here as smaller blocks, so more of them
+            logger.info("KV cache: %d blocks of %d bytes (%s)", num_blocks, per_block,
+                        str(self.model_runner.kv_cache_dtype).removeprefix("torch."))
         return int(num_blocks)
 
     def _cache_budget(self) -> int:

@@ -13,6 +13,7 @@ import sys
 
 os.environ.pop("TRITON_INTERPRET", None)
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -30,6 +31,9 @@ def compile_kernel(fn: triton.JITFunction, ptr_types: dict[str, str], consts: di
     return list(triton.compile(src, target=target, options={"num_warps": 4}).asm)
 
 
+QUANT_CACHES = {"*i8": 1, "*fp8e4nv": 2, "*fp8e5": 2}  # Triton pointer type of each quantized cache -> QUANT
+
+
 def main() -> int:
     for target_name in sys.argv[1:] or list(TARGETS):
         target = TARGETS[target_name]
@@ -38,7 +42,7 @@ def main() -> int:
                 continue
             ptrs = {p: f"*{dt}" for p in ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr")}
             ptrs.update(block_table_ptr="*i32", query_start_loc_ptr="*i32", seq_lens_ptr="*i32", scale_log2="fp32",
-                        soft_cap="fp32")
+                        soft_cap="fp32", k_scale_ptr="*fp32", v_scale_ptr="*fp32")
             for label, cfg in {
                 "prefill-gqa4-D128": dict(HEAD_SIZE=128, BLOCK_D=128, GROUP=4, GROUP_P2=4, BLOCK_Q=16, BLOCK_M=64,
                                           BLOCK_N=32, KV_BLOCK_SIZE=16),
@@ -56,13 +60,30 @@ def main() -> int:
                 cfg.setdefault("SOFT_CAP", False)
                 cfg.setdefault("CAUSAL", True)
                 cfg["DOT_FP32"] = dt == "fp32"
+                cfg.update(QUANT=0, SCALE_COL=0)
                 asm = compile_kernel(ops._paged_attention_kernel, ptrs, cfg, target)
                 print(f"OK {target_name} paged_attention {dt} {label} -> {asm[-1]}", flush=True)
+                if dt != "bf16" or label != "decode-gqa3-D64-bs1":
+                    continue
+                # Quantized caches (--kv-cache-dtype): int8 rows of 68 bytes (scale at float 16), fp8 e4m3 / e5m2.
+                for cache_type, quant in QUANT_CACHES.items():
+                    qptrs = dict(ptrs, k_cache_ptr=cache_type, v_cache_ptr=cache_type)
+                    asm = compile_kernel(ops._paged_attention_kernel, qptrs, dict(cfg, QUANT=quant, SCALE_COL=16),
+                                         target)
+                    print(f"OK {target_name} paged_attention bf16 {label} over {cache_type} -> {asm[-1]}", flush=True)
         ptrs = {p: "*bf16" for p in ("key_ptr", "value_ptr", "k_cache_ptr", "v_cache_ptr")}
-        ptrs["slot_mapping_ptr"] = "*i64"
-        cfg = dict(NUM_KV_HEADS=8, HEAD_SIZE=128, BLOCK_H=8, BLOCK_D=128, KV_BLOCK_SIZE=16)
+        ptrs.update(slot_mapping_ptr="*i64", k_scale_ptr="*fp32", v_scale_ptr="*fp32")
+        cfg = dict(NUM_KV_HEADS=8, HEAD_SIZE=128, BLOCK_H=8, BLOCK_D=128, KV_BLOCK_SIZE=16, QUANT=0, SCALE_COL=0,
+                   FP8_MAX=0.0, **ops._FP8_ROUNDING[torch.float8_e4m3fn])
         asm = compile_kernel(ops._reshape_and_cache_kernel, ptrs, cfg, target)
         print(f"OK {target_name} reshape_and_cache bf16 -> {asm[-1]}", flush=True)
+        for cache_type, quant in QUANT_CACHES.items():
+            dtype = {"*i8": torch.int8, "*fp8e4nv": torch.float8_e4m3fn, "*fp8e5": torch.float8_e5m2}[cache_type]
+            qcfg = dict(cfg, QUANT=quant, SCALE_COL=32, FP8_MAX=ops.FP8_MAX.get(dtype, 0.0),
+                        **ops._FP8_ROUNDING.get(dtype, {}))
+            qptrs = dict(ptrs, k_cache_ptr=cache_type, v_cache_ptr=cache_type)
+            asm = compile_kernel(ops._reshape_and_cache_kernel, qptrs, qcfg, target)
+            print(f"OK {target_name} reshape_and_cache bf16 into {cache_type} -> {asm[-1]}", flush=True)
     return 0
 
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
+from tokenmill.attention.kv_cache_quant import row_scales
 from tokenmill.plugin_api import TorchPagedAttentionBackend, TorchPagedAttentionImpl
 
 
@@ -68,3 +71,20 @@ class CausalOnlyBackend(TorchPagedAttentionBackend):
     @staticmethod
     def get_impl_cls():  # noqa: ANN205
         return CausalOnlyImpl
+
+
+class UnscaledInt8Impl(TorchPagedAttentionImpl):
+    """Stores an int8 cache's codes but sets every row's scale to 1 (as if the scales were never written)."""
+
+    def write_kv(self, k, v, kv_cache, slot_mapping):  # noqa: ANN001, ANN201
+        super().write_kv(k, v, kv_cache, slot_mapping)
+        if kv_cache.dtype == torch.int8:
+            row_scales(kv_cache).fill_(1.0)
+
+
+class UnscaledInt8Backend(TorchPagedAttentionBackend):
+    name = "UNSCALED_INT8"
+
+    @staticmethod
+    def get_impl_cls():  # noqa: ANN205
+        return UnscaledInt8Impl

@@ -81,6 +81,7 @@ def test_example_platform_conforms(clean_plugin_state: None, monkeypatch: pytest
     ("OffByOneSlotBackend", "kv_cache", "wrong slots"),
     ("LeakyEncoderBackend", "attention.encoder_only", "the 1-token sequence at rows 0..0"),
     ("CausalOnlyBackend", "attention.mm_prefix", "step 'fresh prefills', request A"),
+    ("UnscaledInt8Backend", "attention.reference", "over a int8 cache"),
 ])
 def test_broken_backends_fail_naming_the_item(clean_plugin_state: None, backend: str, item: str, words: str) -> None:
     report = run_conformance("cpu", attention_backend=f"{BROKEN}:{backend}",

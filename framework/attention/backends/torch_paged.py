@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from tokenmill.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadata
 from tokenmill.attention.encoder_batches import bidirectional_attention, sequence_ranges
+from tokenmill.attention.kv_cache_quant import SCALE_BYTES, dequantize_kv, kv_cache_row_size, quantize_kv
 
 
 class TorchPagedAttentionBackend(AttentionBackend):
@@ -38,6 +39,7 @@ class TorchPagedAttentionBackend(AttentionBackend):
     supports_logits_soft_cap = True
     supports_encoder_only = True
     supports_mm_prefix = True
+    supported_quantized_kv_cache_dtypes = ("int8", "fp8_e4m3", "fp8_e5m2")  # kv_cache_quant's torch reference
 
     # get_impl_cls / get_kv_cache_shape: the AttentionBackend interface, which every backend spells out.
     @staticmethod
@@ -98,9 +100,9 @@ class TorchPagedAttentionImpl(AttentionImpl):
             first = 0 if self.sliding_window is None else max(0, offset - self.sliding_window + 1) // bs
             if offset == 0:
                 k_ctx, v_ctx = k[start:end], v[start:end]
-            else:
-                k_ctx, v_ctx = gather_kv(kv_cache, attn_metadata.block_table[i], seq_len, bs, first_block=first)
-                k_ctx, v_ctx = k_ctx.to(q.dtype), v_ctx.to(q.dtype)  # a cache in another dtype (--kv-cache-dtype)
+            else:  # a cache in another dtype (--kv-cache-dtype) is read back in q's
+                k_ctx, v_ctx = gather_kv(kv_cache, attn_metadata.block_table[i], seq_len, bs, first_block=first,
+                                         dtype=q.dtype, head_size=self.head_size)
             if spans:
                 # the kernels behind forward_prefill know only causal masks: this chunk takes the torch path
                 base = first * bs if offset else 0  # position of the context's first row
@@ -167,7 +169,10 @@ class TorchPagedAttentionImpl(AttentionImpl):
         Args:
             k: ``[T, Hkv, D]`` in the model's dtype, rows contiguous (any row and head stride).
             v: ``[T, Hkv, D]``, likewise.
-            kv_cache: ``[2, Hkv, num_blocks, block_size, D]`` in the cache's dtype (``--kv-cache-dtype``).
+            kv_cache: ``[2, Hkv, num_blocks, block_size, R]`` in the cache's dtype (``--kv-cache-dtype``), ``R``
+                being ``kv_cache_quant.kv_cache_row_size(D, dtype)``: an override quantizes as
+                :func:`tokenmill.attention.kv_cache_quant.quantize_kv` (or leaves quantized caches to this
+                default).
             slot_mapping: ``[T]`` int64: token ``t`` goes to row ``slot % block_size`` of block
                 ``slot // block_size``.
         """
@@ -262,7 +267,9 @@ class TorchPagedAttentionImpl(AttentionImpl):
         Args:
             q: ``[B, Hq, D]`` in the model dtype, already rotated.
             kv_cache: this layer's cache, in the model dtype or in the ``--kv-cache-dtype`` (an override must
-                accept both; the default computes in ``q``'s dtype).
+                accept both, or leave the dtypes it does not read to this default, which computes in ``q``'s
+                dtype); a quantized cache's rows are ``kv_cache_quant.kv_cache_row_size(D, dtype)`` wide and read
+                back with :func:`tokenmill.attention.kv_cache_quant.dequantize_kv`.
             block_table: ``[B, nb]`` int32; ``nb`` may exceed what a request needs (the extra columns are
                 padding); the default reads every column (only the window's with ``sliding_window``) and masks
                 positions ``>= seq_lens``.
@@ -289,10 +296,15 @@ class TorchPagedAttentionImpl(AttentionImpl):
             span = width * block_size
             pos = (cols.unsqueeze(-1) * block_size + torch.arange(block_size, device=q.device)).reshape(num, span)
             valid = (pos < lens) & (pos >= lens - window)
-        k_ctx = kv_cache[0][:, blocks].view(hkv, num, span, d)  # [Hkv, B, S, D]
+        row = kv_cache.shape[-1]  # D, or wider for a quantized cache's rows (kv_cache_row_size)
+        k_ctx = kv_cache[0][:, blocks].view(hkv, num, span, row)  # [Hkv, B, S, R]
+        v_ctx = kv_cache[1][:, blocks].view(hkv, num, span, row)
+        if row != d or kv_cache.dtype != q.dtype:  # a cache in another dtype (--kv-cache-dtype): compute in q's
+            compute = torch.float32 if torch.compiler.is_compiling() else q.dtype
+            k_ctx, v_ctx = dequantize_kv(k_ctx, d, compute), dequantize_kv(v_ctx, d, compute)
         # Masked positions get probability 0, but 0 * NaN is NaN: values outside the context (block-table padding,
         # stale slots, possibly another request's blocks) must not reach the output even if they are not finite.
-        v_ctx = kv_cache[1][:, blocks].view(hkv, num, span, d).masked_fill(~valid.view(1, num, span, 1), 0)
+        v_ctx = v_ctx.masked_fill(~valid.view(1, num, span, 1), 0)
         qh = q.reshape(num, hkv, group, d).transpose(0, 1)  # [Hkv, B, G, D]
         cap = self.logits_soft_cap
         if torch.compiler.is_compiling():
@@ -305,8 +317,6 @@ class TorchPagedAttentionImpl(AttentionImpl):
             probs = torch.softmax(scores, dim=-1)
             o = (probs.unsqueeze(-1) * v_ctx.float().unsqueeze(2)).sum(-2).transpose(0, 1)
             return o.reshape(num, self.num_heads * d).to(q.dtype)
-        if k_ctx.dtype != q.dtype:  # a cache in another dtype (--kv-cache-dtype): compute in q's
-            k_ctx, v_ctx = k_ctx.to(q.dtype), v_ctx.to(q.dtype)
         scores = torch.matmul(qh, k_ctx.transpose(-1, -2)).float() * self.scale  # [Hkv, B, G, S]
         if cap is not None:
             scores = torch.tanh(scores / cap) * cap
@@ -340,23 +350,32 @@ def bidirectional_spans(ranges: list[tuple[int, int]], offset: int, seq_len: int
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store ``k``/``v`` ``[T, Hkv, D]`` into the cache slots ``slot_mapping`` ``[T]`` (int64)."""
+    """Store ``k``/``v`` ``[T, Hkv, D]`` into the cache slots ``slot_mapping`` ``[T]`` (int64) of ``kv_cache``
+    ``[2, Hkv, num_blocks, block_size, R]``, quantized when the cache is
+    (:func:`tokenmill.attention.kv_cache_quant.quantize_kv`; ``R = kv_cache_row_size(D, kv_cache.dtype)``)."""
     num_kv_heads, head_size = k.shape[1], k.shape[2]
     # An indexed assignment (index_put_) rather than index_copy_: under torch.compile it stays an in-place
     # scatter, where index_copy_ on a view of the cache would copy the whole cache every step.
-    flat = kv_cache.view(2, num_kv_heads, -1, head_size)
-    flat[:, :, slot_mapping] = torch.stack((k, v)).transpose(1, 2).to(kv_cache.dtype)
+    flat = kv_cache.view(2, num_kv_heads, -1, kv_cache_row_size(head_size, kv_cache.dtype))
+    flat[:, :, slot_mapping] = quantize_kv(torch.stack((k, v)).transpose(1, 2), kv_cache.dtype)
 
 
 def gather_kv(
-    kv_cache: torch.Tensor, block_row: torch.Tensor, seq_len: int, block_size: int, first_block: int = 0
+    kv_cache: torch.Tensor, block_row: torch.Tensor, seq_len: int, block_size: int, first_block: int = 0,
+    dtype: torch.dtype | None = None, head_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cached keys and values of one request from block ``first_block`` up to position ``seq_len``, each
-    ``[seq_len - first_block * block_size, Hkv, D]``; earlier blocks are not read."""
+    ``[seq_len - first_block * block_size, Hkv, R]`` as stored (``R``: the cache's row, ``D`` for a float cache);
+    earlier blocks are not read. With ``dtype``: ``[..., Hkv, D]`` in ``dtype``, a quantized cache's rows read
+    back (:func:`tokenmill.attention.kv_cache_quant.dequantize_kv`; ``head_size`` ``D`` is needed only for an
+    ``int8`` cache whose ``D`` is not a multiple of 4, else it is ``R - 4``)."""
     nb = -(-seq_len // block_size)
     blocks = block_row[first_block:nb].long()
-    num_kv_heads, head_size = kv_cache.shape[1], kv_cache.shape[-1]
+    num_kv_heads, row = kv_cache.shape[1], kv_cache.shape[-1]
     n = seq_len - first_block * block_size
-    k = kv_cache[0][:, blocks].view(num_kv_heads, -1, head_size)[:, :n]
-    v = kv_cache[1][:, blocks].view(num_kv_heads, -1, head_size)[:, :n]
+    k = kv_cache[0][:, blocks].view(num_kv_heads, -1, row)[:, :n]
+    v = kv_cache[1][:, blocks].view(num_kv_heads, -1, row)[:, :n]
+    if dtype is not None:
+        d = head_size or (row - SCALE_BYTES if kv_cache.dtype == torch.int8 else row)
+        k, v = dequantize_kv(k, d, dtype), dequantize_kv(v, d, dtype)
     return k.transpose(0, 1), v.transpose(0, 1)

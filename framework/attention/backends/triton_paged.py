@@ -1,6 +1,7 @@
 """Paged attention with Triton kernels (portable: NVIDIA and AMD GPUs; CPU under ``TRITON_INTERPRET=1``).
 
-KV cache layout per layer: ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (keys, then values);
+KV cache layout per layer: ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (keys, then values; an int8
+cache's rows are wider, ``kv_cache_quant.kv_cache_row_size``, and quantized caches are read back in the kernel);
 the torch backend keeps heads outermost instead. One kernel writes the step's new keys/values into their slots (``slot_mapping``); a second attends over the
 paged cache for the whole flattened batch in one launch: prefill chunks (with or without a cached prefix)
 and decodes mixed, grouped-query attention, causal (optionally sliding-window and soft-capped), no padding. The kernels live in
@@ -32,6 +33,7 @@ class TritonPagedAttentionBackend(AttentionBackend):
     supports_sliding_window = True
     supports_logits_soft_cap = True
     supports_encoder_only = True
+    supported_quantized_kv_cache_dtypes = ("int8", "fp8_e4m3", "fp8_e5m2")  # see triton_paged_attention
 
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:

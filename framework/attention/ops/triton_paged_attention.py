@@ -30,6 +30,11 @@ least ``ceil(q_len_r / BLOCK_Q)`` ids; the spare ones exit at once. The grid is 
 
 Encoder-only (bidirectional) attention runs the same kernel without the causal mask over the step's own keys and
 values, read as a cache of one-token blocks (:func:`encoder_attention`).
+
+Quantized caches (``--kv-cache-dtype``, rows as :mod:`tokenmill.attention.kv_cache_quant` defines them): the write
+kernel quantizes (int8: per-row absmax scale stored in the row's last 4 bytes, codes rounded half to even; fp8:
+clamped to the format's largest finite value, then cast), the attention kernel widens each loaded K/V tile to
+float32 and, for int8, multiplies it by its rows' scales (read through a float32 view of the cache).
 """
 
 from __future__ import annotations
@@ -40,7 +45,33 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.attention.kv_cache_quant import FP8_MAX, SCALE_BYTES, kv_cache_row_size
+
 _LOG2E = 1.4426950408889634
+_QUANT_NONE, _QUANT_INT8, _QUANT_FP8 = 0, 1, 2
+# _round_to_fp8's constants per format: mantissa bits dropped from float32's 23, 1.5 * 2**23 subnormal steps (2**-9,
+# 2**-16), smallest normal.
+_FP8_ROUNDING = {
+    torch.float8_e4m3fn: dict(MANT_DROP=20, SUB_MAGIC=1.5 * 2.0**14, MIN_NORMAL=2.0**-6),
+    torch.float8_e5m2: dict(MANT_DROP=21, SUB_MAGIC=1.5 * 2.0**7, MIN_NORMAL=2.0**-14),
+}
+
+
+@triton.jit
+def _round_to_fp8(x, FP8_MAX: tl.constexpr, MANT_DROP: tl.constexpr, SUB_MAGIC: tl.constexpr,
+                  MIN_NORMAL: tl.constexpr):
+    """float32 ``x`` clamped to ``+-FP8_MAX`` and rounded to the nearest fp8 value, half to even, still as float32
+    (so the cast to fp8 that follows is exact): a normal value keeps ``23 - MANT_DROP`` mantissa bits (rounded on
+    its bits, the carry going into the exponent); below ``MIN_NORMAL`` it is rounded to the subnormal step by adding
+    and subtracting ``SUB_MAGIC`` (1.5 times 2**23 steps). Done here rather than by the cast because the Triton
+    interpreter's float32-to-fp8 cast loses the carry when the mantissa rounds up (0.4949 became 0.25; triton 3.9)."""
+    x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
+    bits = x.to(tl.int32, bitcast=True)
+    half = (1 << (MANT_DROP - 1)) - 1
+    bits = (bits + half + ((bits >> MANT_DROP) & 1)) & ~((1 << MANT_DROP) - 1)
+    normal = bits.to(tl.float32, bitcast=True)
+    sub = (tl.abs(x) + SUB_MAGIC) - SUB_MAGIC  # on the magnitude: a tiny negative value rounds to -0.0, as torch's
+    return tl.where(tl.abs(x) < MIN_NORMAL, tl.where(x < 0, -sub, sub), normal)
 
 
 @triton.jit
@@ -49,6 +80,8 @@ def _reshape_and_cache_kernel(
     value_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     slot_mapping_ptr,
     stride_k_tok,
     stride_k_head,
@@ -65,8 +98,16 @@ def _reshape_and_cache_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     KV_BLOCK_SIZE: tl.constexpr,
+    QUANT: tl.constexpr,
+    SCALE_COL: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MANT_DROP: tl.constexpr,
+    SUB_MAGIC: tl.constexpr,
+    MIN_NORMAL: tl.constexpr,
 ):
-    """One program per new token: copy its ``[Hkv, D]`` key and value into cache slot ``slot_mapping[t]``.
+    """One program per new token: copy its ``[Hkv, D]`` key and value into cache slot ``slot_mapping[t]``,
+    quantized with ``QUANT`` (int8: scales to ``k_scale_ptr`` / ``v_scale_ptr``, float32 views of the caches, at
+    float ``SCALE_COL`` of each row; fp8: clamped to ``FP8_MAX``).
 
     A negative slot means "no slot" (padding) and is skipped.
     """
@@ -82,10 +123,28 @@ def _reshape_and_cache_kernel(
     t64 = t.to(tl.int64)
     k = tl.load(key_ptr + t64 * stride_k_tok + offs_h[:, None] * stride_k_head + offs_d[None, :], mask=mask)
     v = tl.load(value_ptr + t64 * stride_v_tok + offs_h[:, None] * stride_v_head + offs_d[None, :], mask=mask)
-    kc = k_cache_ptr + blk * stride_kc_blk + off * stride_kc_tok + offs_h[:, None] * stride_kc_head + offs_d[None, :]
-    vc = v_cache_ptr + blk * stride_vc_blk + off * stride_vc_tok + offs_h[:, None] * stride_vc_head + offs_d[None, :]
-    tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    k_row = blk * stride_kc_blk + off * stride_kc_tok + offs_h * stride_kc_head  # [BLOCK_H] row starts
+    v_row = blk * stride_vc_blk + off * stride_vc_tok + offs_h * stride_vc_head
+    if QUANT == 1:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+        k_scale = tl.max(tl.where(mask, tl.abs(k), 0.0), axis=1) / 127.0
+        v_scale = tl.max(tl.where(mask, tl.abs(v), 0.0), axis=1) / 127.0
+        k_scale = tl.where(k_scale > 0.0, k_scale, 1.0)
+        v_scale = tl.where(v_scale > 0.0, v_scale, 1.0)
+        # x / scale correctly rounded (div_rn: the plain "/" may compile to an approximate division on GPUs), then
+        # adding and subtracting 1.5 * 2**23 rounds a float32 of magnitude below 2**22 to an integer, half to even
+        # (|x / scale| <= 127 here), in portable Triton (no libdevice rint): the codes torch.round gives.
+        k = tl.minimum(tl.maximum((tl.math.div_rn(k, k_scale[:, None]) + 12582912.0) - 12582912.0, -127.0), 127.0)
+        v = tl.minimum(tl.maximum((tl.math.div_rn(v, v_scale[:, None]) + 12582912.0) - 12582912.0, -127.0), 127.0)
+        h_valid = offs_h < NUM_KV_HEADS
+        tl.store(k_scale_ptr + k_row // 4 + SCALE_COL, k_scale, mask=h_valid)
+        tl.store(v_scale_ptr + v_row // 4 + SCALE_COL, v_scale, mask=h_valid)
+    elif QUANT == 2:
+        k = _round_to_fp8(k.to(tl.float32), FP8_MAX, MANT_DROP, SUB_MAGIC, MIN_NORMAL)
+        v = _round_to_fp8(v.to(tl.float32), FP8_MAX, MANT_DROP, SUB_MAGIC, MIN_NORMAL)
+    tl.store(k_cache_ptr + k_row[:, None] + offs_d[None, :], k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + v_row[:, None] + offs_d[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def reshape_and_cache(
@@ -94,9 +153,10 @@ def reshape_and_cache(
     """Write new keys/values into their cache slots.
 
     Args:
-        key, value: ``[T, Hkv, D]`` (any float dtype; converted to the cache's). The last dim must be
-            contiguous.
-        kv_cache: ``[2, num_blocks, block_size, Hkv, D]``; its last dim must be contiguous.
+        key, value: ``[T, Hkv, D]`` (any float dtype; converted to the cache's, or quantized for an int8 / fp8
+            cache as :func:`tokenmill.attention.kv_cache_quant.quantize_kv` does). The last dim must be contiguous.
+        kv_cache: ``[2, num_blocks, block_size, Hkv, R]`` (``R = kv_cache_row_size(D, dtype)``); contiguous for
+            an int8 cache, else its last dim must be contiguous.
         slot_mapping: ``[T]`` int64 (or int32), ``block_id * block_size + offset``; negative = skip.
     """
     num_tokens, num_kv_heads, head_size = key.shape
@@ -104,11 +164,14 @@ def reshape_and_cache(
         return
     _check_last_dim_contiguous(key=key, value=value, kv_cache=kv_cache)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    quant, k_scales, v_scales, scale_col = _quant_args(kv_cache, head_size)
     _reshape_and_cache_kernel[(num_tokens,)](
         key,
         value,
         k_cache,
         v_cache,
+        k_scales,
+        v_scales,
         slot_mapping,
         key.stride(0),
         key.stride(1),
@@ -125,7 +188,27 @@ def reshape_and_cache(
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_size),
         KV_BLOCK_SIZE=k_cache.shape[1],
+        QUANT=quant,
+        SCALE_COL=scale_col,
+        FP8_MAX=FP8_MAX.get(kv_cache.dtype, 0.0),
+        **_FP8_ROUNDING.get(kv_cache.dtype, _FP8_ROUNDING[torch.float8_e4m3fn]),
     )
+
+
+def _quant_args(kv_cache: torch.Tensor, head_size: int) -> tuple[int, torch.Tensor, torch.Tensor, int]:
+    """``(QUANT, key scales, value scales, SCALE_COL)`` of a cache: for int8 the float32 views of the key and value
+    caches and the float column of each row's scale; for the others the caches themselves (never read)."""
+    if kv_cache.dtype == torch.int8:
+        row = kv_cache.shape[-1]
+        if row != kv_cache_row_size(head_size, torch.int8) or not kv_cache.is_contiguous():
+            raise ValueError(f"kv_cache: an int8 cache must be contiguous with rows of "
+                             f"{kv_cache_row_size(head_size, torch.int8)} elements for head size {head_size}, got "
+                             f"shape {tuple(kv_cache.shape)}")
+        scales = kv_cache.view(torch.float32)
+        return _QUANT_INT8, scales[0], scales[1], row // SCALE_BYTES - 1
+    if kv_cache.dtype in FP8_MAX:
+        return _QUANT_FP8, kv_cache[0], kv_cache[1], 0
+    return _QUANT_NONE, kv_cache[0], kv_cache[1], 0
 
 
 @triton.jit
@@ -134,6 +217,8 @@ def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_table_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
@@ -163,9 +248,13 @@ def _paged_attention_kernel(
     SLIDING_WINDOW: tl.constexpr,
     SOFT_CAP: tl.constexpr,
     CAUSAL: tl.constexpr,
+    QUANT: tl.constexpr,
+    SCALE_COL: tl.constexpr,
 ):
     """Attention of one (query tile, KV head), causal unless ``CAUSAL`` is false (then every query sees all
-    ``seq_len`` keys of its request); see the module docstring for the mapping."""
+    ``seq_len`` keys of its request); see the module docstring for the mapping. ``QUANT``: the cache's rows are
+    int8 codes (1; scales through ``k_scale_ptr`` / ``v_scale_ptr``, float32 views of the caches, at float
+    ``SCALE_COL`` of each row) or fp8 (2), widened to float32 as they are loaded."""
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
 
@@ -235,6 +324,14 @@ def _paged_attention_kernel(
         # K^T tile [BLOCK_D, BLOCK_N] and V tile [BLOCK_N, BLOCK_D], gathered through the block table.
         k = tl.load(kc_head + k_off[None, :] + offs_d[:, None], mask=d_valid[:, None] & n_valid[None, :], other=0.0)
         v = tl.load(vc_head + v_off[:, None] + offs_d[None, :], mask=n_valid[:, None] & d_valid[None, :], other=0.0)
+        if QUANT == 1:
+            k_scale = tl.load(k_scale_ptr + (kvh * stride_kc_head + k_off) // 4 + SCALE_COL, mask=n_valid, other=0.0)
+            v_scale = tl.load(v_scale_ptr + (kvh * stride_vc_head + v_off) // 4 + SCALE_COL, mask=n_valid, other=0.0)
+            k = k.to(tl.float32) * k_scale[None, :]
+            v = v.to(tl.float32) * v_scale[:, None]
+        elif QUANT == 2:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
         k = k.to(q.dtype)
         v = v.to(q.dtype)
         if DOT_FP32:
@@ -287,7 +384,8 @@ def paged_attention(
 
     Args:
         query: ``[T, Hq, D]`` float16/bfloat16/float32, last dim contiguous.
-        kv_cache: ``[2, num_blocks, block_size, Hkv, D]``, last dim contiguous; ``Hq % Hkv == 0``.
+        kv_cache: ``[2, num_blocks, block_size, Hkv, R]``, last dim contiguous; ``Hq % Hkv == 0``; float, or
+            int8 (contiguous, ``R = kv_cache_row_size(D, int8)``) / float8_e4m3fn / float8_e5m2 (``R = D``).
         block_table: ``[B, max_blocks]`` int32, KV block ids of each request.
         query_start_loc: ``[B + 1]`` int32, first token of each request in ``query`` (last entry = T).
         seq_lens: ``[B]`` int32, cached + new tokens of each request.
@@ -309,7 +407,8 @@ def paged_attention(
         out = torch.empty_like(query)
     _check_last_dim_contiguous(query=query, kv_cache=kv_cache, out=out)
     return _launch(query, kv_cache[0], kv_cache[1], block_table, query_start_loc, seq_lens, scale, max_query_len,
-                   out, block_n, sliding_window, soft_cap, causal=True)
+                   out, block_n, sliding_window, soft_cap, causal=True,
+                   quant=_quant_args(kv_cache, query.shape[-1]))
 
 
 def encoder_attention(
@@ -356,8 +455,10 @@ def encoder_attention(
 def _launch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
             query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_query_len: int,
             out: torch.Tensor, block_n: int | None, sliding_window: int | None, soft_cap: float | None,
-            causal: bool) -> torch.Tensor:
-    """Launch the attention kernel over ``k_cache`` / ``v_cache`` ``[num_blocks, block_size, Hkv, D]``."""
+            causal: bool, quant: tuple[int, torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
+    """Launch the attention kernel over ``k_cache`` / ``v_cache`` ``[num_blocks, block_size, Hkv, R]``
+    (``quant``: :func:`_quant_args` of a quantized cache)."""
+    quant_kind, k_scales, v_scales, scale_col = quant or (_QUANT_NONE, k_cache, v_cache, 0)
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = k_cache.shape[2]
     num_reqs = seq_lens.shape[0]
@@ -377,6 +478,8 @@ def _launch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b
         query,
         k_cache,
         v_cache,
+        k_scales,
+        v_scales,
         block_table,
         query_start_loc,
         seq_lens,
@@ -408,6 +511,8 @@ def _launch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b
         SLIDING_WINDOW=int(sliding_window or 0),
         SOFT_CAP=bool(soft_cap),
         CAUSAL=causal,
+        QUANT=quant_kind,
+        SCALE_COL=scale_col,
         num_warps=4,
     )
     return out

@@ -1,11 +1,11 @@
 """CpuPagedAttentionBackend: the torch paged backend with decode attention in tokenmill-cpu's C++ kernel.
 
 Same cache layout as tokenmill's ``TorchPagedAttentionBackend``, through its documented extension points:
-the cache write goes to :func:`tokenmill_cpu.kernels.write_kv_cache` (``write_kv``), one-token queries (pure
-decode steps, and the decodes of mixed steps) go to
-:func:`tokenmill_cpu.kernels.paged_decode` (``forward_decode``), which reads the cache blocks in place (sliding
-windows and logit soft caps included), the fresh prompts of a step to
-:func:`tokenmill_cpu.kernels.prefill_attention_varlen` in one call (``forward_prefills``), and prompt chunks after
+the cache write goes to :func:`tokenmill_cpu.kernels.write_kv_cache` (``write_kv``; int8 and fp8 caches, see
+``--kv-cache-dtype``, quantized there), one-token queries (pure decode steps, and the decodes of mixed steps) go
+to :func:`tokenmill_cpu.kernels.paged_decode` (``forward_decode``), which reads the cache blocks in place (sliding
+windows and logit soft caps included; int8 and fp8 caches dequantized as they are read), the fresh prompts of a
+step to :func:`tokenmill_cpu.kernels.prefill_attention_varlen` in one call (``forward_prefills``), and prompt chunks after
 a cached prefix (which the torch backend gathers from the cache) to :func:`tokenmill_cpu.kernels.prefill_attention`
 (``forward_prefill``); with a logit soft cap prompts stay on torch's path. The kernels build in the background
 (:func:`tokenmill_cpu.kernels.load_async`) while the model loads; until they are ready, and when they cannot be
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.plugin_api import AttentionImpl, TorchPagedAttentionBackend, TorchPagedAttentionImpl
+from tokenmill.plugin_api import AttentionImpl, TorchPagedAttentionBackend, TorchPagedAttentionImpl, is_quantized_kv_dtype
 from tokenmill_cpu import kernels
 
 _WIDENED = (torch.bfloat16, torch.float16)  # caches the kernels take under a float32 model (--kv-cache-dtype)
@@ -71,7 +71,9 @@ class CpuPagedAttentionImpl(TorchPagedAttentionImpl):
         if not self.use_kernel or kv_cache.device.type != "cpu":
             return super().forward_decode(q, kv_cache, block_table, seq_lens, block_size)
         dtype = q.dtype
-        if not _kernel_converts(q.dtype, kv_cache.dtype):
+        if is_quantized_kv_dtype(kv_cache.dtype):
+            q = q.float()  # the kernel reads quantized caches under float32 queries
+        elif not _kernel_converts(q.dtype, kv_cache.dtype):
             q = q.to(kv_cache.dtype)  # a combination the kernel does not widen
         out = kernels.paged_decode(
             q, kv_cache, block_table.to(torch.int32).contiguous(), seq_lens.to(torch.int32),
@@ -84,7 +86,7 @@ class CpuPagedAttentionImpl(TorchPagedAttentionImpl):
         (:meth:`TorchPagedAttentionImpl.write_kv`); torch's indexed assignment for a cache dtype it does not
         convert to."""
         if (not self.use_kernel or kv_cache.device.type != "cpu" or slot_mapping.dtype != torch.int64
-                or not _kernel_converts(k.dtype, kv_cache.dtype)):
+                or not (_kernel_converts(k.dtype, kv_cache.dtype) or is_quantized_kv_dtype(kv_cache.dtype))):
             return super().write_kv(k, v, kv_cache, slot_mapping)
         kernels.write_kv_cache(k, v, kv_cache, slot_mapping)
 

@@ -306,8 +306,11 @@ def paged_decode(
 
     Args:
         q: ``[B, Hq, D]`` float32, bfloat16 or float16 (rows contiguous), already rotated.
-        kv_cache: ``[2, Hkv, num_blocks, block_size, D]`` contiguous (keys, then values), ``q``'s dtype, or
-            bfloat16 / float16 under float32 ``q`` (rows widened to float32 as they are read).
+        kv_cache: ``[2, Hkv, num_blocks, block_size, R]`` contiguous (keys, then values), ``q``'s dtype, or
+            bfloat16 / float16 under float32 ``q`` (rows widened to float32 as they are read), or a quantized cache
+            under float32 ``q``: int8 (``R = kv_cache_row_size(D, int8)``, each row's scale applied to its score and
+            probability), float8_e4m3fn or float8_e5m2 (scale 1.0); ``R = D`` but for int8
+            (``tokenmill.plugin_api.kv_cache_row_size``).
         block_table: ``[B, nb]`` int32; request ``i`` reads blocks ``block_table[i, :ceil(seq_lens[i] / block_size)]``.
         seq_lens: ``[B]`` int32, tokens of context per request (the new token's key/value already written).
         scale: softmax scale (usually ``D ** -0.5``).
@@ -374,8 +377,10 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slo
     Args:
         k: ``[T, Hkv, D]`` float32, bfloat16 or float16, rows contiguous (any row and head stride).
         v: ``[T, Hkv, D]``, ``k``'s dtype, likewise.
-        kv_cache: ``[2, Hkv, num_blocks, block_size, D]`` contiguous, ``k``'s dtype, or bfloat16 / float16 under
-            float32 ``k`` (rows rounded as they are stored); written in place.
+        kv_cache: ``[2, Hkv, num_blocks, block_size, R]`` contiguous, ``k``'s dtype, or bfloat16 / float16 under
+            float32 ``k`` (rows rounded as they are stored), or int8 / float8_e4m3fn / float8_e5m2 under any float
+            ``k`` (rows quantized as ``tokenmill.plugin_api.quantize_kv`` does, bit for bit; ``R`` as in
+            :func:`paged_decode`); written in place.
         slot_mapping: ``[T]`` int64 (contiguous), one slot per row of ``k``: token ``t`` goes to slot
             ``slot_mapping[t]`` (block ``slot // block_size``, row ``slot % block_size``); a negative slot writes
             nothing (graph padding).

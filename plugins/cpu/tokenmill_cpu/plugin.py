@@ -6,7 +6,8 @@ import os
 
 from tokenmill.plugin_api import PlatformSpec, hookimpl
 
-TOKENMILL_PLUGIN_API = ">=1.2,<2"  # 1.1: UnquantizedLinearMethod, Platform.allocate_kv_cache; 1.2: finish_kv_cache_allocation
+TOKENMILL_PLUGIN_API = ">=1.5,<2"  # 1.1: UnquantizedLinearMethod, Platform.allocate_kv_cache; 1.2: finish_kv_cache_allocation;
+# 1.5: quantized KV caches (is_quantized_kv_dtype)
 
 
 def detect() -> tuple[bool, str]:

@@ -5,9 +5,10 @@
 // so each row is loaded from memory once and used G times. Scores are kept in a per-thread buffer, the
 // softmax is exact (max, exp, sum over the whole context), and the weighted sum of values accumulates in
 // float32 for every input dtype. The cache may hold bfloat16 or float16 under float32 queries (a float32 model
-// with --kv-cache-dtype bfloat16): rows are widened as they are loaded. With a sliding window W only the last W
-// positions are attended to and the blocks before them are never touched; with a soft cap c the scaled scores
-// become c * tanh(s / c).
+// with --kv-cache-dtype bfloat16), or int8 / fp8 under float32 queries (--kv-cache-dtype int8 | fp8_e4m3 |
+// fp8_e5m2; the rows of tokenmill.attention.kv_cache_quant): rows are widened as they are loaded. With a
+// sliding window W only the last W positions are attended to and the blocks before them are never touched; with
+// a soft cap c the scaled scores become c * tanh(s / c).
 //
 // The loop waits on memory, not arithmetic: every block is a separate 4 KiB run (one KV head's 16 rows) that the
 // hardware prefetchers do not see coming. So each thread lists the blocks it will read, in reading order (per work
@@ -25,8 +26,12 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -61,6 +66,61 @@ inline Vec load_float<at::Half>(const at::Half* src) {
   Vec out;
   at::vec::load_fp32_from_fp16(src, out);
   return out;
+}
+
+// Quantized caches (tokenmill.attention.kv_cache_quant): int8 codes (their row's scale is applied to the row's
+// score and probability, never to every element) and fp8 values with scale 1.0. One vector of codes widened to
+// float32: on AVX-512 and AVX2 int8 is a sign extension, e5m2 is the upper byte of a float16 (F16C widens it),
+// and e4m3 is rebuilt as float32 bits (sign, then exponent and mantissa shifted into place) times 2^120, the
+// difference of the two exponent biases, which turns its subnormals (exponent field 0) into the right values too.
+// The e4m3 NaN code (0x7F / 0xFF) is never written (the write saturates at 448), so it is not special-cased.
+// The default build converts one element at a time (c10's conversions).
+#if defined(CPU_CAPABILITY_AVX512)
+template <>
+inline Vec load_float<int8_t>(const int8_t* src) {
+  return Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)))));
+}
+template <>
+inline Vec load_float<c10::Float8_e5m2>(const c10::Float8_e5m2* src) {
+  const __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  return Vec(_mm512_cvtph_ps(_mm256_slli_epi16(h, 8)));
+}
+template <>
+inline Vec load_float<c10::Float8_e4m3fn>(const c10::Float8_e4m3fn* src) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  const __m512i bits = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x7F)), 20),
+                                       _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24));
+  return Vec(_mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f)));
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+template <>
+inline Vec load_float<int8_t>(const int8_t* src) {
+  return Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)))));
+}
+template <>
+inline Vec load_float<c10::Float8_e5m2>(const c10::Float8_e5m2* src) {
+  const __m128i h = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
+  return Vec(_mm256_cvtph_ps(_mm_slli_epi16(h, 8)));
+}
+template <>
+inline Vec load_float<c10::Float8_e4m3fn>(const c10::Float8_e4m3fn* src) {
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
+  const __m256i bits = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7F)), 20),
+                                       _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24));
+  return Vec(_mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0x1p120f)));
+}
+#endif
+
+// Cache element types whose rows carry a float32 scale in their last 4 bytes (an int8 cache).
+template <typename TC>
+constexpr bool kScaledRows = std::is_same_v<TC, int8_t>;
+
+// The scale of a cache row of `row` elements (int8: in its last 4 bytes).
+template <typename TC>
+inline float row_scale(const TC* r, int64_t row) {
+  float s;
+  std::memcpy(&s, reinterpret_cast<const char*>(r + row) - sizeof(float), sizeof(float));
+  return s;
 }
 
 inline float hsum(const Vec& v) {
@@ -364,7 +424,9 @@ class ReadAhead {
   int64_t cur_ = 0;
 };
 
-// TQ: query and output dtype; TC: cache dtype (TQ, or bfloat16 / float16 under float32 queries).
+// TQ: query and output dtype; TC: cache dtype (TQ, or bfloat16 / float16 / int8 / fp8 under float32 queries).
+// A cache row is kv_cache.size(4) elements: D, or for int8 the D codes padded to 4 bytes and the row's float32
+// scale, which multiplies the row's score (keys) and probability (values).
 template <typename TQ, typename TC>
 void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                    const at::Tensor& seq_lens, double scale, int64_t sliding_window, double soft_cap,
@@ -374,14 +436,15 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
   const int64_t group = num_heads / num_kv_heads, table_width = block_table.size(1);
   const int64_t vec_end = head_size - head_size % W;
   const TQ* q_ptr = q.const_data_ptr<TQ>();
+  const int64_t row = kv_cache.size(4);  // elements per cache row
   const TC* k_base = kv_cache.const_data_ptr<TC>();
-  const TC* v_base = k_base + num_kv_heads * num_blocks * block_size * head_size;
+  const TC* v_base = k_base + num_kv_heads * num_blocks * block_size * row;
   const int32_t* bt = block_table.const_data_ptr<int32_t>();
   const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
   TQ* out_ptr = out.data_ptr<TQ>();
   const int64_t q_stride = q.stride(0), head_stride = q.stride(1);
-  const int64_t head_cache = num_blocks * block_size * head_size;  // elements per KV head
-  const int64_t block_elems = block_size * head_size;
+  const int64_t head_cache = num_blocks * block_size * row;  // elements per KV head
+  const int64_t block_elems = block_size * row;
   const float fscale = static_cast<float>(scale);
   const float cap = static_cast<float>(soft_cap);
   // First position request s attends to (positions before it, and their blocks, are never read).
@@ -401,7 +464,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
   }
 
   const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(TC));
-  const int64_t row_bytes = head_size * static_cast<int64_t>(sizeof(TC));
+  const int64_t row_bytes = row * static_cast<int64_t>(sizeof(TC));
   // Rows read between two rounds of prefetches: kStepBytes of them, rounded up to a multiple of 4 (the key loop
   // scores four rows per horizontal reduction, so steps of 4k rows keep its groups, and its sums, those of one
   // pass over the block; 1 KiB is 4 rows of float32 at D = 64, 8 of bfloat16).
@@ -409,6 +472,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
 
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_size), acc(group * head_size), scores;
+    std::vector<float> scaled(kScaledRows<TC> ? group * step_rows : 0);  // a step's probabilities times row scales
 #ifdef TOKENMILL_BF16_DOT
     constexpr bool kBf16 = std::is_same_v<TQ, at::BFloat16> && std::is_same_v<TC, at::BFloat16>;
     const bool bf16_dot = kBf16 && head_size % 32 == 0;
@@ -444,22 +508,44 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
       }
 #endif
 #ifdef TOKENMILL_REDUCE4
-      if (vec_end == head_size) return qk_rows4(qf.data(), group, k, head_size, rows, head_size, out_scores, n);
+      if (vec_end == head_size) return qk_rows4(qf.data(), group, k, row, rows, head_size, out_scores, n);
 #endif
       for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
         with_group(std::min(kMaxGroup, group - g0), [&](auto ng) {
-          qk_rows<decltype(ng)::value>(qf.data() + g0 * head_size, k, head_size, rows, head_size, vec_end,
+          qk_rows<decltype(ng)::value>(qf.data() + g0 * head_size, k, row, rows, head_size, vec_end,
                                         out_scores + g0 * n, n);
         });
+      }
+    };
+    // score_rows, then each int8 row's score times the row's scale.
+    auto score_scaled_rows = [&](const TC* k, int64_t rows, float* out_scores, int64_t n) {
+      score_rows(k, rows, out_scores, n);
+      if constexpr (kScaledRows<TC>) {
+        for (int64_t r = 0; r < rows; ++r) {
+          const float sc = row_scale(k + r * row, row);
+          for (int64_t g = 0; g < group; ++g) out_scores[g * n + r] *= sc;
+        }
       }
     };
     // acc += probs-weighted sum of rows value rows from v.
     auto sum_rows = [&](const TC* v, int64_t rows, const float* probs, int64_t n) {
       for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
         with_group(std::min(kMaxGroup, group - g0), [&](auto ng) {
-          pv_rows<decltype(ng)::value>(probs + g0 * n, n, v, head_size, rows, head_size, vec_end,
+          pv_rows<decltype(ng)::value>(probs + g0 * n, n, v, row, rows, head_size, vec_end,
                                         acc.data() + g0 * head_size);
         });
+      }
+    };
+    // sum_rows with each int8 row's probability times the row's scale.
+    auto sum_scaled_rows = [&](const TC* v, int64_t rows, const float* probs, int64_t n) {
+      if constexpr (kScaledRows<TC>) {
+        for (int64_t r = 0; r < rows; ++r) {
+          const float sc = row_scale(v + r * row, row);
+          for (int64_t g = 0; g < group; ++g) scaled[g * rows + r] = probs[g * n + r] * sc;
+        }
+        sum_rows(v, rows, scaled.data(), rows);
+      } else {
+        sum_rows(v, rows, probs, n);
       }
     };
 
@@ -496,10 +582,10 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
         // Scores: one pass over the keys, each row used by the G query heads of this KV head.
         for (int64_t j = j0, t0 = j0 * block_size; t0 < len; t0 += block_size, ++j) {
           const int64_t skip = std::max<int64_t>(begin - t0, 0);  // rows of this block before the window
-          const TC* k_blk = k_base + h * head_cache + blocks[j] * block_elems + skip * head_size;
+          const TC* k_blk = k_base + h * head_cache + blocks[j] * block_elems + skip * row;
           float* out_scores = scores.data() + (t0 + skip - begin);
           in_steps(std::min(block_size, len - t0) - skip, [&](int64_t rows, int64_t r0) {
-            score_rows(k_blk + r0 * head_size, rows, out_scores + r0, n);
+            score_scaled_rows(k_blk + r0 * row, rows, out_scores + r0, n);
           });
         }
         if (cap > 0.f) {
@@ -509,10 +595,10 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
         // Weighted sum of the values, again one pass over the rows.
         for (int64_t j = j0, t0 = j0 * block_size; t0 < len; t0 += block_size, ++j) {
           const int64_t skip = std::max<int64_t>(begin - t0, 0);
-          const TC* v_blk = v_base + h * head_cache + blocks[j] * block_elems + skip * head_size;
+          const TC* v_blk = v_base + h * head_cache + blocks[j] * block_elems + skip * row;
           const float* probs = scores.data() + (t0 + skip - begin);
           in_steps(std::min(block_size, len - t0) - skip, [&](int64_t rows, int64_t r0) {
-            sum_rows(v_blk + r0 * head_size, rows, probs + r0, n);
+            sum_scaled_rows(v_blk + r0 * row, rows, probs + r0, n);
           });
         }
       }
@@ -838,20 +924,31 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const a
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, Hq, D] with contiguous rows");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be a contiguous [2, Hkv, num_blocks, block_size, D] tensor");
-  const bool widened = q.scalar_type() == at::kFloat
-                       && (kv_cache.scalar_type() == at::kBFloat16 || kv_cache.scalar_type() == at::kHalf);
-  TORCH_CHECK(kv_cache.scalar_type() == q.scalar_type() || widened,
-              "kv_cache must have q's dtype, or be bfloat16 / float16 under float32 q");
+  const at::ScalarType cache_type = kv_cache.scalar_type();
+  const bool widened = q.scalar_type() == at::kFloat && (cache_type == at::kBFloat16 || cache_type == at::kHalf);
+  const bool quantized = cache_type == at::kChar || cache_type == at::kFloat8_e4m3fn || cache_type == at::kFloat8_e5m2;
+  TORCH_CHECK(cache_type == q.scalar_type() || widened || (quantized && q.scalar_type() == at::kFloat),
+              "kv_cache must have q's dtype, or be bfloat16 / float16 / int8 / float8_e4m3fn / float8_e5m2 under "
+              "float32 q");
   TORCH_CHECK(kv_cache.size(1) > 0 && kv_cache.size(3) > 0 && q.size(2) > 0,
               "kv_cache needs at least one KV head, a block size and a head size above 0");
-  TORCH_CHECK(kv_cache.size(4) == q.size(2) && q.size(1) % kv_cache.size(1) == 0,
-              "q's heads must be a multiple of kv_cache's KV heads, with the same head size");
+  // int8 rows: the codes padded to a multiple of 4 bytes, then the float32 scale (kv_cache_quant.kv_cache_row_size).
+  const int64_t row = cache_type == at::kChar ? (q.size(2) + 3) / 4 * 4 + 4 : q.size(2);
+  TORCH_CHECK(kv_cache.size(4) == row && q.size(1) % kv_cache.size(1) == 0,
+              "q's heads must be a multiple of kv_cache's KV heads, with rows of ", row, " elements for head size ",
+              q.size(2), ", got ", kv_cache.sizes());
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 && block_table.is_contiguous()
                   && block_table.size(0) == q.size(0), "block_table must be a contiguous [B, nb] int32 tensor");
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.numel() == q.size(0) && seq_lens.is_contiguous(),
               "seq_lens must be a contiguous [B] int32 tensor");
   at::Tensor out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
-  if (widened) {
+  if (cache_type == at::kChar) {
+    decode_kernel<float, int8_t>(q, kv_cache, block_table, seq_lens, scale, sliding_window, soft_cap, out);
+  } else if (cache_type == at::kFloat8_e4m3fn) {
+    decode_kernel<float, c10::Float8_e4m3fn>(q, kv_cache, block_table, seq_lens, scale, sliding_window, soft_cap, out);
+  } else if (cache_type == at::kFloat8_e5m2) {
+    decode_kernel<float, c10::Float8_e5m2>(q, kv_cache, block_table, seq_lens, scale, sliding_window, soft_cap, out);
+  } else if (widened) {
     AT_DISPATCH_REDUCED_FLOATING_TYPES(kv_cache.scalar_type(), "paged_decode", [&] {
       decode_kernel<float, scalar_t>(q, kv_cache, block_table, seq_lens, scale, sliding_window, soft_cap, out);
     });
