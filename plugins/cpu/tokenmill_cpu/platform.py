@@ -21,6 +21,14 @@ MAX_PREFAULT_RANGES = 128  # 2 * Hkv of the paged layout; more: taken for anothe
 CPU_ATTN_BACKEND = "CPU_PAGED"  # registered by tokenmill_cpu.plugin (tokenmill_cpu.attention:CpuPagedAttentionBackend)
 
 
+_CUSTOM_OPS = {
+    "unquantized_linear": "tokenmill_cpu.dense_linear:CpuUnquantizedLinearMethod",
+    "causal_conv1d": "tokenmill_cpu.state_ops:CpuCausalConv1d",
+    "mamba_ssd": "tokenmill_cpu.state_ops:CpuMambaSSD",
+    "gated_delta_rule": "tokenmill_cpu.state_ops:CpuGatedDeltaRule",
+}
+
+
 class CpuPlatform(Platform):
     name: ClassVar[str] = "cpu"
     device_type: ClassVar[str] = "cpu"
@@ -45,10 +53,10 @@ class CpuPlatform(Platform):
     @classmethod
     def get_custom_op_cls(cls, name: str) -> str | None:
         """``unquantized_linear``: float32 / bfloat16 linear layers on oneDNN-packed weights
-        (``tokenmill_cpu.dense_linear``); every other op is the built-in."""
-        if name == "unquantized_linear":
-            return "tokenmill_cpu.dense_linear:CpuUnquantizedLinearMethod"
-        return None
+        (``tokenmill_cpu.dense_linear``); ``causal_conv1d``, ``mamba_ssd`` and ``gated_delta_rule``: the state
+        layers' decode step in this plugin's C++ kernels (``tokenmill_cpu.state_ops``); every other op is the
+        built-in."""
+        return _CUSTOM_OPS.get(name)
 
     @classmethod
     def get_quant_method_cls(cls, method: str) -> str | None:

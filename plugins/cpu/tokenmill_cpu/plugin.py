@@ -6,7 +6,8 @@ import os
 
 from tokenmill.plugin_api import PlatformSpec, hookimpl
 
-TOKENMILL_PLUGIN_API = ">=1.2,<2"  # 1.1: UnquantizedLinearMethod, Platform.allocate_kv_cache; 1.2: finish_kv_cache_allocation
+TOKENMILL_PLUGIN_API = ">=1.4,<2"  # 1.1: UnquantizedLinearMethod, Platform.allocate_kv_cache; 1.2: finish_kv_cache_allocation;
+# 1.4: the state-layer ops (CausalConv1d, MambaSSD, GatedDeltaRule)
 
 
 def detect() -> tuple[bool, str]:
