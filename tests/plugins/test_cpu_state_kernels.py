@@ -1,0 +1,251 @@
+"""tokenmill-cpu's decode-step kernels of the state layers (``csrc/state_update.cpp``) against float64 references
+(the one-step definitions, written out here), and how ``tokenmill_cpu.state_ops`` uses them.
+
+Tolerances are forward error bounds, not guesses: a float32 result computed by a chain of ``c`` roundings from
+float32 inputs is within ``c * u * m`` of the exact value (``u = 2**-24``), ``m`` being the same expression
+evaluated on the absolute values of its terms (every subtraction an addition). Each test evaluates ``m`` in
+float64 next to the reference and counts ``c`` from the kernel's longest chain (a sum of ``n`` terms counts ``n``,
+``exp``, ``log1p``, a division or square root a few units each, as glibc's float functions are within 2 ulp).
+bfloat16 outputs add their own rounding, ``2**-8`` of the value.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill.layers.mamba.state_ops import CausalConv1d, GatedDeltaRule, MambaSSD
+from tokenmill_cpu import kernels, state_ops
+
+pytestmark = pytest.mark.skipif(not kernels.load(), reason="tokenmill-cpu's C++ kernels cannot be built here")
+
+U32 = 2.0**-24  # float32 unit roundoff
+U_BF16 = 2.0**-8
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor, what: str) -> None:
+    """``|got - want| <= bound`` elementwise (float64), with the worst ratio in the message."""
+    err = (got.double() - want).abs()
+    ratio = (err / bound.clamp(min=1e-300)).max().item()
+    assert ratio <= 1.0, f"{what}: error {err.max().item():.3g} is {ratio:.2f}x its bound"
+
+
+def _output_bound(want: torch.Tensor, bound: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The float32 bound plus the output's own rounding (bfloat16: ``2**-8`` of the value, float16: ``2**-11``)."""
+    if dtype == torch.float32:
+        return bound
+    unit = U_BF16 if dtype == torch.bfloat16 else 2.0**-11
+    return bound + unit * (want.abs() + bound)
+
+
+# ---------------------------------------------------------------- causal conv1d
+
+
+def ref_conv_update(x, state, w, b, silu: bool):
+    """float64: ``pre = b + sum_j w[:, j] * [state, x][:, j]``; returns (out, |terms| sum, new state)."""
+    full = torch.cat([state, x.unsqueeze(-1)], dim=-1)
+    pre = (full * w).sum(-1) + (b if b is not None else 0.0)
+    mag = (full * w).abs().sum(-1) + (b.abs() if b is not None else 0.0)
+    return (F.silu(pre) if silu else pre), mag, full[..., 1:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("bias,silu", [(True, True), (False, False)], ids=["bias-silu", "plain"])
+def test_causal_conv1d_update_matches_the_fp64_reference(dtype, bias, silu):
+    g = _gen(1)
+    batch, dim, width = 3, 37, 4
+    x = torch.randn(batch, dim + 5, generator=g).to(dtype)[:, 2:dim + 2]  # strided rows, as a slice of in_proj
+    state = torch.randn(batch, dim, width - 1, generator=g).to(dtype)
+    w = (torch.randn(dim, width, generator=g) * 0.5).to(dtype)
+    b = (torch.randn(dim, generator=g) * 0.1).to(dtype) if bias else None
+    out, new = state_ops.causal_conv1d_update(x, state, w, b, silu)
+    want, mag, want_state = ref_conv_update(x.double(), state.double(), w.double(), None if b is None else b.double(),
+                                            silu)
+    # width + 1 roundings in the sum (silu's slope is below 1.1), silu itself: exp, add, divide
+    bound = 1.1 * (width + 1) * U32 * mag + 4 * U32 * want.abs()
+    assert out.dtype == dtype and new.dtype == dtype
+    _assert_within(out, want, _output_bound(want, bound, dtype), "out")
+    assert torch.equal(new.double(), want_state)
+
+
+# ---------------------------------------------------------------- Mamba2 selective state update
+
+
+def ref_ssm_update(state, x, dt, A, B, C, D, dt_bias, lo, hi):
+    """float64 one step, and the elementwise error bound of a float32 evaluation (see the module docstring)."""
+    heads, groups, n = x.shape[1], B.shape[1], B.shape[2]
+    step = F.softplus(dt + (dt_bias if dt_bias is not None else 0.0)).clamp(min=lo, max=hi)  # [b, H]
+    decay = torch.exp(step * A)
+    Bh, Ch = B.repeat_interleave(heads // groups, 1), C.repeat_interleave(heads // groups, 1)  # [b, H, N]
+    kept = state * decay[..., None, None]
+    written = (x * step[..., None])[..., None] * Bh[:, :, None, :]
+    new = kept + written
+    skip = x * D[:, None] if D is not None else torch.zeros_like(x)
+    y = (new * Ch[:, :, None, :]).sum(-1) + skip
+    rel_step = 8 * U32  # bias add, exp, log1p, clamp
+    rel_decay = (step * A).abs() * rel_step + 4 * U32  # product, exp
+    new_err = kept.abs() * (rel_decay + 2 * U32)[..., None, None] + written.abs() * (rel_step + 3 * U32)
+    y_err = (new_err * Ch.abs()[:, :, None, :]).sum(-1) + (n + 2) * U32 * (
+        (new * Ch[:, :, None, :]).abs().sum(-1) + skip.abs())
+    return y, new, y_err, new_err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("n", [16, 20, 3], ids=["n16", "n20", "n3"])
+@pytest.mark.parametrize("options", ["full", "bare-clamped"])
+def test_selective_state_update_matches_the_fp64_reference(dtype, n, options):
+    g = _gen(n)
+    batch, heads, head_dim, groups = 3, 4, 5, 2
+    conv_dim = heads * head_dim + 2 * groups * n
+    xbc = torch.randn(batch, conv_dim, generator=g).to(dtype)  # x, B, C as views of one row, as the mixer splits it
+    x = xbc[:, :heads * head_dim].reshape(batch, heads, head_dim)
+    B = xbc[:, heads * head_dim:heads * head_dim + groups * n].reshape(batch, groups, n)
+    C = xbc[:, heads * head_dim + groups * n:].reshape(batch, groups, n)
+    state = (torch.randn(batch, heads, head_dim, n, generator=g) * 0.5).to(dtype)
+    dt = torch.randn(batch, heads, generator=g) * 0.5
+    A = -torch.rand(heads, generator=g) - 0.2
+    full = options == "full"
+    D = torch.randn(heads, generator=g) if full else None
+    dt_bias = torch.randn(heads, generator=g) * 0.3 if full else None
+    lo, hi = (float("-inf"), float("inf")) if full else (0.2, 0.6)
+    y, new = state_ops.selective_state_update(state, x, dt, A, B, C, D, dt_bias, True, lo, hi)
+    d64 = [None if t is None else t.double() for t in (state, x, dt, A, B, C, D, dt_bias)]
+    want_y, want_new, y_err, new_err = ref_ssm_update(*d64, lo, hi)
+    assert y.dtype == dtype and new.dtype == torch.float32
+    _assert_within(new, want_new, new_err, "state")
+    _assert_within(y, want_y, _output_bound(want_y, y_err, dtype), "y")
+
+
+def test_selective_state_update_without_softplus_keeps_negative_steps():
+    """``dt_softplus=False`` and no limit: the step is ``dt + dt_bias`` as it is (the class passes ``-inf`` as the
+    lower limit then, as the portable version clamps only for a limit)."""
+    g = _gen(5)
+    state, x = torch.randn(2, 2, 3, 8, generator=g), torch.randn(2, 2, 3, generator=g)
+    dt, A, B, C = torch.randn(2, 2, generator=g), -torch.rand(2, generator=g), torch.randn(2, 1, 8, generator=g), \
+        torch.randn(2, 1, 8, generator=g)
+    want = MambaSSD().update_native(state.double(), x.double(), dt.double(), A.double(), B.double(), C.double(),
+                                    dt_softplus=False)
+    got = state_ops.CpuMambaSSD().update(state, x, dt, A, B, C, dt_softplus=False)
+    torch.testing.assert_close(got[0].double(), want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1].double(), want[1], rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- gated delta rule
+
+
+def ref_delta_update(state, q, k, v, g, beta, l2: bool):
+    """float64 one step and the magnitude ``m`` of its terms (see the module docstring)."""
+    dk = q.shape[-1]
+    if l2:
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q = q * dk**-0.5
+    decay = torch.exp(g)[..., None, None]
+    mem = torch.einsum("bhkv,bhk->bhv", state * decay, k)
+    mem_abs = torch.einsum("bhkv,bhk->bhv", (state * decay).abs(), k.abs())
+    delta = beta[..., None] * (v - mem)
+    delta_abs = beta[..., None] * (v.abs() + mem_abs)
+    new = state * decay + k[..., :, None] * delta[..., None, :]
+    new_abs = (state * decay).abs() + k.abs()[..., :, None] * delta_abs[..., None, :]
+    o = torch.einsum("bhkv,bhk->bhv", new, q)
+    o_abs = torch.einsum("bhkv,bhk->bhv", new_abs, q.abs())
+    return o, new, o_abs, new_abs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dk,dv", [(16, 16), (8, 20), (5, 3)], ids=["16x16", "8x20", "5x3"])
+@pytest.mark.parametrize("l2", [True, False], ids=["l2norm", "raw"])
+def test_gated_delta_rule_update_matches_the_fp64_reference(dtype, dk, dv, l2):
+    gen = _gen(dk * 100 + dv)
+    batch, heads = 2, 3
+    q, k = torch.randn(batch, heads, dk, generator=gen).to(dtype), torch.randn(batch, heads, dk, generator=gen).to(dtype)
+    v = torch.randn(batch, heads * dv + 4, generator=gen).to(dtype)[:, 4:].reshape(batch, heads, dv)  # strided rows
+    state = (torch.randn(batch, heads, dk, dv, generator=gen) * 0.3).to(dtype)
+    g = -torch.rand(batch, heads, generator=gen)
+    beta = torch.rand(batch, heads, generator=gen)
+    o, new = state_ops.gated_delta_rule_update(state, q, k, v, g, beta, l2)
+    want_o, want_new, o_abs, new_abs = ref_delta_update(state.double(), q.double(), k.double(), v.double(), g.double(),
+                                                        beta.double(), l2)
+    # q and k: a sum of dk squares, sqrt, divide, scale (dk + 6 roundings, relative); delta: dk + 4 more; the new
+    # state: 2 more; the output: dk more
+    chain = 3 * dk + 16
+    assert o.dtype == dtype and new.dtype == torch.float32
+    _assert_within(new, want_new, chain * U32 * new_abs, "state")
+    _assert_within(o, want_o, _output_bound(want_o, chain * U32 * o_abs, dtype), "o")
+
+
+# ---------------------------------------------------------------- the replacement classes
+
+
+def test_the_cpu_platform_declares_the_state_ops_and_they_use_the_kernels(monkeypatch):
+    """Building the built-in classes gives the CPU replacements; ``update`` calls the kernel for float32 and
+    bfloat16, the portable method for float64 (the references' dtype) and while the kernels are not loaded."""
+    from tokenmill_cpu.platform import CpuPlatform
+
+    for name, cls in (("causal_conv1d", state_ops.CpuCausalConv1d), ("mamba_ssd", state_ops.CpuMambaSSD),
+                      ("gated_delta_rule", state_ops.CpuGatedDeltaRule)):
+        assert CpuPlatform.get_custom_op_cls(name) == f"tokenmill_cpu.state_ops:{cls.__name__}"
+    calls: list[str] = []
+    for fn in ("causal_conv1d_update", "selective_state_update", "gated_delta_rule_update"):
+        real = getattr(state_ops, fn)
+        monkeypatch.setattr(state_ops, fn, lambda *a, _real=real, _fn=fn: calls.append(_fn) or _real(*a))
+    g = _gen(7)
+    conv = state_ops.CpuCausalConv1d()
+    x, s, w = torch.randn(2, 6, generator=g), torch.randn(2, 6, 3, generator=g), torch.randn(6, 4, generator=g)
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        out, new = conv.update(x.to(dtype), s.to(dtype), w.to(dtype), None)
+        want, want_new = CausalConv1d.update_native(conv, x.double(), s.double(), w.double(), None)
+        torch.testing.assert_close(out.double(), want, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2)
+        torch.testing.assert_close(new.double(), want_new, rtol=1e-2, atol=1e-2)
+    assert calls == ["causal_conv1d_update"] * 2
+    monkeypatch.setattr(kernels, "ready", lambda: False)
+    conv.update(x, s, w, None)
+    assert len(calls) == 2
+
+
+def test_the_kernels_reject_bad_layouts_with_a_clear_error():
+    state = torch.zeros(2, 3, 4, 5)
+    with pytest.raises(RuntimeError, match="state must be"):
+        state_ops.gated_delta_rule_update(state, torch.zeros(2, 3, 4), torch.zeros(2, 3, 4), torch.zeros(2, 3, 6),
+                                          torch.zeros(2, 3), torch.zeros(2, 3), True)
+    with pytest.raises(RuntimeError, match="conv_state must be"):
+        state_ops.causal_conv1d_update(torch.zeros(2, 6), torch.zeros(2, 6, 2), torch.zeros(6, 4), None, True)
+    with pytest.raises(RuntimeError, match="G dividing the heads"):
+        state_ops.selective_state_update(torch.zeros(1, 3, 2, 4), torch.zeros(1, 3, 2), torch.zeros(1, 3),
+                                         torch.zeros(3), torch.zeros(1, 2, 4), torch.zeros(1, 2, 4), None, None, True,
+                                         0.0, float("inf"))
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        state_ops.causal_conv1d_update(torch.zeros(2, 6, dtype=torch.float64), torch.zeros(2, 6, 3, dtype=torch.float64),
+                                       torch.zeros(6, 4, dtype=torch.float64), None, True)
+
+
+def test_the_classes_pass_the_conformance_kits_state_op_cases():
+    """The cases ``tokenmill plugins check`` runs for the CPU platform's ``custom_ops`` item, float32 and
+    bfloat16 (the item's own run is tests/conformance)."""
+    from tokenmill.conformance.checks_ops import _close, _tol
+    from tokenmill.conformance.state_op_cases import state_op_cases
+
+    bases = {"causal_conv1d": CausalConv1d, "mamba_ssd": MambaSSD, "gated_delta_rule": GatedDeltaRule}
+    classes = {"causal_conv1d": state_ops.CpuCausalConv1d, "mamba_ssd": state_ops.CpuMambaSSD,
+               "gated_delta_rule": state_ops.CpuGatedDeltaRule}
+    for dtype in (torch.float32, torch.bfloat16):
+        for name, cls in classes.items():
+            for layer, method, args in state_op_cases(name, cls, dtype, torch.device("cpu")):
+                want = getattr(bases[name], f"{method}_native")(layer, *args)
+                _close(f"{name}.{method}", getattr(layer, method)(*args), want, _tol(dtype))
+
+
+@pytest.mark.lower_isa
+@pytest.mark.slow
+@pytest.mark.parametrize(("capability", "isa"), [("default", "scalar"), ("avx2", "avx2")])
+def test_lower_isa_builds_match_the_fp64_reference(capability: str, isa: str) -> None:
+    """The plain C++ loops and the AVX2/FMA build (CPUs without AVX-512; on an AVX-512 machine built with AVX2
+    flags only), each checked by this file's tests in a subprocess."""
+    from tests.lower_isa import check_lower_isa_build
+
+    check_lower_isa_build(__file__, capability, "state_update", isa, "not lower_isa")
