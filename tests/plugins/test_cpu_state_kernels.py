@@ -1,13 +1,5 @@
 """tokenmill-cpu's decode-step kernels of the state layers (``csrc/state_update.cpp``) against float64 references
-(the one-step definitions, written out here), and how ``tokenmill_cpu.state_ops`` uses them.
-
-Tolerances are forward error bounds, not guesses: a float32 result computed by a chain of ``c`` roundings from
-float32 inputs is within ``c * u * m`` of the exact value (``u = 2**-24``), ``m`` being the same expression
-evaluated on the absolute values of its terms (every subtraction an addition). Each test evaluates ``m`` in
-float64 next to the reference and counts ``c`` from the kernel's longest chain (a sum of ``n`` terms counts ``n``,
-``exp``, ``log1p``, a division or square root a few units each, as glibc's float functions are within 2 ulp).
-bfloat16 outputs add their own rounding, ``2**-8`` of the value.
-"""
+with derived error bounds (tests/models/state_update_reference.py), and how ``tokenmill_cpu.state_ops`` uses them."""
 
 from __future__ import annotations
 
@@ -16,42 +8,23 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.layers.mamba.state_ops import CausalConv1d, GatedDeltaRule, MambaSSD
+from tests.models.state_update_reference import (
+    U32,
+    assert_within,
+    output_bound,
+    ref_conv_update,
+    ref_delta_update,
+    ref_ssm_update,
+)
 from tokenmill_cpu import kernels, state_ops
 
 pytestmark = pytest.mark.skipif(not kernels.load(), reason="tokenmill-cpu's C++ kernels cannot be built here")
-
-U32 = 2.0**-24  # float32 unit roundoff
-U_BF16 = 2.0**-8
-
 
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor, what: str) -> None:
-    """``|got - want| <= bound`` elementwise (float64), with the worst ratio in the message."""
-    err = (got.double() - want).abs()
-    ratio = (err / bound.clamp(min=1e-300)).max().item()
-    assert ratio <= 1.0, f"{what}: error {err.max().item():.3g} is {ratio:.2f}x its bound"
-
-
-def _output_bound(want: torch.Tensor, bound: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The float32 bound plus the output's own rounding (bfloat16: ``2**-8`` of the value, float16: ``2**-11``)."""
-    if dtype == torch.float32:
-        return bound
-    unit = U_BF16 if dtype == torch.bfloat16 else 2.0**-11
-    return bound + unit * (want.abs() + bound)
-
-
 # ---------------------------------------------------------------- causal conv1d
-
-
-def ref_conv_update(x, state, w, b, silu: bool):
-    """float64: ``pre = b + sum_j w[:, j] * [state, x][:, j]``; returns (out, |terms| sum, new state)."""
-    full = torch.cat([state, x.unsqueeze(-1)], dim=-1)
-    pre = (full * w).sum(-1) + (b if b is not None else 0.0)
-    mag = (full * w).abs().sum(-1) + (b.abs() if b is not None else 0.0)
-    return (F.silu(pre) if silu else pre), mag, full[..., 1:]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
@@ -69,30 +42,11 @@ def test_causal_conv1d_update_matches_the_fp64_reference(dtype, bias, silu):
     # width + 1 roundings in the sum (silu's slope is below 1.1), silu itself: exp, add, divide
     bound = 1.1 * (width + 1) * U32 * mag + 4 * U32 * want.abs()
     assert out.dtype == dtype and new.dtype == dtype
-    _assert_within(out, want, _output_bound(want, bound, dtype), "out")
+    assert_within(out, want, output_bound(want, bound, dtype), "out")
     assert torch.equal(new.double(), want_state)
 
 
 # ---------------------------------------------------------------- Mamba2 selective state update
-
-
-def ref_ssm_update(state, x, dt, A, B, C, D, dt_bias, lo, hi):
-    """float64 one step, and the elementwise error bound of a float32 evaluation (see the module docstring)."""
-    heads, groups, n = x.shape[1], B.shape[1], B.shape[2]
-    step = F.softplus(dt + (dt_bias if dt_bias is not None else 0.0)).clamp(min=lo, max=hi)  # [b, H]
-    decay = torch.exp(step * A)
-    Bh, Ch = B.repeat_interleave(heads // groups, 1), C.repeat_interleave(heads // groups, 1)  # [b, H, N]
-    kept = state * decay[..., None, None]
-    written = (x * step[..., None])[..., None] * Bh[:, :, None, :]
-    new = kept + written
-    skip = x * D[:, None] if D is not None else torch.zeros_like(x)
-    y = (new * Ch[:, :, None, :]).sum(-1) + skip
-    rel_step = 8 * U32  # bias add, exp, log1p, clamp
-    rel_decay = (step * A).abs() * rel_step + 4 * U32  # product, exp
-    new_err = kept.abs() * (rel_decay + 2 * U32)[..., None, None] + written.abs() * (rel_step + 3 * U32)
-    y_err = (new_err * Ch.abs()[:, :, None, :]).sum(-1) + (n + 2) * U32 * (
-        (new * Ch[:, :, None, :]).abs().sum(-1) + skip.abs())
-    return y, new, y_err, new_err
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
@@ -117,8 +71,8 @@ def test_selective_state_update_matches_the_fp64_reference(dtype, n, options):
     d64 = [None if t is None else t.double() for t in (state, x, dt, A, B, C, D, dt_bias)]
     want_y, want_new, y_err, new_err = ref_ssm_update(*d64, lo, hi)
     assert y.dtype == dtype and new.dtype == torch.float32
-    _assert_within(new, want_new, new_err, "state")
-    _assert_within(y, want_y, _output_bound(want_y, y_err, dtype), "y")
+    assert_within(new, want_new, new_err, "state")
+    assert_within(y, want_y, output_bound(want_y, y_err, dtype), "y")
 
 
 def test_selective_state_update_without_softplus_keeps_negative_steps():
@@ -136,25 +90,6 @@ def test_selective_state_update_without_softplus_keeps_negative_steps():
 
 
 # ---------------------------------------------------------------- gated delta rule
-
-
-def ref_delta_update(state, q, k, v, g, beta, l2: bool):
-    """float64 one step and the magnitude ``m`` of its terms (see the module docstring)."""
-    dk = q.shape[-1]
-    if l2:
-        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
-        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-    q = q * dk**-0.5
-    decay = torch.exp(g)[..., None, None]
-    mem = torch.einsum("bhkv,bhk->bhv", state * decay, k)
-    mem_abs = torch.einsum("bhkv,bhk->bhv", (state * decay).abs(), k.abs())
-    delta = beta[..., None] * (v - mem)
-    delta_abs = beta[..., None] * (v.abs() + mem_abs)
-    new = state * decay + k[..., :, None] * delta[..., None, :]
-    new_abs = (state * decay).abs() + k.abs()[..., :, None] * delta_abs[..., None, :]
-    o = torch.einsum("bhkv,bhk->bhv", new, q)
-    o_abs = torch.einsum("bhkv,bhk->bhv", new_abs, q.abs())
-    return o, new, o_abs, new_abs
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
@@ -175,8 +110,8 @@ def test_gated_delta_rule_update_matches_the_fp64_reference(dtype, dk, dv, l2):
     # state: 2 more; the output: dk more
     chain = 3 * dk + 16
     assert o.dtype == dtype and new.dtype == torch.float32
-    _assert_within(new, want_new, chain * U32 * new_abs, "state")
-    _assert_within(o, want_o, _output_bound(want_o, chain * U32 * o_abs, dtype), "o")
+    assert_within(new, want_new, chain * U32 * new_abs, "state")
+    assert_within(o, want_o, output_bound(want_o, chain * U32 * o_abs, dtype), "o")
 
 
 # ---------------------------------------------------------------- the replacement classes
