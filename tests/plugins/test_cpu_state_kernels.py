@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tokenmill.layers.mamba import ops
 from tokenmill.layers.mamba.state_ops import CausalConv1d, GatedDeltaRule, MambaSSD
 from tests.models.state_update_reference import (
     U32,
@@ -82,11 +83,11 @@ def test_selective_state_update_without_softplus_keeps_negative_steps():
     state, x = torch.randn(2, 2, 3, 8, generator=g), torch.randn(2, 2, 3, generator=g)
     dt, A, B, C = torch.randn(2, 2, generator=g), -torch.rand(2, generator=g), torch.randn(2, 1, 8, generator=g), \
         torch.randn(2, 1, 8, generator=g)
-    want = MambaSSD().update_native(state.double(), x.double(), dt.double(), A.double(), B.double(), C.double(),
-                                    dt_softplus=False)
+    want = ops.selective_state_update(state.double(), x.double(), dt.double(), A.double(), B.double(), C.double(),
+                                      dt_softplus=False)
     got = state_ops.CpuMambaSSD().update(state, x, dt, A, B, C, dt_softplus=False)
-    torch.testing.assert_close(got[0].double(), want[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got[1].double(), want[1], rtol=1e-5, atol=1e-5)
+    for a, b in zip(got, want):  # float32 against float64: within float32 rounding of values near 1
+        assert (a.double() - b).abs().max() < 1e-5
 
 
 # ---------------------------------------------------------------- gated delta rule
@@ -135,12 +136,23 @@ def test_the_cpu_platform_declares_the_state_ops_and_they_use_the_kernels(monkey
     for dtype in (torch.float32, torch.bfloat16, torch.float64):
         out, new = conv.update(x.to(dtype), s.to(dtype), w.to(dtype), None)
         want, want_new = CausalConv1d.update_native(conv, x.double(), s.double(), w.double(), None)
-        torch.testing.assert_close(out.double(), want, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2)
-        torch.testing.assert_close(new.double(), want_new, rtol=1e-2, atol=1e-2)
+        tol = 3e-2 if dtype == torch.bfloat16 else 1e-5  # values of a few units: bfloat16 keeps 8 bits
+        assert (out.double() - want).abs().max() < tol and (new.double() - want_new).abs().max() < tol
     assert calls == ["causal_conv1d_update"] * 2
     monkeypatch.setattr(kernels, "ready", lambda: False)
     conv.update(x, s, w, None)
     assert len(calls) == 2
+
+
+def test_the_state_layers_build_the_cpu_replacements():
+    """What the engine's models get on the CPU platform: the mixers' ops are the kernel classes (the hybrid models'
+    greedy tests, tests/models/test_hybrid_models.py, then run their decode steps through the kernels)."""
+    from tokenmill.layers.mamba import GatedDeltaNet, MambaMixer2
+
+    mixer = MambaMixer2(16, 4, 4, 32, 4, 8, 2)
+    assert type(mixer.conv_op) is state_ops.CpuCausalConv1d and type(mixer.ssd_op) is state_ops.CpuMambaSSD
+    delta = GatedDeltaNet(16, 2, 4, 4, 4, 4)
+    assert type(delta.delta_op) is state_ops.CpuGatedDeltaRule
 
 
 def test_the_kernels_reject_bad_layouts_with_a_clear_error():

@@ -99,7 +99,15 @@ def gated_delta_rule_update(state: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     return torch.ops.tokenmill_cpu.gated_delta_rule_update(state, q, k, v, g, beta, use_qk_l2norm)
 
 
-class CpuCausalConv1d(CausalConv1d):
+class _StartsKernelBuild:
+    """Starts the kernels' background build when a layer is built (the attention backend usually has already)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        kernels.load_async()
+
+
+class CpuCausalConv1d(_StartsKernelBuild, CausalConv1d):
     """``causal_conv1d`` with the decode step in C++ (:func:`causal_conv1d_update`)."""
 
     def update(self, x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -113,7 +121,7 @@ class CpuCausalConv1d(CausalConv1d):
         return out.to(x.dtype), state
 
 
-class CpuMambaSSD(MambaSSD):
+class CpuMambaSSD(_StartsKernelBuild, MambaSSD):
     """``mamba_ssd`` with the decode step in C++ (:func:`selective_state_update`)."""
 
     def update(self, state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
@@ -130,7 +138,7 @@ class CpuMambaSSD(MambaSSD):
                                       dt_softplus, lo, hi)
 
 
-class CpuGatedDeltaRule(GatedDeltaRule):
+class CpuGatedDeltaRule(_StartsKernelBuild, GatedDeltaRule):
     """``gated_delta_rule`` with the decode step in C++ (:func:`gated_delta_rule_update`)."""
 
     def update(self, state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
