@@ -115,6 +115,65 @@ def test_gated_delta_rule_update_matches_the_fp64_reference(dtype, dk, dv, l2):
     assert_within(o, want_o, output_bound(want_o, chain * U32 * o_abs, dtype), "o")
 
 
+# ---------------------------------------------------------------- prefill: the decode step token by token
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("carried", [True, False], ids=["carried", "fresh"])
+def test_prefill_kernels_give_the_bits_of_decoding_token_by_token(dtype, carried):
+    """The prefill kernels run the decode kernels' per-token step in place, so a prompt's outputs and final state
+    equal the decode kernels' applied one token at a time (checked above against float64) bit for bit."""
+    g = _gen(11)
+    length, dim, width, heads, head_dim, groups, n, dk, dv = 9, 70, 4, 4, 3, 2, 20, 8, 20
+    # conv: 70 channels (a block of 64 and a tail)
+    x = torch.randn(length, dim, generator=g).to(dtype)
+    w, b = (torch.randn(dim, width, generator=g) * 0.5).to(dtype), (torch.randn(dim, generator=g) * 0.1).to(dtype)
+    s0 = torch.randn(dim, width - 1, generator=g).to(dtype) if carried else None
+    out, state = torch.ops.tokenmill_cpu.causal_conv1d_fn(x, w, b, s0, True)
+    s = s0 if carried else torch.zeros(dim, width - 1, dtype=dtype)
+    for t in range(length):
+        y, s = state_ops.causal_conv1d_update(x[t:t + 1], s[None], w, b, True)
+        s = s[0]
+        assert torch.equal(out[t], y[0]), t
+    assert torch.equal(state, s)
+    # Mamba2 scan
+    xs, dt = torch.randn(length, heads, head_dim, generator=g).to(dtype), torch.randn(length, heads, generator=g)
+    B, C = torch.randn(length, groups, n, generator=g).to(dtype), torch.randn(length, groups, n, generator=g).to(dtype)
+    A, D, bias = -torch.rand(heads, generator=g) - 0.2, torch.randn(heads, generator=g), torch.randn(heads, generator=g)
+    h0 = torch.randn(heads, head_dim, n, generator=g) if carried else None
+    ys, hs = torch.ops.tokenmill_cpu.selective_scan(xs, dt, A, B, C, D, bias, h0, True, float("-inf"), float("inf"))
+    h = (h0 if carried else torch.zeros(heads, head_dim, n))[None]
+    for t in range(length):
+        y, h = state_ops.selective_state_update(h, xs[t:t + 1], dt[t:t + 1], A, B[t:t + 1], C[t:t + 1], D, bias, True,
+                                                float("-inf"), float("inf"))
+        assert torch.equal(ys[t], y[0]), t
+    assert torch.equal(hs, h[0])
+    # gated delta rule scan
+    q, k = torch.randn(length, heads, dk, generator=g).to(dtype), torch.randn(length, heads, dk, generator=g).to(dtype)
+    v = torch.randn(length, heads, dv, generator=g).to(dtype)
+    gate, beta = -torch.rand(length, heads, generator=g), torch.rand(length, heads, generator=g)
+    S0 = torch.randn(heads, dk, dv, generator=g) if carried else None
+    os_, Ss = torch.ops.tokenmill_cpu.gated_delta_rule_scan(q, k, v, gate, beta, S0, True)
+    S = (S0 if carried else torch.zeros(heads, dk, dv))[None]
+    for t in range(length):
+        o, S = state_ops.gated_delta_rule_update(S, q[t:t + 1], k[t:t + 1], v[t:t + 1], gate[t:t + 1],
+                                                 beta[t:t + 1], True)
+        assert torch.equal(os_[t], o[0]), t
+    assert torch.equal(Ss, S[0])
+
+
+def test_prefill_kernels_take_empty_prompts():
+    """No tokens: no outputs, and the state passes through (widened to float32 where the op returns float32)."""
+    s0 = torch.randn(6, 3)
+    out, state = torch.ops.tokenmill_cpu.causal_conv1d_fn(torch.zeros(0, 6), torch.randn(6, 4), None, s0, True)
+    assert out.shape == (0, 6) and torch.equal(state, s0)
+    h0 = torch.randn(2, 3, 4).bfloat16()
+    y, h = torch.ops.tokenmill_cpu.selective_scan(torch.zeros(0, 2, 3), torch.zeros(0, 2), -torch.ones(2),
+                                                  torch.zeros(0, 1, 4), torch.zeros(0, 1, 4), None, None, h0, True,
+                                                  0.0, float("inf"))
+    assert y.shape == (0, 2, 3) and h.dtype == torch.float32 and torch.equal(h, h0.float())
+
+
 # ---------------------------------------------------------------- the replacement classes
 
 

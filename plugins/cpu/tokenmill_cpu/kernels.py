@@ -3,8 +3,8 @@
 (``csrc/quant_linear.cpp``, why: ``tokenmill_cpu.quant_linear``) and the panel matmuls ``dense_gemm`` (float32)
 and ``dense_gemm_bf16`` (bfloat16, few rows) (``csrc/dense_gemm.cpp``, why: its header and
 ``tokenmill_cpu.dense_linear``), and the state layers' decode step ``causal_conv1d_update``,
-``selective_state_update`` and ``gated_delta_rule_update`` (``csrc/state_update.cpp``, why: its header and
-``tokenmill_cpu.state_ops``).
+``selective_state_update`` and ``gated_delta_rule_update`` and prefill ``causal_conv1d_fn``, ``selective_scan`` and
+``gated_delta_rule_scan`` (``csrc/state_update.cpp``, why: its header and ``tokenmill_cpu.state_ops``).
 
 Why a custom attention kernel: decode attention over the paged cache is a memory-bound loop over the blocks of
 every request. Neither eager torch (gather the blocks, then two batched matmuls of a few rows each) nor
@@ -130,7 +130,7 @@ def isa() -> dict[str, str]:
     ``avx512``, ``avx2`` or ``scalar``), ``dense_gemm`` (``avx512``, ``avx2`` or ``scalar``), ``dense_gemm_bf16``
     (``avx512_bf16`` or ``scalar``), ``dense_gemm_prefetch`` (``l2``, ``l1`` or ``none``: where the panel matmuls
     prefetch their next panel to) and ``state_update`` (``avx512``, ``avx2`` or ``scalar``: the state layers'
-    decode kernels);
+    kernels);
     ``{"status": "not loaded"}`` before :func:`load` succeeded."""
     if not ready():
         return {"status": "not loaded"}
@@ -305,6 +305,19 @@ def _register_fake() -> None:
     def _(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: object
           ) -> tuple[torch.Tensor, torch.Tensor]:
         return v.new_empty(v.shape), state.new_empty(state.shape, dtype=torch.float32)
+
+    @torch.library.register_fake("tokenmill_cpu::causal_conv1d_fn")
+    def _(x: torch.Tensor, weight: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.new_empty(x.shape), weight.new_empty(weight.shape[0], weight.shape[1] - 1)
+
+    @torch.library.register_fake("tokenmill_cpu::selective_scan")
+    def _(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, *args: object
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.new_empty(x.shape), x.new_empty(x.shape[1], x.shape[2], B.shape[2], dtype=torch.float32)
+
+    @torch.library.register_fake("tokenmill_cpu::gated_delta_rule_scan")
+    def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        return v.new_empty(v.shape), v.new_empty(q.shape[1], q.shape[2], v.shape[2], dtype=torch.float32)
 
     @torch.library.register_fake("tokenmill_cpu::q4_linear")
     def _(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:

@@ -2,11 +2,12 @@
 custom ops ``causal_conv1d``, ``mamba_ssd`` and ``gated_delta_rule`` (:mod:`tokenmill.layers.mamba.state_ops`)
 that :class:`tokenmill_cpu.platform.CpuPlatform` declares.
 
-Each overrides ``update`` (one token per sequence, the decode step) and keeps the portable ``forward`` (prefill).
-The kernel runs when the kernels are loaded (:func:`tokenmill_cpu.kernels.ready`; they build in the background
-at start-up), the tensors are on the CPU and in float32, bfloat16 or float16; otherwise, and for float64 (the
-reference tests' dtype), the portable ``update_native``. Results agree with the portable versions to float32
-rounding: the sums run in another order (register-wide partial sums), the states are float32 either way.
+Each overrides ``update`` (one token per sequence, the decode step) and ``forward`` (one sequence's prefill, the
+same step token by token: a prompt gives the same bits as its tokens decoded one at a time). The kernels run when
+they are loaded (:func:`tokenmill_cpu.kernels.ready`; they build in the background at start-up), the tensors are
+on the CPU and in float32, bfloat16 or float16; otherwise, and for float64 (the reference tests' dtype), the
+portable ``*_native`` methods. Results agree with the portable versions to float32 rounding: the sums run in
+another order (register-wide partial sums; the portable prefill is chunked), the states are float32 either way.
 
 Why: the portable decode step is a chain of eager torch ops (each a pass over the state with its own temporary);
 see docs/benchmarks.md, "State-layer decode kernels" (``python benchmarks/state_update_kernels.py``).
@@ -108,7 +109,17 @@ class _StartsKernelBuild:
 
 
 class CpuCausalConv1d(_StartsKernelBuild, CausalConv1d):
-    """``causal_conv1d`` with the decode step in C++ (:func:`causal_conv1d_update`)."""
+    """``causal_conv1d`` in C++ (:func:`causal_conv1d_update`, ``torch.ops.tokenmill_cpu.causal_conv1d_fn``)."""
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                conv_state: torch.Tensor | None, activation: str | None = "silu") -> tuple[torch.Tensor, torch.Tensor]:
+        if activation not in (None, "silu", "swish") or not _kernel_takes(x, weight, bias, conv_state):
+            return self.forward_native(x, weight, bias, conv_state, activation)
+        dtype = weight.dtype
+        out, state = torch.ops.tokenmill_cpu.causal_conv1d_fn(
+            _rows(x.to(dtype)), weight.contiguous(), None if bias is None else bias.to(dtype).contiguous(),
+            None if conv_state is None else conv_state.to(dtype).contiguous(), activation is not None)
+        return out.to(x.dtype), state
 
     def update(self, x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                activation: str | None = "silu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,8 +132,26 @@ class CpuCausalConv1d(_StartsKernelBuild, CausalConv1d):
         return out.to(x.dtype), state
 
 
+def _dt_range(dt_limit: tuple[float, float]) -> tuple[float, float]:
+    """The clamp of the step as the kernels take it: the portable version clamps only for a positive lower or a
+    finite upper limit."""
+    lo, hi = float(dt_limit[0]), float(dt_limit[1])
+    return (lo, hi) if lo > 0.0 or hi != float("inf") else (float("-inf"), hi)
+
+
 class CpuMambaSSD(_StartsKernelBuild, MambaSSD):
-    """``mamba_ssd`` with the decode step in C++ (:func:`selective_state_update`)."""
+    """``mamba_ssd`` in C++ (:func:`selective_state_update`, ``torch.ops.tokenmill_cpu.selective_scan``); the
+    prefill ignores ``chunk_size`` (it runs the recurrence token by token)."""
+
+    def forward(self, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                chunk_size: int, D: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+                initial_state: torch.Tensor | None = None, dt_softplus: bool = True,
+                dt_limit: tuple[float, float] = (0.0, float("inf"))) -> tuple[torch.Tensor, torch.Tensor]:
+        if chunk_size < 1 or not _kernel_takes(x, dt, A, B, C, D, dt_bias, initial_state):
+            return self.forward_native(x, dt, A, B, C, chunk_size, D, dt_bias, initial_state, dt_softplus, dt_limit)
+        return torch.ops.tokenmill_cpu.selective_scan(
+            _rows(x), _rows(dt.float()), _param(A), _rows(B.to(x.dtype)), _rows(C.to(x.dtype)), _param(D),
+            _param(dt_bias), initial_state, dt_softplus, *_dt_range(dt_limit))
 
     def update(self, state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                C: torch.Tensor, D: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
@@ -130,16 +159,23 @@ class CpuMambaSSD(_StartsKernelBuild, MambaSSD):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         if not _kernel_takes(state, x, dt, A, B, C, D, dt_bias):
             return self.update_native(state, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit)
-        lo, hi = float(dt_limit[0]), float(dt_limit[1])
-        if not (lo > 0.0 or hi != float("inf")):  # the portable version clamps only then
-            lo = float("-inf")
         return selective_state_update(state.contiguous(), _rows(x), _rows(dt.float()), _param(A),
                                       _rows(B.to(x.dtype)), _rows(C.to(x.dtype)), _param(D), _param(dt_bias),
-                                      dt_softplus, lo, hi)
+                                      dt_softplus, *_dt_range(dt_limit))
 
 
 class CpuGatedDeltaRule(_StartsKernelBuild, GatedDeltaRule):
-    """``gated_delta_rule`` with the decode step in C++ (:func:`gated_delta_rule_update`)."""
+    """``gated_delta_rule`` in C++ (:func:`gated_delta_rule_update`, ``torch.ops.tokenmill_cpu.gated_delta_rule_scan``)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                initial_state: torch.Tensor | None = None, use_qk_l2norm: bool = True
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not _kernel_takes(q, k, v, g, beta, initial_state):
+            return self.forward_native(q, k, v, g, beta, initial_state, use_qk_l2norm)
+        dtype = v.dtype
+        return torch.ops.tokenmill_cpu.gated_delta_rule_scan(_rows(q.to(dtype)), _rows(k.to(dtype)), _rows(v),
+                                                            _rows(g.float()), _rows(beta.float()), initial_state,
+                                                            use_qk_l2norm)
 
     def update(self, state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                beta: torch.Tensor, use_qk_l2norm: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,6 +16,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -152,26 +153,44 @@ inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 // torch.nn.functional.softplus with its defaults (beta 1, linear above 20).
 inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
 
+// ---------------------------------------------------------------- causal conv1d
+//
+// Channel d's output for one token: bias, then the window [the K - 1 inputs before it, its input] times the
+// channel's kernel, in that order; the decode step and the prefill share it, so a prompt gives the same bits as
+// its tokens decoded one at a time.
+template <typename T>
+inline float conv_output(const float* window, float xv, const T* w, int64_t keep, float bias, bool use_silu) {
+  float acc = bias;
+  for (int64_t j = 0; j < keep; ++j) acc += static_cast<float>(w[j]) * window[j];
+  acc += static_cast<float>(w[keep]) * xv;
+  return use_silu ? silu(acc) : acc;
+}
+
+void check_conv_weight(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(0) == x.size(1) && weight.size(1) >= 2,
+              "weight must be a contiguous [D, K] tensor (K >= 2) with D = x.size(1), got ", weight.sizes());
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and weight must have one dtype, got ", x.scalar_type(),
+              " and ", weight.scalar_type());
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == weight.scalar_type() && bias->dim() == 1 && bias->size(0) == x.size(1)
+                    && bias->is_contiguous(), "bias must be a contiguous [D] tensor of weight's dtype");
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor> causal_conv1d_update(const at::Tensor& x, const at::Tensor& conv_state,
                                                         const at::Tensor& weight,
                                                         const std::optional<at::Tensor>& bias, bool use_silu) {
   check_rows(x, "x", 2);
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(0) == x.size(1) && weight.size(1) >= 2,
-              "weight must be a contiguous [D, K] tensor (K >= 2) with D = x.size(1), got ", weight.sizes());
-  const int64_t batch = x.size(0), dim = x.size(1), width = weight.size(1);
+  check_conv_weight(x, weight, bias);
+  const int64_t batch = x.size(0), dim = x.size(1), width = weight.size(1), keep = width - 1;
   TORCH_CHECK(conv_state.dim() == 3 && conv_state.size(0) == batch && conv_state.size(1) == dim
-                  && conv_state.size(2) == width - 1 && conv_state.stride(2) == 1 && conv_state.stride(1) == width - 1,
-              "conv_state must be [B, D, K - 1] = [", batch, ", ", dim, ", ", width - 1,
+                  && conv_state.size(2) == keep && conv_state.stride(2) == 1 && conv_state.stride(1) == keep,
+              "conv_state must be [B, D, K - 1] = [", batch, ", ", dim, ", ", keep,
               "] with contiguous [D, K - 1] rows, got ", conv_state.sizes(), " strides ", conv_state.strides());
-  TORCH_CHECK(conv_state.scalar_type() == weight.scalar_type() && x.scalar_type() == weight.scalar_type(),
-              "x, conv_state and weight must have one dtype, got ", x.scalar_type(), ", ", conv_state.scalar_type(),
-              ", ", weight.scalar_type());
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == weight.scalar_type() && bias->dim() == 1 && bias->size(0) == dim
-                    && bias->is_contiguous(), "bias must be a contiguous [D] tensor of weight's dtype");
-  }
+  TORCH_CHECK(conv_state.scalar_type() == weight.scalar_type(), "conv_state must have weight's dtype, got ",
+              conv_state.scalar_type());
   at::Tensor out = at::empty({batch, dim}, x.options());
-  at::Tensor new_state = at::empty({batch, dim, width - 1}, weight.options());
+  at::Tensor new_state = at::empty({batch, dim, keep}, weight.options());
   dispatch_float(x, "x", [&](auto tag) {
     using T = decltype(tag);
     const T* xp = x.const_data_ptr<T>();
@@ -180,96 +199,210 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d_update(const at::Tensor& x, con
     const T* bp = bias.has_value() ? bias->const_data_ptr<T>() : nullptr;
     T* op = out.data_ptr<T>();
     T* np = new_state.data_ptr<T>();
-    const int64_t xs = x.stride(0), ss = conv_state.stride(0), keep = width - 1;
+    const int64_t xs = x.stride(0), ss = conv_state.stride(0);
     at::parallel_for(0, batch * dim, 4096, [&](int64_t begin, int64_t end) {
+      std::vector<float> window(keep);
       for (int64_t i = begin; i < end; ++i) {
         const int64_t b = i / dim, d = i % dim;
         const T* s = sp + b * ss + d * keep;
-        const T* w = wp + d * width;
+        for (int64_t j = 0; j < keep; ++j) window[j] = static_cast<float>(s[j]);
+        const float bias_d = bp != nullptr ? static_cast<float>(bp[d]) : 0.0f;
+        op[b * dim + d] = static_cast<T>(
+            conv_output(window.data(), static_cast<float>(xp[b * xs + d]), wp + d * width, keep, bias_d, use_silu));
         T* ns = np + i * keep;
-        const float xv = static_cast<float>(xp[b * xs + d]);
-        float acc = bp != nullptr ? static_cast<float>(bp[d]) : 0.0f;
-        for (int64_t j = 0; j < keep; ++j) acc += static_cast<float>(w[j]) * static_cast<float>(s[j]);
-        acc += static_cast<float>(w[keep]) * xv;
         for (int64_t j = 0; j + 1 < keep; ++j) ns[j] = s[j + 1];
         ns[keep - 1] = xp[b * xs + d];
-        op[b * dim + d] = static_cast<T>(use_silu ? silu(acc) : acc);
       }
     });
   });
   return {out, new_state};
 }
 
+// Prefill of one sequence: conv_output over its tokens in order, blocks of channels split between threads.
+std::tuple<at::Tensor, at::Tensor> causal_conv1d_fn(const at::Tensor& x, const at::Tensor& weight,
+                                                    const std::optional<at::Tensor>& bias,
+                                                    const std::optional<at::Tensor>& conv_state, bool use_silu) {
+  check_rows(x, "x", 2);
+  check_conv_weight(x, weight, bias);
+  const int64_t length = x.size(0), dim = x.size(1), width = weight.size(1), keep = width - 1;
+  if (conv_state.has_value()) {
+    TORCH_CHECK(conv_state->dim() == 2 && conv_state->size(0) == dim && conv_state->size(1) == keep
+                    && conv_state->is_contiguous() && conv_state->scalar_type() == weight.scalar_type(),
+                "conv_state must be a contiguous [D, K - 1] = [", dim, ", ", keep, "] tensor of weight's dtype, got ",
+                conv_state->scalar_type(), " ", conv_state->sizes());
+  }
+  at::Tensor out = at::empty({length, dim}, x.options());
+  at::Tensor new_state = at::empty({dim, keep}, weight.options());
+  constexpr int64_t kChannels = 64;
+  dispatch_float(x, "x", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = x.const_data_ptr<T>();
+    const T* sp = conv_state.has_value() ? conv_state->const_data_ptr<T>() : nullptr;
+    const T* wp = weight.const_data_ptr<T>();
+    const T* bp = bias.has_value() ? bias->const_data_ptr<T>() : nullptr;
+    T* op = out.data_ptr<T>();
+    T* np = new_state.data_ptr<T>();
+    const int64_t xs = x.stride(0);
+    at::parallel_for(0, (dim + kChannels - 1) / kChannels, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> windows(kChannels * keep);
+      for (int64_t blk = begin; blk < end; ++blk) {
+        const int64_t d0 = blk * kChannels, d1 = std::min(dim, d0 + kChannels);
+        for (int64_t d = d0; d < d1; ++d) {
+          for (int64_t j = 0; j < keep; ++j) {
+            windows[(d - d0) * keep + j] = sp != nullptr ? static_cast<float>(sp[d * keep + j]) : 0.0f;
+          }
+        }
+        for (int64_t t = 0; t < length; ++t) {
+          for (int64_t d = d0; d < d1; ++d) {
+            float* window = windows.data() + (d - d0) * keep;
+            const float xv = static_cast<float>(xp[t * xs + d]);
+            const float bias_d = bp != nullptr ? static_cast<float>(bp[d]) : 0.0f;
+            op[t * dim + d] = static_cast<T>(conv_output(window, xv, wp + d * width, keep, bias_d, use_silu));
+            for (int64_t j = 0; j + 1 < keep; ++j) window[j] = window[j + 1];
+            window[keep - 1] = xv;
+          }
+        }
+        for (int64_t d = d0; d < d1; ++d) {
+          for (int64_t j = 0; j < keep; ++j) np[d * keep + j] = static_cast<T>(windows[(d - d0) * keep + j]);
+        }
+      }
+    });
+  });
+  return {out, new_state};
+}
+
+// ---------------------------------------------------------------- Mamba2 recurrence
+
+inline float ssm_step_size(float dt, const float* bias, int64_t h, bool dt_softplus, float lo, float hi) {
+  float step = dt + (bias != nullptr ? bias[h] : 0.0f);
+  if (dt_softplus) step = softplus(step);
+  return std::min(std::max(step, lo), hi);
+}
+
+// One token of one head: ns[p, n] = s[p, n] exp(step A) + step x[p] B[n], y[p] = ns[p, :] . C + D x[p]. ns may be
+// s (the prefill keeps the state in place); buf holds N floats.
+template <typename T, typename S>
+inline void ssm_head_step(const S* s, float* ns, const T* xrow, const float* Bf, const float* Cf, float step,
+                          float A, const float* D, int64_t head_dim, int64_t n_state, float* buf, T* yrow) {
+  const VecF decay = VecF::set1(std::exp(step * A));
+  for (int64_t p = 0; p < head_dim; ++p) {
+    const float xv = static_cast<float>(xrow[p]);
+    const VecF xdt = VecF::set1(xv * step);
+    const float* row = as_float(s + p * n_state, buf, n_state);
+    float* out = ns + p * n_state;
+    VecF acc = VecF::zero();
+    for_each_lane_block(n_state, [&](int64_t n, int64_t lanes) {
+      const VecF h_new = VecF::fma(VecF::load(row + n, lanes), decay, VecF::mul(xdt, VecF::load(Bf + n, lanes)));
+      h_new.store(out + n, lanes);
+      acc = VecF::fma(h_new, VecF::load(Cf + n, lanes), acc);
+    });
+    yrow[p] = static_cast<T>(acc.sum() + (D != nullptr ? *D * xv : 0.0f));
+  }
+}
+
+struct SsmArgs {
+  int64_t heads, head_dim, n_state, per_group;
+  const float *A, *D, *dt_bias;
+  bool dt_softplus;
+  float lo, hi;
+};
+
+SsmArgs check_ssm(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B,
+                  const at::Tensor& C, const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& dt_bias,
+                  int64_t n_state, bool dt_softplus, double dt_min, double dt_max) {
+  check_rows(x, "x", 3);
+  check_rows(B, "B", 3);
+  check_rows(C, "C", 3);
+  const int64_t rows = x.size(0), heads = x.size(1), groups = B.size(1);
+  TORCH_CHECK(B.sizes() == C.sizes() && B.size(0) == rows && B.size(2) == n_state && groups > 0 && heads % groups == 0,
+              "B and C must be [", rows, ", G, ", n_state, "] with G dividing the heads, got ", B.sizes(), " and ",
+              C.sizes());
+  TORCH_CHECK(B.scalar_type() == x.scalar_type() && C.scalar_type() == x.scalar_type(), "B and C must have x's dtype");
+  TORCH_CHECK(dt.scalar_type() == at::kFloat && dt.dim() == 2 && dt.size(0) == rows && dt.size(1) == heads
+                  && dt.stride(1) == 1, "dt must be a float32 [", rows, ", H] tensor with contiguous rows, got ",
+              dt.sizes());
+  return {heads, x.size(2), n_state, heads / groups, optional_param(A, "A", heads), optional_param(D, "D", heads),
+          optional_param(dt_bias, "dt_bias", heads), dt_softplus, static_cast<float>(dt_min),
+          static_cast<float>(dt_max)};
+}
+
 std::tuple<at::Tensor, at::Tensor> selective_state_update(
     const at::Tensor& state, const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B,
     const at::Tensor& C, const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& dt_bias,
     bool dt_softplus, double dt_min, double dt_max) {
-  check_rows(x, "x", 3);
-  const int64_t batch = x.size(0), heads = x.size(1), head_dim = x.size(2);
-  TORCH_CHECK(state.dim() == 4 && state.size(0) == batch && state.size(1) == heads && state.size(2) == head_dim
-                  && state.stride(3) == 1 && state.stride(2) == state.size(3) && state.stride(1) == head_dim * state.size(3),
+  TORCH_CHECK(state.dim() == 4, "state must be [B, H, P, N], got ", state.sizes());
+  const SsmArgs a = check_ssm(x, dt, A, B, C, D, dt_bias, state.size(3), dt_softplus, dt_min, dt_max);
+  const int64_t batch = x.size(0), n_state = a.n_state, head_size = a.head_dim * n_state;
+  TORCH_CHECK(state.size(0) == batch && state.size(1) == a.heads && state.size(2) == a.head_dim
+                  && state.stride(3) == 1 && state.stride(2) == n_state && state.stride(1) == head_size,
               "state must be [B, H, P, N] with contiguous [H, P, N] per sequence, got ", state.sizes(), " strides ",
               state.strides(), " for x ", x.sizes());
-  const int64_t n_state = state.size(3);
-  check_rows(B, "B", 3);
-  check_rows(C, "C", 3);
-  const int64_t groups = B.size(1);
-  TORCH_CHECK(B.sizes() == C.sizes() && B.size(0) == batch && B.size(2) == n_state && groups > 0
-                  && heads % groups == 0,
-              "B and C must be [B, G, N] with G dividing the heads, got ", B.sizes(), " and ", C.sizes());
-  TORCH_CHECK(B.scalar_type() == x.scalar_type() && C.scalar_type() == x.scalar_type(), "B and C must have x's dtype");
-  TORCH_CHECK(dt.scalar_type() == at::kFloat && dt.dim() == 2 && dt.size(0) == batch && dt.size(1) == heads
-                  && dt.stride(1) == 1, "dt must be a float32 [B, H] tensor with contiguous rows, got ", dt.sizes());
-  const float* Ap = optional_param(A, "A", heads);
-  const float* Dp = optional_param(D, "D", heads);
-  const float* biasp = optional_param(dt_bias, "dt_bias", heads);
-  at::Tensor y = at::empty({batch, heads, head_dim}, x.options());
-  at::Tensor new_state = at::empty({batch, heads, head_dim, n_state}, state.options().dtype(at::kFloat));
-  const float lo = static_cast<float>(dt_min), hi = static_cast<float>(dt_max);
-  const int64_t per_group = heads / groups;
+  at::Tensor y = at::empty({batch, a.heads, a.head_dim}, x.options());
+  at::Tensor new_state = at::empty({batch, a.heads, a.head_dim, n_state}, state.options().dtype(at::kFloat));
   dispatch_float(x, "x", [&](auto xtag) {
     dispatch_float(state, "state", [&](auto stag) {
       using T = decltype(xtag);
       using S = decltype(stag);
-      const T* xp = x.const_data_ptr<T>();
-      const T* Bp = B.const_data_ptr<T>();
-      const T* Cp = C.const_data_ptr<T>();
-      const S* sp = state.const_data_ptr<S>();
-      const float* dtp = dt.const_data_ptr<float>();
-      T* yp = y.data_ptr<T>();
-      float* np = new_state.data_ptr<float>();
-      at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
+      at::parallel_for(0, batch * a.heads, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> buf(3 * n_state);
         for (int64_t i = begin; i < end; ++i) {
-          const int64_t b = i / heads, h = i % heads, g = h / per_group;
-          float step = dtp[b * dt.stride(0) + h] + (biasp != nullptr ? biasp[h] : 0.0f);
-          if (dt_softplus) step = softplus(step);
-          step = std::min(std::max(step, lo), hi);
-          const VecF decay = VecF::set1(std::exp(step * Ap[h]));
-          const float* Bf = as_float(Bp + b * B.stride(0) + g * B.stride(1), buf.data(), n_state);
-          const float* Cf = as_float(Cp + b * C.stride(0) + g * C.stride(1), buf.data() + n_state, n_state);
-          const T* xrow = xp + b * x.stride(0) + h * x.stride(1);
-          for (int64_t p = 0; p < head_dim; ++p) {
-            const float xv = static_cast<float>(xrow[p]);
-            const VecF xdt = VecF::set1(xv * step);
-            const float* s = as_float(sp + b * state.stride(0) + (h * head_dim + p) * n_state,
-                                      buf.data() + 2 * n_state, n_state);
-            float* ns = np + (i * head_dim + p) * n_state;
-            VecF acc = VecF::zero();
-            for_each_lane_block(n_state, [&](int64_t n, int64_t lanes) {
-              const VecF h_new = VecF::fma(VecF::load(s + n, lanes), decay,
-                                           VecF::mul(xdt, VecF::load(Bf + n, lanes)));
-              h_new.store(ns + n, lanes);
-              acc = VecF::fma(h_new, VecF::load(Cf + n, lanes), acc);
-            });
-            yp[i * head_dim + p] = static_cast<T>(acc.sum() + (Dp != nullptr ? Dp[h] * xv : 0.0f));
-          }
+          const int64_t b = i / a.heads, h = i % a.heads, g = h / a.per_group;
+          const float step = ssm_step_size(dt.const_data_ptr<float>()[b * dt.stride(0) + h], a.dt_bias, h,
+                                           a.dt_softplus, a.lo, a.hi);
+          const float* Bf = as_float(B.const_data_ptr<T>() + b * B.stride(0) + g * B.stride(1), buf.data(), n_state);
+          const float* Cf = as_float(C.const_data_ptr<T>() + b * C.stride(0) + g * C.stride(1), buf.data() + n_state,
+                                     n_state);
+          ssm_head_step(state.const_data_ptr<S>() + b * state.stride(0) + h * head_size,
+                        new_state.data_ptr<float>() + i * head_size,
+                        x.const_data_ptr<T>() + b * x.stride(0) + h * x.stride(1), Bf, Cf, step, a.A[h],
+                        a.D != nullptr ? a.D + h : nullptr, a.head_dim, n_state, buf.data() + 2 * n_state,
+                        y.data_ptr<T>() + i * a.head_dim);
         }
       });
     });
   });
   return {y, new_state};
 }
+
+// Prefill of one sequence: ssm_head_step token by token, the state of each head kept in the float32 result (heads
+// split between threads).
+std::tuple<at::Tensor, at::Tensor> selective_scan(
+    const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B, const at::Tensor& C,
+    const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& dt_bias,
+    const std::optional<at::Tensor>& initial_state, bool dt_softplus, double dt_min, double dt_max) {
+  const SsmArgs a = check_ssm(x, dt, A, B, C, D, dt_bias, B.dim() == 3 ? B.size(2) : 0, dt_softplus, dt_min, dt_max);
+  const int64_t length = x.size(0), n_state = a.n_state, head_size = a.head_dim * n_state;
+  at::Tensor state = at::zeros({a.heads, a.head_dim, n_state}, x.options().dtype(at::kFloat));
+  if (initial_state.has_value()) {
+    TORCH_CHECK(initial_state->sizes() == state.sizes(), "initial_state must be [H, P, N] = ", state.sizes(),
+                ", got ", initial_state->sizes());
+    state.copy_(*initial_state);
+  }
+  at::Tensor y = at::empty({length, a.heads, a.head_dim}, x.options());
+  dispatch_float(x, "x", [&](auto xtag) {
+    using T = decltype(xtag);
+    at::parallel_for(0, a.heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> buf(3 * n_state);
+      for (int64_t h = begin; h < end; ++h) {
+        const int64_t g = h / a.per_group;
+        float* st = state.data_ptr<float>() + h * head_size;
+        for (int64_t t = 0; t < length; ++t) {
+          const float step = ssm_step_size(dt.const_data_ptr<float>()[t * dt.stride(0) + h], a.dt_bias, h,
+                                           a.dt_softplus, a.lo, a.hi);
+          const float* Bf = as_float(B.const_data_ptr<T>() + t * B.stride(0) + g * B.stride(1), buf.data(), n_state);
+          const float* Cf = as_float(C.const_data_ptr<T>() + t * C.stride(0) + g * C.stride(1),
+                                     buf.data() + n_state, n_state);
+          ssm_head_step(static_cast<const float*>(st), st, x.const_data_ptr<T>() + t * x.stride(0) + h * x.stride(1),
+                        Bf, Cf, step, a.A[h], a.D != nullptr ? a.D + h : nullptr, a.head_dim, n_state,
+                        buf.data() + 2 * n_state, y.data_ptr<T>() + (t * a.heads + h) * a.head_dim);
+        }
+      }
+    });
+  });
+  return {y, state};
+}
+
+// ---------------------------------------------------------------- gated delta rule
 
 // x * rsqrt(sum(x^2) + eps) * scale, in place (transformers' and FLA's l2norm, eps 1e-6).
 void l2_normalize(float* x, int64_t n, bool normalize, float scale) {
@@ -281,89 +414,131 @@ void l2_normalize(float* x, int64_t n, bool normalize, float scale) {
   for (int64_t i = 0; i < n; ++i) x[i] *= scale;
 }
 
+// One token of one head: S' = exp(g) S + k (beta (v - exp(g) S^T k))^T, o = S'^T q. ns may be s (the prefill
+// keeps the state in place): each row is read before it is written. buf holds 2 Dk + 5 Dv floats.
+template <typename T, typename S>
+inline void delta_head_step(const S* s, float* ns, const T* qrow, const T* krow, const T* vrow, float g, float beta,
+                            int64_t dk, int64_t dv, bool use_qk_l2norm, float* buf, T* orow) {
+  float *qf = buf, *kf = qf + dk, *vf = kf + dk, *mem = vf + dv, *delta = mem + dv, *out = delta + dv, *row = out + dv;
+  for (int64_t j = 0; j < dk; ++j) {
+    qf[j] = static_cast<float>(qrow[j]);
+    kf[j] = static_cast<float>(krow[j]);
+  }
+  for (int64_t j = 0; j < dv; ++j) vf[j] = static_cast<float>(vrow[j]);
+  l2_normalize(qf, dk, use_qk_l2norm, 1.0f / std::sqrt(static_cast<float>(dk)));
+  l2_normalize(kf, dk, use_qk_l2norm, 1.0f);
+  const VecF decay = VecF::set1(std::exp(g));
+  const VecF beta_v = VecF::set1(beta);
+  // pass 1: mem = S^T k (undecayed), then delta = beta (v - decay mem)
+  for_each_lane_block(dv, [&](int64_t c, int64_t lanes) { VecF::zero().store(mem + c, lanes); });
+  for (int64_t j = 0; j < dk; ++j) {
+    const float* srow = as_float(s + j * dv, row, dv);
+    const VecF kj = VecF::set1(kf[j]);
+    for_each_lane_block(dv, [&](int64_t c, int64_t lanes) {
+      VecF::fma(VecF::load(srow + c, lanes), kj, VecF::load(mem + c, lanes)).store(mem + c, lanes);
+    });
+  }
+  for_each_lane_block(dv, [&](int64_t c, int64_t lanes) {
+    const VecF err = VecF::sub(VecF::load(vf + c, lanes), VecF::mul(decay, VecF::load(mem + c, lanes)));
+    VecF::mul(err, beta_v).store(delta + c, lanes);
+    VecF::zero().store(out + c, lanes);
+  });
+  // pass 2: S' = decay S + k delta^T, written out, and out = S'^T q
+  for (int64_t j = 0; j < dk; ++j) {
+    const float* srow = as_float(s + j * dv, row, dv);
+    const VecF kj = VecF::set1(kf[j]), qj = VecF::set1(qf[j]);
+    for_each_lane_block(dv, [&](int64_t c, int64_t lanes) {
+      const VecF updated = VecF::fma(VecF::load(srow + c, lanes), decay, VecF::mul(kj, VecF::load(delta + c, lanes)));
+      updated.store(ns + j * dv + c, lanes);
+      VecF::fma(updated, qj, VecF::load(out + c, lanes)).store(out + c, lanes);
+    });
+  }
+  for (int64_t c = 0; c < dv; ++c) orow[c] = static_cast<T>(out[c]);
+}
+
+void check_delta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                 const at::Tensor& beta) {
+  check_rows(q, "q", 3);
+  check_rows(k, "k", 3);
+  check_rows(v, "v", 3);
+  TORCH_CHECK(k.sizes() == q.sizes() && v.size(0) == q.size(0) && v.size(1) == q.size(1),
+              "q, k must be [B, H, Dk] and v [B, H, Dv], got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "q, k, v must have one dtype");
+  for (const auto* t : {&g, &beta}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == q.size(0) && t->size(1) == q.size(1)
+                    && t->stride(1) == 1, "g and beta must be float32 [", q.size(0), ", H] tensors with contiguous "
+                "rows, got ", t->scalar_type(), " ", t->sizes());
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor> gated_delta_rule_update(const at::Tensor& state, const at::Tensor& q,
                                                            const at::Tensor& k, const at::Tensor& v,
                                                            const at::Tensor& g, const at::Tensor& beta,
                                                            bool use_qk_l2norm) {
-  check_rows(q, "q", 3);
-  check_rows(k, "k", 3);
-  check_rows(v, "v", 3);
+  check_delta(q, k, v, g, beta);
   const int64_t batch = q.size(0), heads = q.size(1), dk = q.size(2), dv = v.size(2);
-  TORCH_CHECK(k.sizes() == q.sizes() && v.size(0) == batch && v.size(1) == heads,
-              "q, k must be [B, H, Dk] and v [B, H, Dv], got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "q, k, v must have one dtype");
   TORCH_CHECK(state.dim() == 4 && state.size(0) == batch && state.size(1) == heads && state.size(2) == dk
                   && state.size(3) == dv && state.stride(3) == 1 && state.stride(2) == dv && state.stride(1) == dk * dv,
               "state must be [B, H, Dk, Dv] with contiguous [H, Dk, Dv] per sequence, got ", state.sizes(),
               " strides ", state.strides());
-  for (const auto* t : {&g, &beta}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == batch && t->size(1) == heads
-                    && t->stride(1) == 1, "g and beta must be float32 [B, H] tensors with contiguous rows, got ",
-                t->scalar_type(), " ", t->sizes());
-  }
   at::Tensor o = at::empty({batch, heads, dv}, v.options());
   at::Tensor new_state = at::empty({batch, heads, dk, dv}, state.options().dtype(at::kFloat));
-  const float q_scale = 1.0f / std::sqrt(static_cast<float>(dk));
   dispatch_float(v, "v", [&](auto xtag) {
     dispatch_float(state, "state", [&](auto stag) {
       using T = decltype(xtag);
       using S = decltype(stag);
-      const S* sp = state.const_data_ptr<S>();
-      float* np = new_state.data_ptr<float>();
-      T* op = o.data_ptr<T>();
       at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
-        // qf, kf [Dk]; vf, mem, delta, out, state row [Dv]
         std::vector<float> buf(2 * dk + 5 * dv);
-        float *qf = buf.data(), *kf = qf + dk, *vf = kf + dk, *mem = vf + dv, *delta = mem + dv, *out = delta + dv,
-              *row = out + dv;
         for (int64_t i = begin; i < end; ++i) {
           const int64_t b = i / heads, h = i % heads;
-          const T* qrow = q.const_data_ptr<T>() + b * q.stride(0) + h * q.stride(1);
-          const T* krow = k.const_data_ptr<T>() + b * k.stride(0) + h * k.stride(1);
-          const T* vrow = v.const_data_ptr<T>() + b * v.stride(0) + h * v.stride(1);
-          for (int64_t j = 0; j < dk; ++j) {
-            qf[j] = static_cast<float>(qrow[j]);
-            kf[j] = static_cast<float>(krow[j]);
-          }
-          for (int64_t j = 0; j < dv; ++j) vf[j] = static_cast<float>(vrow[j]);
-          l2_normalize(qf, dk, use_qk_l2norm, q_scale);
-          l2_normalize(kf, dk, use_qk_l2norm, 1.0f);
-          const float decay = std::exp(g.const_data_ptr<float>()[b * g.stride(0) + h]);
-          const VecF beta_v = VecF::set1(beta.const_data_ptr<float>()[b * beta.stride(0) + h]);
-          const VecF decay_v = VecF::set1(decay);
-          const S* s = sp + b * state.stride(0) + h * dk * dv;
-          float* ns = np + i * dk * dv;
-          // pass 1: mem = S^T k (undecayed), then delta = beta (v - decay mem)
-          for_each_lane_block(dv, [&](int64_t c, int64_t lanes) { VecF::zero().store(mem + c, lanes); });
-          for (int64_t j = 0; j < dk; ++j) {
-            const float* srow = as_float(s + j * dv, row, dv);
-            const VecF kj = VecF::set1(kf[j]);
-            for_each_lane_block(dv, [&](int64_t c, int64_t lanes) {
-              VecF::fma(VecF::load(srow + c, lanes), kj, VecF::load(mem + c, lanes)).store(mem + c, lanes);
-            });
-          }
-          for_each_lane_block(dv, [&](int64_t c, int64_t lanes) {
-            const VecF err = VecF::sub(VecF::load(vf + c, lanes), VecF::mul(decay_v, VecF::load(mem + c, lanes)));
-            VecF::mul(err, beta_v).store(delta + c, lanes);
-            VecF::zero().store(out + c, lanes);
-          });
-          // pass 2: S' = decay S + k delta^T, written out, and out = S'^T q
-          for (int64_t j = 0; j < dk; ++j) {
-            const float* srow = as_float(s + j * dv, row, dv);
-            const VecF kj = VecF::set1(kf[j]), qj = VecF::set1(qf[j]);
-            for_each_lane_block(dv, [&](int64_t c, int64_t lanes) {
-              const VecF updated = VecF::fma(VecF::load(srow + c, lanes), decay_v,
-                                             VecF::mul(kj, VecF::load(delta + c, lanes)));
-              updated.store(ns + j * dv + c, lanes);
-              VecF::fma(updated, qj, VecF::load(out + c, lanes)).store(out + c, lanes);
-            });
-          }
-          for (int64_t c = 0; c < dv; ++c) op[i * dv + c] = static_cast<T>(out[c]);
+          delta_head_step(state.const_data_ptr<S>() + b * state.stride(0) + h * dk * dv,
+                          new_state.data_ptr<float>() + i * dk * dv,
+                          q.const_data_ptr<T>() + b * q.stride(0) + h * q.stride(1),
+                          k.const_data_ptr<T>() + b * k.stride(0) + h * k.stride(1),
+                          v.const_data_ptr<T>() + b * v.stride(0) + h * v.stride(1),
+                          g.const_data_ptr<float>()[b * g.stride(0) + h],
+                          beta.const_data_ptr<float>()[b * beta.stride(0) + h], dk, dv, use_qk_l2norm, buf.data(),
+                          o.data_ptr<T>() + i * dv);
         }
       });
     });
   });
   return {o, new_state};
+}
+
+// Prefill of one sequence: delta_head_step token by token, the state of each head kept in the float32 result
+// (heads split between threads).
+std::tuple<at::Tensor, at::Tensor> gated_delta_rule_scan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                         const at::Tensor& g, const at::Tensor& beta,
+                                                         const std::optional<at::Tensor>& initial_state,
+                                                         bool use_qk_l2norm) {
+  check_delta(q, k, v, g, beta);
+  const int64_t length = q.size(0), heads = q.size(1), dk = q.size(2), dv = v.size(2);
+  at::Tensor state = at::zeros({heads, dk, dv}, v.options().dtype(at::kFloat));
+  if (initial_state.has_value()) {
+    TORCH_CHECK(initial_state->sizes() == state.sizes(), "initial_state must be [H, Dk, Dv] = ", state.sizes(),
+                ", got ", initial_state->sizes());
+    state.copy_(*initial_state);
+  }
+  at::Tensor o = at::empty({length, heads, dv}, v.options());
+  dispatch_float(v, "v", [&](auto xtag) {
+    using T = decltype(xtag);
+    at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> buf(2 * dk + 5 * dv);
+      for (int64_t h = begin; h < end; ++h) {
+        float* st = state.data_ptr<float>() + h * dk * dv;
+        for (int64_t t = 0; t < length; ++t) {
+          delta_head_step(static_cast<const float*>(st), st, q.const_data_ptr<T>() + t * q.stride(0) + h * q.stride(1),
+                          k.const_data_ptr<T>() + t * k.stride(0) + h * k.stride(1),
+                          v.const_data_ptr<T>() + t * v.stride(0) + h * v.stride(1),
+                          g.const_data_ptr<float>()[t * g.stride(0) + h],
+                          beta.const_data_ptr<float>()[t * beta.stride(0) + h], dk, dv, use_qk_l2norm, buf.data(),
+                          o.data_ptr<T>() + (t * heads + h) * dv);
+        }
+      }
+    });
+  });
+  return {o, state};
 }
 
 // Same form as dense_gemm_isa(): the instruction set this file's build flags chose.
@@ -386,6 +561,11 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
         " Tensor? dt_bias, bool dt_softplus, float dt_min, float dt_max) -> (Tensor, Tensor)");
   m.def("gated_delta_rule_update(Tensor state, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta,"
         " bool use_qk_l2norm) -> (Tensor, Tensor)");
+  m.def("causal_conv1d_fn(Tensor x, Tensor weight, Tensor? bias, Tensor? conv_state, bool silu) -> (Tensor, Tensor)");
+  m.def("selective_scan(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? dt_bias,"
+        " Tensor? initial_state, bool dt_softplus, float dt_min, float dt_max) -> (Tensor, Tensor)");
+  m.def("gated_delta_rule_scan(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? initial_state,"
+        " bool use_qk_l2norm) -> (Tensor, Tensor)");
   m.def("state_update_isa() -> str", &state_update_isa);
 }
 
@@ -393,4 +573,7 @@ TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
   m.impl("causal_conv1d_update", &causal_conv1d_update);
   m.impl("selective_state_update", &selective_state_update);
   m.impl("gated_delta_rule_update", &gated_delta_rule_update);
+  m.impl("causal_conv1d_fn", &causal_conv1d_fn);
+  m.impl("selective_scan", &selective_scan);
+  m.impl("gated_delta_rule_scan", &gated_delta_rule_scan);
 }
