@@ -155,15 +155,44 @@ inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x));
 
 // ---------------------------------------------------------------- causal conv1d
 //
-// Channel d's output for one token: bias, then the window [the K - 1 inputs before it, its input] times the
-// channel's kernel, in that order; the decode step and the prefill share it, so a prompt gives the same bits as
-// its tokens decoded one at a time.
+// Channels go in blocks of kChannels, across register lanes: the weights are transposed to [K, D] floats once per
+// call, the window of each block to K - 1 rows of kChannels floats (oldest first). conv_block computes one token's
+// outputs of a block; the decode step and the prefill both use it, so a prompt gives the same bits as its tokens
+// decoded one at a time.
+
+constexpr int64_t kChannels = 64;
+
+struct ConvWeights {
+  std::vector<float> w;  // [K, D]
+  std::vector<float> bias;  // [D], zeros without a bias
+};
+
 template <typename T>
-inline float conv_output(const float* window, float xv, const T* w, int64_t keep, float bias, bool use_silu) {
-  float acc = bias;
-  for (int64_t j = 0; j < keep; ++j) acc += static_cast<float>(w[j]) * window[j];
-  acc += static_cast<float>(w[keep]) * xv;
-  return use_silu ? silu(acc) : acc;
+ConvWeights transpose_weights(const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  const int64_t dim = weight.size(0), width = weight.size(1);
+  ConvWeights out{std::vector<float>(width * dim), std::vector<float>(dim, 0.0f)};
+  const T* wp = weight.const_data_ptr<T>();
+  for (int64_t d = 0; d < dim; ++d) {
+    for (int64_t j = 0; j < width; ++j) out.w[j * dim + d] = static_cast<float>(wp[d * width + j]);
+  }
+  if (bias.has_value()) {
+    const T* bp = bias->const_data_ptr<T>();
+    for (int64_t d = 0; d < dim; ++d) out.bias[d] = static_cast<float>(bp[d]);
+  }
+  return out;
+}
+
+// out[c] = bias[c] + sum_j w[j, c] rows[j][c] + w[K - 1, c] x[c] for the n channels of a block (SiLU optional);
+// w and bias point at the block's first channel, w's rows are dim apart.
+template <typename T>
+inline void conv_block(const float* const* rows, const float* x, const float* w, const float* bias, int64_t dim,
+                       int64_t keep, int64_t n, bool use_silu, float* acc_buf, T* out) {
+  for_each_lane_block(n, [&](int64_t c, int64_t lanes) {
+    VecF acc = VecF::load(bias + c, lanes);
+    for (int64_t j = 0; j < keep; ++j) acc = VecF::fma(VecF::load(w + j * dim + c, lanes), VecF::load(rows[j] + c, lanes), acc);
+    VecF::fma(VecF::load(w + keep * dim + c, lanes), VecF::load(x + c, lanes), acc).store(acc_buf + c, lanes);
+  });
+  for (int64_t c = 0; c < n; ++c) out[c] = static_cast<T>(use_silu ? silu(acc_buf[c]) : acc_buf[c]);
 }
 
 void check_conv_weight(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
@@ -191,34 +220,41 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d_update(const at::Tensor& x, con
               conv_state.scalar_type());
   at::Tensor out = at::empty({batch, dim}, x.options());
   at::Tensor new_state = at::empty({batch, dim, keep}, weight.options());
+  const int64_t blocks = (dim + kChannels - 1) / kChannels;
   dispatch_float(x, "x", [&](auto tag) {
     using T = decltype(tag);
+    const ConvWeights cw = transpose_weights<T>(weight, bias);
     const T* xp = x.const_data_ptr<T>();
     const T* sp = conv_state.const_data_ptr<T>();
-    const T* wp = weight.const_data_ptr<T>();
-    const T* bp = bias.has_value() ? bias->const_data_ptr<T>() : nullptr;
     T* op = out.data_ptr<T>();
     T* np = new_state.data_ptr<T>();
-    const int64_t xs = x.stride(0), ss = conv_state.stride(0);
-    at::parallel_for(0, batch * dim, 4096, [&](int64_t begin, int64_t end) {
-      std::vector<float> window(keep);
+    at::parallel_for(0, batch * blocks, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> window(keep * kChannels), xr(kChannels), acc(kChannels);
+      std::vector<const float*> rows(keep);
+      for (int64_t j = 0; j < keep; ++j) rows[j] = window.data() + j * kChannels;
       for (int64_t i = begin; i < end; ++i) {
-        const int64_t b = i / dim, d = i % dim;
-        const T* s = sp + b * ss + d * keep;
-        for (int64_t j = 0; j < keep; ++j) window[j] = static_cast<float>(s[j]);
-        const float bias_d = bp != nullptr ? static_cast<float>(bp[d]) : 0.0f;
-        op[b * dim + d] = static_cast<T>(
-            conv_output(window.data(), static_cast<float>(xp[b * xs + d]), wp + d * width, keep, bias_d, use_silu));
-        T* ns = np + i * keep;
-        for (int64_t j = 0; j + 1 < keep; ++j) ns[j] = s[j + 1];
-        ns[keep - 1] = xp[b * xs + d];
+        const int64_t b = i / blocks, d0 = (i % blocks) * kChannels, n = std::min(kChannels, dim - d0);
+        const T* s = sp + b * conv_state.stride(0) + d0 * keep;
+        const T* xb = xp + b * x.stride(0) + d0;
+        for (int64_t c = 0; c < n; ++c) {
+          for (int64_t j = 0; j < keep; ++j) window[j * kChannels + c] = static_cast<float>(s[c * keep + j]);
+          xr[c] = static_cast<float>(xb[c]);
+        }
+        conv_block(rows.data(), xr.data(), cw.w.data() + d0, cw.bias.data() + d0, dim, keep, n, use_silu, acc.data(),
+                   op + b * dim + d0);
+        T* ns = np + (b * dim + d0) * keep;
+        for (int64_t c = 0; c < n; ++c) {
+          for (int64_t j = 0; j + 1 < keep; ++j) ns[c * keep + j] = s[c * keep + j + 1];
+          ns[c * keep + keep - 1] = xb[c];
+        }
       }
     });
   });
   return {out, new_state};
 }
 
-// Prefill of one sequence: conv_output over its tokens in order, blocks of channels split between threads.
+// Prefill of one sequence: conv_block over its tokens in order, the window of each block of channels a ring of
+// K - 1 rows (blocks split between threads).
 std::tuple<at::Tensor, at::Tensor> causal_conv1d_fn(const at::Tensor& x, const at::Tensor& weight,
                                                     const std::optional<at::Tensor>& bias,
                                                     const std::optional<at::Tensor>& conv_state, bool use_silu) {
@@ -233,37 +269,37 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d_fn(const at::Tensor& x, const a
   }
   at::Tensor out = at::empty({length, dim}, x.options());
   at::Tensor new_state = at::empty({dim, keep}, weight.options());
-  constexpr int64_t kChannels = 64;
   dispatch_float(x, "x", [&](auto tag) {
     using T = decltype(tag);
+    const ConvWeights cw = transpose_weights<T>(weight, bias);
     const T* xp = x.const_data_ptr<T>();
     const T* sp = conv_state.has_value() ? conv_state->const_data_ptr<T>() : nullptr;
-    const T* wp = weight.const_data_ptr<T>();
-    const T* bp = bias.has_value() ? bias->const_data_ptr<T>() : nullptr;
     T* op = out.data_ptr<T>();
     T* np = new_state.data_ptr<T>();
-    const int64_t xs = x.stride(0);
     at::parallel_for(0, (dim + kChannels - 1) / kChannels, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> windows(kChannels * keep);
+      std::vector<float> ring(keep * kChannels), acc(kChannels), xr(kChannels);
+      std::vector<const float*> rows(keep);
       for (int64_t blk = begin; blk < end; ++blk) {
-        const int64_t d0 = blk * kChannels, d1 = std::min(dim, d0 + kChannels);
-        for (int64_t d = d0; d < d1; ++d) {
+        const int64_t d0 = blk * kChannels, n = std::min(kChannels, dim - d0);
+        for (int64_t c = 0; c < n; ++c) {
           for (int64_t j = 0; j < keep; ++j) {
-            windows[(d - d0) * keep + j] = sp != nullptr ? static_cast<float>(sp[d * keep + j]) : 0.0f;
+            ring[j * kChannels + c] = sp != nullptr ? static_cast<float>(sp[(d0 + c) * keep + j]) : 0.0f;
           }
         }
+        int64_t oldest = 0;  // ring row holding the oldest input of the window
         for (int64_t t = 0; t < length; ++t) {
-          for (int64_t d = d0; d < d1; ++d) {
-            float* window = windows.data() + (d - d0) * keep;
-            const float xv = static_cast<float>(xp[t * xs + d]);
-            const float bias_d = bp != nullptr ? static_cast<float>(bp[d]) : 0.0f;
-            op[t * dim + d] = static_cast<T>(conv_output(window, xv, wp + d * width, keep, bias_d, use_silu));
-            for (int64_t j = 0; j + 1 < keep; ++j) window[j] = window[j + 1];
-            window[keep - 1] = xv;
-          }
+          const T* xt = xp + t * x.stride(0) + d0;
+          for (int64_t c = 0; c < n; ++c) xr[c] = static_cast<float>(xt[c]);
+          for (int64_t j = 0; j < keep; ++j) rows[j] = ring.data() + ((oldest + j) % keep) * kChannels;
+          conv_block(rows.data(), xr.data(), cw.w.data() + d0, cw.bias.data() + d0, dim, keep, n, use_silu,
+                     acc.data(), op + t * dim + d0);
+          std::copy(xr.begin(), xr.begin() + n, ring.begin() + oldest * kChannels);
+          oldest = (oldest + 1) % keep;
         }
-        for (int64_t d = d0; d < d1; ++d) {
-          for (int64_t j = 0; j < keep; ++j) np[d * keep + j] = static_cast<T>(windows[(d - d0) * keep + j]);
+        for (int64_t c = 0; c < n; ++c) {
+          for (int64_t j = 0; j < keep; ++j) {
+            np[(d0 + c) * keep + j] = static_cast<T>(ring[((oldest + j) % keep) * kChannels + c]);
+          }
         }
       }
     });
