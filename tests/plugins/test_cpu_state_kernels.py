@@ -40,8 +40,10 @@ def test_causal_conv1d_update_matches_the_fp64_reference(dtype, bias, silu):
     out, new = state_ops.causal_conv1d_update(x, state, w, b, silu)
     want, mag, want_state = ref_conv_update(x.double(), state.double(), w.double(), None if b is None else b.double(),
                                             silu)
-    # width + 1 roundings in the sum (silu's slope is below 1.1), silu itself: exp, add, divide
-    bound = 1.1 * (width + 1) * U32 * mag + 4 * U32 * want.abs()
+    # width + 1 roundings in the sum (silu's slope is below 1.1); silu itself: exp within 10 units (the vector
+    # builds' range-reduced polynomial: 6 Horner roundings, truncation under 2, the reduction and the scaling 1
+    # each; glibc's within 2), then an add and a divide
+    bound = 1.1 * (width + 1) * U32 * mag + 12 * U32 * want.abs()
     assert out.dtype == dtype and new.dtype == dtype
     assert_within(out, want, output_bound(want, bound, dtype), "out")
     assert torch.equal(new.double(), want_state)

@@ -10,7 +10,7 @@ portable ``*_native`` methods. Results agree with the portable versions to float
 another order (register-wide partial sums; the portable prefill is chunked), the states are float32 either way.
 
 Why: the portable decode step is a chain of eager torch ops (each a pass over the state with its own temporary);
-see docs/benchmarks.md, "State-layer decode kernels" (``python benchmarks/state_update_kernels.py``).
+see docs/benchmarks.md, "State-layer kernels" (``python benchmarks/state_update_kernels.py``).
 """
 
 from __future__ import annotations

@@ -1,15 +1,18 @@
-// One decode step of the state layers (Mamba2 and gated DeltaNet), one token per sequence of the batch:
+// The state layers (Mamba2 and gated DeltaNet): one decode step, one token per sequence of the batch, and the
+// prefill of one sequence, which runs the same per-token step in order (same bits as decoding it token by token):
 //
-// - causal_conv1d_update: the depthwise causal conv over each sequence's last K - 1 inputs and its new one;
-// - selective_state_update: Mamba2's recurrence h' = exp(dt A) h + dt x B^T, y = h' C + D x (per head);
-// - gated_delta_rule_update: S' = exp(g) S + k (beta (v - exp(g) S^T k))^T, o = S'^T q (per head).
+// - causal_conv1d_update / causal_conv1d_fn: the depthwise causal conv over the last K - 1 inputs and the new one;
+// - selective_state_update / selective_scan: Mamba2's recurrence h' = exp(dt A) h + dt x B^T, y = h' C + D x;
+// - gated_delta_rule_update / gated_delta_rule_scan: S' = exp(g) S + k (beta (v - exp(g) S^T k))^T, o = S'^T q.
 //
 // The definitions and argument conventions are those of tokenmill.layers.mamba.ops (the portable torch versions);
 // tokenmill_cpu.state_ops documents the Python entry points. Why C++: a decode step of these ops is a few small
 // products per head whose data (the state) is read and written once; torch runs each as a chain of eager ops,
 // every one a pass over the state with its own temporary, and most of the time goes to per-op overhead at the
 // batch sizes of a decode step. Here each (sequence, head) pair is one pass over its state row by row, the
-// arithmetic in float32 registers (AVX-512, AVX2/FMA, or plain C++ loops, per the build's instruction set).
+// arithmetic in float32 registers (AVX-512, AVX2/FMA, or plain C++ loops, per the build's instruction set). The
+// prefill keeps each head's state in cache while it walks the prompt, where the portable chunked forms run many
+// small products and a triangular solve per chunk (docs/benchmarks.md, "State-layer kernels").
 //
 // States are read in float32, bfloat16 or float16 and the new states written as float32 (what the torch versions
 // return); activations are float32, bfloat16 or float16, widened on load, outputs in the input's dtype.
@@ -60,6 +63,15 @@ struct VecF {
   static VecF fma(VecF a, VecF b, VecF c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }  // a * b + c
   static VecF mul(VecF a, VecF b) { return {_mm512_mul_ps(a.v, b.v)}; }
   static VecF sub(VecF a, VecF b) { return {_mm512_sub_ps(a.v, b.v)}; }
+  static VecF add(VecF a, VecF b) { return {_mm512_add_ps(a.v, b.v)}; }
+  static VecF div(VecF a, VecF b) { return {_mm512_div_ps(a.v, b.v)}; }
+  static VecF min(VecF a, VecF b) { return {_mm512_min_ps(a.v, b.v)}; }
+  static VecF max(VecF a, VecF b) { return {_mm512_max_ps(a.v, b.v)}; }
+  static VecF round(VecF a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+  static VecF pow2(VecF n) {  // 2^n for integral n in [-126, 127]
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n.v), _mm512_set1_epi32(127)), 23);
+    return {_mm512_castsi512_ps(bits)};
+  }
   float sum() const { return _mm512_reduce_add_ps(v); }
 };
 #elif defined(TOKENMILL_STATE_AVX2)
@@ -84,6 +96,15 @@ struct VecF {
   static VecF fma(VecF a, VecF b, VecF c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
   static VecF mul(VecF a, VecF b) { return {_mm256_mul_ps(a.v, b.v)}; }
   static VecF sub(VecF a, VecF b) { return {_mm256_sub_ps(a.v, b.v)}; }
+  static VecF add(VecF a, VecF b) { return {_mm256_add_ps(a.v, b.v)}; }
+  static VecF div(VecF a, VecF b) { return {_mm256_div_ps(a.v, b.v)}; }
+  static VecF min(VecF a, VecF b) { return {_mm256_min_ps(a.v, b.v)}; }
+  static VecF max(VecF a, VecF b) { return {_mm256_max_ps(a.v, b.v)}; }
+  static VecF round(VecF a) { return {_mm256_round_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+  static VecF pow2(VecF n) {  // 2^n for integral n in [-126, 127]
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n.v), _mm256_set1_epi32(127)), 23);
+    return {_mm256_castsi256_ps(bits)};
+  }
   float sum() const {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -102,9 +123,29 @@ struct VecF {
   static VecF fma(VecF a, VecF b, VecF c) { return {a.v * b.v + c.v}; }
   static VecF mul(VecF a, VecF b) { return {a.v * b.v}; }
   static VecF sub(VecF a, VecF b) { return {a.v - b.v}; }
+  static VecF add(VecF a, VecF b) { return {a.v + b.v}; }
+  static VecF div(VecF a, VecF b) { return {a.v / b.v}; }
   float sum() const { return v; }
 };
 #endif
+
+// SiLU, x / (1 + exp(-x)), over a register. The vector builds evaluate exp as 2^n e^r (n = round(x / ln 2),
+// |r| <= ln 2 / 2, ln 2 in two parts so that r is exact) with e^r's Taylor polynomial of degree 6 (truncation below
+// 1e-7 relative): within a few units of float32 rounding, like glibc's expf, at register width where expf is one
+// call per lane.
+inline VecF silu(VecF x) {
+#if defined(TOKENMILL_STATE_AVX512) || defined(TOKENMILL_STATE_AVX2)
+  const VecF t = VecF::min(VecF::max(VecF::sub(VecF::zero(), x), VecF::set1(-87.0f)), VecF::set1(88.0f));
+  const VecF n = VecF::round(VecF::mul(t, VecF::set1(1.44269504088896341f)));
+  VecF r = VecF::fma(n, VecF::set1(-0.693145751953125f), t);
+  r = VecF::fma(n, VecF::set1(-1.428606765330187e-06f), r);
+  VecF p = VecF::set1(1.0f / 720.0f);
+  for (const float c : {1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f}) p = VecF::fma(p, r, VecF::set1(c));
+  return VecF::div(x, VecF::add(VecF::set1(1.0f), VecF::mul(p, VecF::pow2(n))));
+#else
+  return {x.v / (1.0f + std::exp(-x.v))};
+#endif
+}
 
 constexpr int64_t W = VecF::kWidth;
 
@@ -148,8 +189,6 @@ const float* optional_param(const std::optional<at::Tensor>& t, const char* name
   return t->const_data_ptr<float>();
 }
 
-inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
-
 // torch.nn.functional.softplus with its defaults (beta 1, linear above 20).
 inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
 
@@ -190,9 +229,10 @@ inline void conv_block(const float* const* rows, const float* x, const float* w,
   for_each_lane_block(n, [&](int64_t c, int64_t lanes) {
     VecF acc = VecF::load(bias + c, lanes);
     for (int64_t j = 0; j < keep; ++j) acc = VecF::fma(VecF::load(w + j * dim + c, lanes), VecF::load(rows[j] + c, lanes), acc);
-    VecF::fma(VecF::load(w + keep * dim + c, lanes), VecF::load(x + c, lanes), acc).store(acc_buf + c, lanes);
+    acc = VecF::fma(VecF::load(w + keep * dim + c, lanes), VecF::load(x + c, lanes), acc);
+    (use_silu ? silu(acc) : acc).store(acc_buf + c, lanes);
   });
-  for (int64_t c = 0; c < n; ++c) out[c] = static_cast<T>(use_silu ? silu(acc_buf[c]) : acc_buf[c]);
+  for (int64_t c = 0; c < n; ++c) out[c] = static_cast<T>(acc_buf[c]);
 }
 
 void check_conv_weight(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
