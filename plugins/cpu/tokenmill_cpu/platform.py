@@ -74,7 +74,8 @@ class CpuPlatform(Platform):
     @classmethod
     def kernel_info(cls) -> dict[str, str]:
         """torch's CPU capability (its own vectorized ops, ``ATEN_CPU_CAPABILITY``), the dense matmul library,
-        and this plugin's kernels with the code path each runs (``tokenmill_cpu.kernels.isa``)."""
+        and this plugin's kernels (decode attention, quantized matmuls, the state layers' ops) with the code path
+        each runs (``tokenmill_cpu.kernels.isa``)."""
         import torch
 
         from tokenmill_cpu import dense_linear, kernels
@@ -87,9 +88,11 @@ class CpuPlatform(Platform):
         if kernels.ready():
             info["decode_attention"] = f"tokenmill_cpu.paged_decode ({isa['paged_decode']})"
             info["quantized_matmul"] = f"tokenmill_cpu.q4_linear/q8_linear ({isa['quant_linear']})"
+            info["state_layers"] = f"tokenmill_cpu.state_ops ({isa['state_update']})"
         else:
             info["decode_attention"] = "torch (tokenmill-cpu kernels not loaded)"
             info["quantized_matmul"] = "torch packed int8/int4 ops"
+            info["state_layers"] = "torch (tokenmill-cpu kernels not loaded)"
         return info
 
     @classmethod
