@@ -89,7 +89,8 @@ def test_selective_state_update_matches_the_fp64_reference(dtype, n, options):
 def test_gated_delta_rule_update_matches_the_fp64_reference(dtype, dk, dv, l2):
     gen = torch.Generator().manual_seed(dk + dv)
     batch, heads = 2, 3
-    q, k = torch.randn(batch, heads, dk, generator=gen).to(dtype), torch.randn(batch, heads, dk, generator=gen).to(dtype)
+    q = torch.randn(batch, heads, dk, generator=gen).to(dtype)
+    k = torch.randn(batch, heads, dk, generator=gen).to(dtype)
     v = torch.randn(batch, heads * dv + 4, generator=gen).to(dtype)[:, 4:].reshape(batch, heads, dv)
     state = (torch.randn(batch, heads, dk, dv, generator=gen) * 0.3).to(dtype)
     g, beta = -torch.rand(batch, heads, generator=gen), torch.rand(batch, heads, generator=gen)

@@ -101,7 +101,8 @@ def test_selective_state_update_without_softplus_keeps_negative_steps():
 def test_gated_delta_rule_update_matches_the_fp64_reference(dtype, dk, dv, l2):
     gen = _gen(dk * 100 + dv)
     batch, heads = 2, 3
-    q, k = torch.randn(batch, heads, dk, generator=gen).to(dtype), torch.randn(batch, heads, dk, generator=gen).to(dtype)
+    q = torch.randn(batch, heads, dk, generator=gen).to(dtype)
+    k = torch.randn(batch, heads, dk, generator=gen).to(dtype)
     v = torch.randn(batch, heads * dv + 4, generator=gen).to(dtype)[:, 4:].reshape(batch, heads, dv)  # strided rows
     state = (torch.randn(batch, heads, dk, dv, generator=gen) * 0.3).to(dtype)
     g = -torch.rand(batch, heads, generator=gen)
@@ -228,8 +229,9 @@ def test_the_kernels_reject_bad_layouts_with_a_clear_error():
                                          torch.zeros(3), torch.zeros(1, 2, 4), torch.zeros(1, 2, 4), None, None, True,
                                          0.0, float("inf"))
     with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
-        state_ops.causal_conv1d_update(torch.zeros(2, 6, dtype=torch.float64), torch.zeros(2, 6, 3, dtype=torch.float64),
-                                       torch.zeros(6, 4, dtype=torch.float64), None, True)
+        f64 = torch.float64
+        state_ops.causal_conv1d_update(torch.zeros(2, 6, dtype=f64), torch.zeros(2, 6, 3, dtype=f64),
+                                       torch.zeros(6, 4, dtype=f64), None, True)
 
 
 def test_the_classes_pass_the_conformance_kits_state_op_cases():

@@ -165,7 +165,8 @@ class CpuMambaSSD(_StartsKernelBuild, MambaSSD):
 
 
 class CpuGatedDeltaRule(_StartsKernelBuild, GatedDeltaRule):
-    """``gated_delta_rule`` in C++ (:func:`gated_delta_rule_update`, ``torch.ops.tokenmill_cpu.gated_delta_rule_scan``)."""
+    """``gated_delta_rule`` in C++ (:func:`gated_delta_rule_update`,
+    ``torch.ops.tokenmill_cpu.gated_delta_rule_scan``)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 initial_state: torch.Tensor | None = None, use_qk_l2norm: bool = True

@@ -228,7 +228,9 @@ inline void conv_block(const float* const* rows, const float* x, const float* w,
                        int64_t keep, int64_t n, bool use_silu, float* acc_buf, T* out) {
   for_each_lane_block(n, [&](int64_t c, int64_t lanes) {
     VecF acc = VecF::load(bias + c, lanes);
-    for (int64_t j = 0; j < keep; ++j) acc = VecF::fma(VecF::load(w + j * dim + c, lanes), VecF::load(rows[j] + c, lanes), acc);
+    for (int64_t j = 0; j < keep; ++j) {
+      acc = VecF::fma(VecF::load(w + j * dim + c, lanes), VecF::load(rows[j] + c, lanes), acc);
+    }
     acc = VecF::fma(VecF::load(w + keep * dim + c, lanes), VecF::load(x + c, lanes), acc);
     (use_silu ? silu(acc) : acc).store(acc_buf + c, lanes);
   });
