@@ -149,6 +149,11 @@ inline VecF silu(VecF x) {
 
 constexpr int64_t W = VecF::kWidth;
 
+// Work items per thread chunk for items of `elements` state or channel elements each: at least ATen's grain (32,768
+// elements), so a small decode step runs on the calling thread. Waking the thread pool for a few microseconds of
+// work cost whole scheduler time slices on a loaded machine (2-thread runs of benchmarks/state_update_kernels.py).
+inline int64_t grain(int64_t elements) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, elements)); }
+
 // Calls f(i, n) over [0, len) in register-wide steps, n = lanes of the step (kWidth, or fewer at the tail).
 template <typename F>
 inline void for_each_lane_block(int64_t len, F&& f) {
@@ -270,7 +275,7 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d_update(const at::Tensor& x, con
     const T* sp = conv_state.const_data_ptr<T>();
     T* op = out.data_ptr<T>();
     T* np = new_state.data_ptr<T>();
-    at::parallel_for(0, batch * blocks, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, batch * blocks, grain(kChannels * width), [&](int64_t begin, int64_t end) {
       std::vector<float> window(keep * kChannels), xr(kChannels), acc(kChannels);
       std::vector<const float*> rows(keep);
       for (int64_t j = 0; j < keep; ++j) rows[j] = window.data() + j * kChannels;
@@ -318,7 +323,8 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d_fn(const at::Tensor& x, const a
     const T* sp = conv_state.has_value() ? conv_state->const_data_ptr<T>() : nullptr;
     T* op = out.data_ptr<T>();
     T* np = new_state.data_ptr<T>();
-    at::parallel_for(0, (dim + kChannels - 1) / kChannels, 1, [&](int64_t begin, int64_t end) {
+    const int64_t blocks = (dim + kChannels - 1) / kChannels;
+    at::parallel_for(0, blocks, grain(kChannels * width * length), [&](int64_t begin, int64_t end) {
       std::vector<float> ring(keep * kChannels), acc(kChannels), xr(kChannels);
       std::vector<const float*> rows(keep);
       for (int64_t blk = begin; blk < end; ++blk) {
@@ -421,7 +427,7 @@ std::tuple<at::Tensor, at::Tensor> selective_state_update(
     dispatch_float(state, "state", [&](auto stag) {
       using T = decltype(xtag);
       using S = decltype(stag);
-      at::parallel_for(0, batch * a.heads, 1, [&](int64_t begin, int64_t end) {
+      at::parallel_for(0, batch * a.heads, grain(head_size), [&](int64_t begin, int64_t end) {
         std::vector<float> buf(3 * n_state);
         for (int64_t i = begin; i < end; ++i) {
           const int64_t b = i / a.heads, h = i % a.heads, g = h / a.per_group;
@@ -459,7 +465,7 @@ std::tuple<at::Tensor, at::Tensor> selective_scan(
   at::Tensor y = at::empty({length, a.heads, a.head_dim}, x.options());
   dispatch_float(x, "x", [&](auto xtag) {
     using T = decltype(xtag);
-    at::parallel_for(0, a.heads, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, a.heads, grain(head_size * length), [&](int64_t begin, int64_t end) {
       std::vector<float> buf(3 * n_state);
       for (int64_t h = begin; h < end; ++h) {
         const int64_t g = h / a.per_group;
@@ -565,7 +571,7 @@ std::tuple<at::Tensor, at::Tensor> gated_delta_rule_update(const at::Tensor& sta
     dispatch_float(state, "state", [&](auto stag) {
       using T = decltype(xtag);
       using S = decltype(stag);
-      at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
+      at::parallel_for(0, batch * heads, grain(dk * dv), [&](int64_t begin, int64_t end) {
         std::vector<float> buf(2 * dk + 5 * dv);
         for (int64_t i = begin; i < end; ++i) {
           const int64_t b = i / heads, h = i % heads;
@@ -601,7 +607,7 @@ std::tuple<at::Tensor, at::Tensor> gated_delta_rule_scan(const at::Tensor& q, co
   at::Tensor o = at::empty({length, heads, dv}, v.options());
   dispatch_float(v, "v", [&](auto xtag) {
     using T = decltype(xtag);
-    at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, heads, grain(dk * dv * length), [&](int64_t begin, int64_t end) {
       std::vector<float> buf(2 * dk + 5 * dv);
       for (int64_t h = begin; h < end; ++h) {
         float* st = state.data_ptr<float>() + h * dk * dv;
