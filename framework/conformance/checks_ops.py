@@ -76,6 +76,7 @@ def check_custom_ops(t: ConformanceTarget) -> None:
         if not (isinstance(cls, type) and issubclass(cls, base)):
             raise ContractFailure(f"custom op {name}: {path} must subclass {CUSTOM_OPS[name]}")
         if name in STATE_OPS:  # a forward and an update method, each against its *_native
+            _wait_for_background_kernels(t)
             cases = state_op_cases(name, cls, dtype, t.device)
         else:
             cases = [(layer, "forward", args) for layer, args in _layer_cases(name, cls, dtype, t.device)]
@@ -101,6 +102,12 @@ def check_custom_ops(t: ConformanceTarget) -> None:
         raise ItemSkipped("the platform replaces no custom op (get_custom_op_cls returns None, default fused MoE)")
 
 
+def _wait_for_background_kernels(t: ConformanceTarget) -> None:
+    """Kernels a platform builds in the background are waited for through its attention backend (as the engine's
+    compiled runner does), so that the checks run on them rather than on a fallback."""
+    t.backend_choice().backend_cls.wait_until_ready()
+
+
 def _check_unquantized_linear(t: ConformanceTarget, path: str, dtype: torch.dtype) -> None:
     """The method's ``apply`` matches ``F.linear`` at several row counts, before and after
     ``process_weights_after_loading``, which leaves the layer's weight in place and unchanged. The platform's
@@ -112,9 +119,7 @@ def _check_unquantized_linear(t: ConformanceTarget, path: str, dtype: torch.dtyp
     cls = resolve_qualname(path)
     if not (isinstance(cls, type) and issubclass(cls, UnquantizedLinearMethod)):
         raise ContractFailure(f"unquantized_linear: {path} is not an UnquantizedLinearMethod subclass")
-    # kernels a platform builds in the background are waited for through its attention backend (as the engine's
-    # compiled runner does), so that the products below run on them rather than on a fallback
-    t.backend_choice().backend_cls.wait_until_ready()
+    _wait_for_background_kernels(t)
     g = torch.Generator().manual_seed(3)
     layer = ReplicatedLinear(96, 80, bias=False).to(dtype).to(t.device)
     weight = (torch.randn(80, 96, generator=g) * 0.1).to(dtype).to(t.device)

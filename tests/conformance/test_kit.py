@@ -40,6 +40,9 @@ def test_cpu_plugin_conforms(clean_plugin_state: None) -> None:
     assert s["graph_capture"] == "skip" and s["e2e.greedy"] == "pass" and s["attention.reference"] == "pass"
     assert s["attention.encoder_only"] == "pass" and s["attention.mm_prefix"] == "pass"
     assert "CPU_PAGED" in report.attention_backend
+    custom = next(r for r in report.results if r.item == "custom_ops")
+    assert s["custom_ops"] == "pass" and {n.split(":")[0] for n in custom.notes} >= {
+        "causal_conv1d", "mamba_ssd", "gated_delta_rule", "unquantized_linear"}  # the C++ state kernels included
 
 
 @pytest.mark.slow

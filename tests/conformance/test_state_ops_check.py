@@ -41,7 +41,9 @@ def target(ops: dict[str, str]) -> SimpleNamespace:
     run_cls = SimpleNamespace(supported_dtypes=("float32",), default_dtype="float32",
                               get_custom_op_cls=ops.get,
                               get_fused_moe_cls=lambda: "tokenmill.layers.fused_moe:TorchFusedMoEMethod")
-    return SimpleNamespace(run_cls=run_cls, device=torch.device("cpu"), note=notes.append, notes=notes)
+    ready = SimpleNamespace(backend_cls=SimpleNamespace(wait_until_ready=lambda: None))
+    return SimpleNamespace(run_cls=run_cls, device=torch.device("cpu"), note=notes.append, notes=notes,
+                           backend_choice=lambda: ready)
 
 
 def test_matching_state_op_replacements_pass():

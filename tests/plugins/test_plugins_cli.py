@@ -30,7 +30,7 @@ def test_plugins_lists_installed_distributions_platforms_and_registries(
                  "tokenmill-layerscale-llama"):
         assert name in dists, name
     cpu = dists["tokenmill-cpu"]["entry_points"][0]
-    assert cpu["loaded"] and cpu["requires_plugin_api"] == ">=1.2,<2"
+    assert cpu["loaded"] and cpu["requires_plugin_api"] == ">=1.4,<2"
     assert cpu["hooks"] == ["tokenmill_platform", "tokenmill_register_attention_backends"]
     assert dists["tokenmill-layerscale-llama"]["entry_points"][0]["hooks"] == ["tokenmill_register_models"]
     tried = {p["name"]: p for p in d["platforms"]}

@@ -2,7 +2,9 @@
 ``paged_decode`` and ``prefill_attention`` (``csrc/paged_attention.cpp``, below), the quantized matmuls ``q8_linear`` / ``q4_linear``
 (``csrc/quant_linear.cpp``, why: ``tokenmill_cpu.quant_linear``) and the panel matmuls ``dense_gemm`` (float32)
 and ``dense_gemm_bf16`` (bfloat16, few rows) (``csrc/dense_gemm.cpp``, why: its header and
-``tokenmill_cpu.dense_linear``).
+``tokenmill_cpu.dense_linear``), and the state layers' decode step ``causal_conv1d_update``,
+``selective_state_update`` and ``gated_delta_rule_update`` and prefill ``causal_conv1d_fn``, ``selective_scan`` and
+``gated_delta_rule_scan`` (``csrc/state_update.cpp``, why: its header and ``tokenmill_cpu.state_ops``).
 
 Why a custom attention kernel: decode attention over the paged cache is a memory-bound loop over the blocks of
 every request. Neither eager torch (gather the blocks, then two batched matmuls of a few rows each) nor
@@ -49,7 +51,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("paged_attention.cpp", "kv_cache_write.cpp", "quant_linear.cpp", "dense_gemm.cpp")
+SOURCES = ("paged_attention.cpp", "kv_cache_write.cpp", "quant_linear.cpp", "dense_gemm.cpp", "state_update.cpp")
 _CAPABILITY_FLAGS = {
     "AVX512": ["-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"],
     "AVX2": ["-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"],
@@ -126,8 +128,9 @@ def isa() -> dict[str, str]:
     """The code paths of the loaded kernels: ``capability`` (the ATen level they were built for),
     ``quant_linear`` (``avx512_vnni``, ``avx2`` or ``scalar``), ``paged_decode`` (``avx512_bf16``,
     ``avx512``, ``avx2`` or ``scalar``), ``dense_gemm`` (``avx512``, ``avx2`` or ``scalar``), ``dense_gemm_bf16``
-    (``avx512_bf16`` or ``scalar``) and ``dense_gemm_prefetch`` (``l2``, ``l1`` or ``none``: where the panel matmuls
-    prefetch their next panel to);
+    (``avx512_bf16`` or ``scalar``), ``dense_gemm_prefetch`` (``l2``, ``l1`` or ``none``: where the panel matmuls
+    prefetch their next panel to) and ``state_update`` (``avx512``, ``avx2`` or ``scalar``: the state layers'
+    kernels);
     ``{"status": "not loaded"}`` before :func:`load` succeeded."""
     if not ready():
         return {"status": "not loaded"}
@@ -138,6 +141,7 @@ def isa() -> dict[str, str]:
         "dense_gemm": str(torch.ops.tokenmill_cpu.dense_gemm_isa()),
         "dense_gemm_bf16": str(torch.ops.tokenmill_cpu.dense_gemm_bf16_isa()),
         "dense_gemm_prefetch": str(torch.ops.tokenmill_cpu.dense_gemm_prefetch()),
+        "state_update": str(torch.ops.tokenmill_cpu.state_update_isa()),
     }
 
 
@@ -287,6 +291,33 @@ def _register_fake() -> None:
     @torch.library.register_fake("tokenmill_cpu::dense_gemm_bf16")
     def _(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
         return x.new_empty(x.shape[0], n)
+
+    @torch.library.register_fake("tokenmill_cpu::causal_conv1d_update")
+    def _(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.new_empty(x.shape), weight.new_empty(conv_state.shape)
+
+    @torch.library.register_fake("tokenmill_cpu::selective_state_update")
+    def _(state: torch.Tensor, x: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.new_empty(x.shape), state.new_empty(state.shape, dtype=torch.float32)
+
+    @torch.library.register_fake("tokenmill_cpu::gated_delta_rule_update")
+    def _(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: object
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+        return v.new_empty(v.shape), state.new_empty(state.shape, dtype=torch.float32)
+
+    @torch.library.register_fake("tokenmill_cpu::causal_conv1d_fn")
+    def _(x: torch.Tensor, weight: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.new_empty(x.shape), weight.new_empty(weight.shape[0], weight.shape[1] - 1)
+
+    @torch.library.register_fake("tokenmill_cpu::selective_scan")
+    def _(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, *args: object
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.new_empty(x.shape), x.new_empty(x.shape[1], x.shape[2], B.shape[2], dtype=torch.float32)
+
+    @torch.library.register_fake("tokenmill_cpu::gated_delta_rule_scan")
+    def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        return v.new_empty(v.shape), v.new_empty(q.shape[1], q.shape[2], v.shape[2], dtype=torch.float32)
 
     @torch.library.register_fake("tokenmill_cpu::q4_linear")
     def _(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:

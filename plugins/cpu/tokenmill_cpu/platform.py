@@ -21,6 +21,14 @@ MAX_PREFAULT_RANGES = 128  # 2 * Hkv of the paged layout; more: taken for anothe
 CPU_ATTN_BACKEND = "CPU_PAGED"  # registered by tokenmill_cpu.plugin (tokenmill_cpu.attention:CpuPagedAttentionBackend)
 
 
+_CUSTOM_OPS = {
+    "unquantized_linear": "tokenmill_cpu.dense_linear:CpuUnquantizedLinearMethod",
+    "causal_conv1d": "tokenmill_cpu.state_ops:CpuCausalConv1d",
+    "mamba_ssd": "tokenmill_cpu.state_ops:CpuMambaSSD",
+    "gated_delta_rule": "tokenmill_cpu.state_ops:CpuGatedDeltaRule",
+}
+
+
 class CpuPlatform(Platform):
     name: ClassVar[str] = "cpu"
     device_type: ClassVar[str] = "cpu"
@@ -45,10 +53,10 @@ class CpuPlatform(Platform):
     @classmethod
     def get_custom_op_cls(cls, name: str) -> str | None:
         """``unquantized_linear``: float32 / bfloat16 linear layers on oneDNN-packed weights
-        (``tokenmill_cpu.dense_linear``); every other op is the built-in."""
-        if name == "unquantized_linear":
-            return "tokenmill_cpu.dense_linear:CpuUnquantizedLinearMethod"
-        return None
+        (``tokenmill_cpu.dense_linear``); ``causal_conv1d``, ``mamba_ssd`` and ``gated_delta_rule``: the state
+        layers' decode step in this plugin's C++ kernels (``tokenmill_cpu.state_ops``); every other op is the
+        built-in."""
+        return _CUSTOM_OPS.get(name)
 
     @classmethod
     def get_quant_method_cls(cls, method: str) -> str | None:
@@ -66,7 +74,8 @@ class CpuPlatform(Platform):
     @classmethod
     def kernel_info(cls) -> dict[str, str]:
         """torch's CPU capability (its own vectorized ops, ``ATEN_CPU_CAPABILITY``), the dense matmul library,
-        and this plugin's kernels with the code path each runs (``tokenmill_cpu.kernels.isa``)."""
+        and this plugin's kernels (decode attention, quantized matmuls, the state layers' ops) with the code path
+        each runs (``tokenmill_cpu.kernels.isa``)."""
         import torch
 
         from tokenmill_cpu import dense_linear, kernels
@@ -79,9 +88,11 @@ class CpuPlatform(Platform):
         if kernels.ready():
             info["decode_attention"] = f"tokenmill_cpu.paged_decode ({isa['paged_decode']})"
             info["quantized_matmul"] = f"tokenmill_cpu.q4_linear/q8_linear ({isa['quant_linear']})"
+            info["state_layers"] = f"tokenmill_cpu.state_ops ({isa['state_update']})"
         else:
             info["decode_attention"] = "torch (tokenmill-cpu kernels not loaded)"
             info["quantized_matmul"] = "torch packed int8/int4 ops"
+            info["state_layers"] = "torch (tokenmill-cpu kernels not loaded)"
         return info
 
     @classmethod

@@ -6,8 +6,9 @@ import os
 
 from tokenmill.plugin_api import PlatformSpec, hookimpl
 
-TOKENMILL_PLUGIN_API = ">=1.5,<2"  # 1.1: UnquantizedLinearMethod, Platform.allocate_kv_cache; 1.2: finish_kv_cache_allocation;
-# 1.5: quantized KV caches (is_quantized_kv_dtype)
+# 1.1: UnquantizedLinearMethod, Platform.allocate_kv_cache; 1.2: finish_kv_cache_allocation; 1.4: the state-layer
+# ops (CausalConv1d, MambaSSD, GatedDeltaRule); 1.5: quantized KV caches (is_quantized_kv_dtype)
+TOKENMILL_PLUGIN_API = ">=1.5,<2"
 
 
 def detect() -> tuple[bool, str]:

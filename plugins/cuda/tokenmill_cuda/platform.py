@@ -19,6 +19,13 @@ if TYPE_CHECKING:
 GRAPH_CAPTURE_CLS = "tokenmill_cuda.graphs:CudaGraphCapture"
 
 
+_TRITON_STATE_OPS = {
+    "causal_conv1d": "tokenmill.layers.mamba.triton_state_ops:TritonCausalConv1d",
+    "mamba_ssd": "tokenmill.layers.mamba.triton_state_ops:TritonMambaSSD",
+    "gated_delta_rule": "tokenmill.layers.mamba.triton_state_ops:TritonGatedDeltaRule",
+}
+
+
 class CudaPlatform(Platform):
     name: ClassVar[str] = "cuda"
     device_type: ClassVar[str] = "cuda"
@@ -32,6 +39,14 @@ class CudaPlatform(Platform):
     def get_attn_backend_cls(cls, config: EngineConfig) -> str:
         """``TRITON_PAGED`` when triton is installed, else ``TORCH_PAGED``."""
         return "TRITON_PAGED" if importlib.util.find_spec("triton") is not None else "TORCH_PAGED"
+
+    @classmethod
+    def get_custom_op_cls(cls, name: str) -> str | None:
+        """When triton is installed, ``causal_conv1d``, ``mamba_ssd`` and ``gated_delta_rule``: the state layers'
+        decode step in Triton (``tokenmill.layers.mamba.triton_state_ops``); every other op is the built-in."""
+        if importlib.util.find_spec("triton") is None:
+            return None
+        return _TRITON_STATE_OPS.get(name)
 
     @classmethod
     def graph_capture_cls(cls) -> str | None:
