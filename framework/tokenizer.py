@@ -45,11 +45,25 @@ def _load_gguf_tokenizer(directory: str, gguf_file: str, trust_remote_code: bool
             logger.warning("ignoring the cached tokenizer in %s (%s)", saved, exc)
             shutil.rmtree(saved, ignore_errors=True)
     start = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file, trust_remote_code=trust_remote_code)
+    tokenizer = _gguf_tokenizer_class(directory, gguf_file).from_pretrained(
+        directory, gguf_file=gguf_file, trust_remote_code=trust_remote_code)
     logger.info("tokenizer converted from %s in %.1f s", gguf_file, time.perf_counter() - start)
     if saved is not None:
         save_atomically(saved, lambda tmp: tokenizer.save_pretrained(str(tmp)))
     return tokenizer
+
+
+def _gguf_tokenizer_class(directory: str, gguf_file: str) -> Any:
+    """``AutoTokenizer``, which reads the file's config to pick a class, for the architectures transformers'
+    GGUF reader knows; the generic fast tokenizer (built from the same ``tokenizer.ggml.*`` metadata) for the
+    state-space files tokenmill reads itself."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from tokenmill.model_loader.gguf_cache import read_gguf_tensors
+    from tokenmill.model_loader.gguf_state_space import GGUF_STATE_SPACE_ARCHITECTURES
+
+    arch, _ = read_gguf_tensors(os.path.join(directory, gguf_file))
+    return PreTrainedTokenizerFast if arch in GGUF_STATE_SPACE_ARCHITECTURES else AutoTokenizer
 
 
 def get_tokenizer(model_config: ModelConfig) -> Any:

@@ -11,6 +11,7 @@ Fix-ups llama.cpp's converter applied and this module undoes:
   Hugging Face order, so the same model code serves both formats. Qwen2/3, Gemma, Phi-3 and OLMo 2 files are
   not permuted.
 * Gemma norm weights stored as ``1 + w``: one is subtracted (the model adds it back).
+* State-space files (``mamba2``): names and layout in :mod:`tokenmill.model_loader.gguf_state_space`.
 """
 
 from __future__ import annotations
@@ -21,8 +22,17 @@ from typing import Any
 
 import torch
 
+from tokenmill.model_loader.gguf_state_space import (
+    GGUF_STATE_SPACE_ARCHITECTURES,
+    state_space_hf_name,
+    undo_state_space_layout,
+)
 from tokenmill.model_loader.gguf_tensor import GGUFQuantTensor
 
+# llama.cpp architectures whose files tokenmill serves (transformers' GGUF reader gives the config of the dense
+# ones; ``llama`` covers Llama, Mistral and Mixtral files)
+GGUF_FILE_ARCHITECTURES = frozenset({"llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3",
+                                     *GGUF_STATE_SPACE_ARCHITECTURES})
 PERMUTED_ARCHS = frozenset({"llama", "granite", "granitemoe", "deci"})
 GEMMA_ARCHS = frozenset({"gemma", "gemma2", "gemma3"})
 
@@ -66,6 +76,8 @@ def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
     3-D expert tensors map to ``model.layers.N.mlp.experts.{gate,up,down}_proj`` (no ``.weight``), which the
     generic weight loader takes as all experts at once.
     """
+    if arch in GGUF_STATE_SPACE_ARCHITECTURES:
+        return state_space_hf_name(name, arch)
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     m = _BLOCK_RE.match(name)
@@ -110,7 +122,7 @@ def iterate_gguf_weights(
     from tokenmill.model_loader.gguf_dequant import BLOCK_TYPES, dequantize_gguf
 
     arch, tensors = read_gguf_tensors(path)
-    n_heads = hf_config.num_attention_heads
+    n_heads = getattr(hf_config, "num_attention_heads", None) or 0  # none in an attention-free model
     n_kv = getattr(hf_config, "num_key_value_heads", None) or n_heads
     for tensor in tensors:
         hf_name = gguf_to_hf_name(tensor.name, arch)
@@ -132,6 +144,8 @@ def iterate_gguf_weights(
         if isinstance(array, torch.Tensor):
             if arch in GEMMA_ARCHS and hf_name.endswith("norm.weight"):
                 array = array - 1.0
+            elif arch in GGUF_STATE_SPACE_ARCHITECTURES:
+                array = undo_state_space_layout(hf_name, array)
             array = array.contiguous()
         yield hf_name, array
         tensor.release()

@@ -11,6 +11,7 @@ from typing import Any
 
 from tokenmill.model_loader.default_model import DEFAULT_SERVED_MODEL_NAME, default_model_path
 from tokenmill.model_loader.gguf_cache import gguf_cache_dir, read_gguf_tensors, reuse_gguf_readers, save_atomically
+from tokenmill.model_loader.gguf_state_space import read_state_space_config
 
 logger = logging.getLogger(__name__)
 
@@ -92,13 +93,16 @@ def load_hf_config(directory: str, gguf_file: str | None, *, trust_remote_code: 
     and caches its tokenizer (:func:`tokenmill.tokenizer.load_tokenizer`; a failure there is left for the
     tokenizer's own load to report), all from one ``gguf.GGUFReader`` (:func:`reuse_gguf_readers`).
 
-    For GGUF files the architecture comes from the model type (:data:`GGUF_ARCHITECTURES`; llama.cpp writes
+    A state-space file (``mamba2``) gets its config from
+    :func:`tokenmill.model_loader.gguf_state_space.read_state_space_config`, which transformers' reader lacks;
+    for other GGUF files the architecture comes from the model type (:data:`GGUF_ARCHITECTURES`; llama.cpp writes
     Mistral and Mixtral files as ``llama``: transformers recognises Mistral by name, and a ``llama`` file with
     experts becomes a Mixtral config here), and ``head_dim`` is taken from ``attention.key_length`` where
     transformers' reader leaves the config class's default (Qwen3).
 
     Raises:
-        OSError, ValueError: from ``transformers`` when the config cannot be read.
+        OSError, ValueError: from ``transformers`` when the config cannot be read; ValueError naming the
+            supported ones for a GGUF architecture tokenmill does not read.
     """
     from transformers import AutoConfig
 
@@ -117,8 +121,9 @@ def load_hf_config(directory: str, gguf_file: str | None, *, trust_remote_code: 
             shutil.rmtree(saved, ignore_errors=True)
     start = time.perf_counter()
     with reuse_gguf_readers():
-        config = AutoConfig.from_pretrained(directory, gguf_file=gguf_file)
-        config = _fix_gguf_config(config, path)
+        config = read_state_space_config(path)
+        if config is None:
+            config = _read_transformers_gguf_config(directory, gguf_file, path)
         if not getattr(config, "architectures", None):
             name = GGUF_ARCHITECTURES.get(config.model_type)
             if name:
@@ -130,6 +135,23 @@ def load_hf_config(directory: str, gguf_file: str | None, *, trust_remote_code: 
         if gguf_tokenizer:
             _prepare_tokenizer(directory, gguf_file, trust_remote_code)
     return config
+
+
+def _read_transformers_gguf_config(directory: str, gguf_file: str, path: str) -> Any:
+    from transformers import AutoConfig
+
+    from tokenmill.model_loader.gguf_state_space import unsupported_architecture_message
+    from tokenmill.model_loader.gguf_weights import gguf_architecture
+
+    try:
+        config = AutoConfig.from_pretrained(directory, gguf_file=gguf_file)
+    except ValueError as exc:
+        if "is not supported" not in str(exc):
+            raise
+        import gguf
+
+        raise ValueError(unsupported_architecture_message(gguf_architecture(gguf.GGUFReader(path)))) from exc
+    return _fix_gguf_config(config, path)
 
 
 def derived_max_model_len(hf_config: Any) -> int:

@@ -75,10 +75,29 @@ def add_metadata(w: Any, cfg: dict[str, Any], name: str = "tiny") -> None:
     w.add_rope_dimension_count(int(head_dim * float(rope.get("partial_rotary_factor") or 1.0)))
     w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
     w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
-    w.add_vocab_size(cfg["vocab_size"])
+    add_vocab(w, cfg)
+
+
+def add_vocab(w: Any, cfg: dict[str, Any], tokenizer: Any = None) -> None:
+    """A ``<tok_i>`` vocabulary of ``cfg["vocab_size"]`` pieces, or with ``tokenizer`` (a transformers byte-level
+    BPE fast tokenizer) its pieces, merges and special tokens padded with ``[PAD<i>]`` to the model's vocabulary
+    as llama.cpp's converter pads them; and the bos/eos ids of ``cfg``."""
+    n = cfg["vocab_size"]
+    w.add_vocab_size(n)
     w.add_tokenizer_model("gpt2")
-    w.add_token_list([f"<tok_{i}>" for i in range(cfg["vocab_size"])])
-    w.add_token_types([1] * cfg["vocab_size"])
+    if tokenizer is None:
+        tokens, types = [f"<tok_{i}>" for i in range(n)], [1] * n
+    else:
+        vocab = tokenizer.get_vocab()
+        pieces = sorted(vocab, key=vocab.__getitem__)
+        assert [vocab[p] for p in pieces] == list(range(len(pieces))) and len(pieces) <= n
+        special = set(tokenizer.all_special_tokens)
+        tokens = pieces + [f"[PAD{i}]" for i in range(len(pieces), n)]
+        types = [3 if p in special else 1 for p in pieces] + [5] * (n - len(pieces))  # control / normal / unused
+        merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
+        w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    w.add_token_list(tokens)
+    w.add_token_types(types)
     w.add_bos_token_id(cfg.get("bos_token_id") or 1)
     w.add_eos_token_id(cfg.get("eos_token_id") or 2)
 
@@ -144,6 +163,62 @@ def write_random_llama_gguf(path: str, cfg: dict[str, Any], qtype: Any, seed: in
             w.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(name, array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def write_mamba2_gguf(model_dir: str, path: str, *, qtype: Any = None, tokenizer: Any = None) -> str:
+    """Convert a transformers ``Mamba2ForCausalLM`` directory to ``path`` as llama.cpp's converter writes a
+    ``mamba2`` file: ``ssm.*`` metadata (``time_step_rank`` = heads, no head size), ``dt_bias`` as
+    ``ssm_dt.bias``, ``A = -exp(A_log)`` and ``D`` as ``[heads, 1]``, the conv weight squeezed to ``[channels,
+    kernel]``, the gated norm as ``[groups, inner / groups]``; a tied head is left out. ``qtype``: 2-D tensors
+    whose rows are whole blocks in that type (``gguf.quants.quantize``; not the conv weight, as llama.cpp), the
+    rest float32. ``tokenizer``: as :func:`add_vocab`. Returns ``path``."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    inner = int(cfg["expand"] * cfg["hidden_size"])
+    w = gguf.GGUFWriter(path, "mamba2")
+    w.add_name("tiny-mamba2")
+    w.add_context_length(2**20)  # llama.cpp's placeholder: a Mamba2 has no trained context length
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(0)
+    w.add_head_count(0)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_ssm_conv_kernel(cfg["conv_kernel"])
+    w.add_ssm_inner_size(inner)
+    w.add_ssm_state_size(cfg["state_size"])
+    w.add_ssm_time_step_rank(inner // cfg["head_dim"])
+    w.add_ssm_group_count(cfg["n_groups"])
+    w.add_layer_norm_rms_eps(float(cfg["layer_norm_epsilon"]))
+    add_vocab(w, cfg, tokenizer)
+    tensor_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MAMBA2, cfg["num_hidden_layers"])
+    for hf_name, array in load_file(os.path.join(model_dir, "model.safetensors")).items():
+        if hf_name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
+            continue
+        array = array.astype(np.float32)
+        if hf_name.endswith(".dt_bias"):
+            hf_name = hf_name.removesuffix(".dt_bias") + ".dt_proj.bias"
+        if hf_name.endswith(".A_log"):
+            array = -np.exp(array)
+        if hf_name.endswith((".A_log", ".D")):
+            array = array.reshape(-1, 1)
+        elif hf_name.endswith("conv1d.weight"):
+            array = array.squeeze(1)
+        elif hf_name.endswith("mixer.norm.weight"):
+            array = array.reshape(cfg["n_groups"], -1)
+        gguf_name = tensor_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, hf_name
+        block = gguf.GGML_QUANT_SIZES[qtype][0] if qtype is not None else 0
+        if qtype is not None and array.ndim == 2 and array.shape[1] % block == 0 and "conv1d" not in hf_name:
+            w.add_tensor(gguf_name, gguf.quants.quantize(np.ascontiguousarray(array), qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gguf_name, np.ascontiguousarray(array))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
