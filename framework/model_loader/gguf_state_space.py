@@ -143,6 +143,14 @@ def state_space_hf_name(name: str, arch: str) -> str | None:
     return None if part is None else f"backbone.layers.{m.group(1)}.{part}"  # type: ignore[union-attr]
 
 
+_RELAID_SUFFIXES = (".A_log", ".D", "mixer.norm.weight", "conv1d.weight")
+
+
+def changes_state_space_layout(hf_name: str) -> bool:
+    """Whether :func:`undo_state_space_layout` reshapes or changes the tensor of ``hf_name``."""
+    return hf_name.endswith(_RELAID_SUFFIXES)
+
+
 def undo_state_space_layout(hf_name: str, array: torch.Tensor) -> torch.Tensor:
     """Transformers' layout of a float tensor llama.cpp's converter changed (see the module docstring): ``A``
     ``[heads, 1]`` -> ``A_log`` ``[heads]``, ``D`` ``[heads, 1]`` -> ``[heads]``, conv ``[channels, kernel]`` ->

@@ -24,6 +24,7 @@ import torch
 
 from tokenmill.model_loader.gguf_state_space import (
     GGUF_STATE_SPACE_ARCHITECTURES,
+    changes_state_space_layout,
     state_space_hf_name,
     undo_state_space_layout,
 )
@@ -136,6 +137,9 @@ def iterate_gguf_weights(
             array = GGUFQuantTensor.from_numpy(type_name, tensor.data)
         else:
             array = dequantize_gguf(tensor.data, tensor.tensor_type)
+        if isinstance(array, GGUFQuantTensor) and arch in GGUF_STATE_SPACE_ARCHITECTURES \
+                and changes_state_space_layout(hf_name):
+            array = array.dequantize()  # a norm stored 2-D: its float values are reshaped below
         if arch in PERMUTED_ARCHS:
             if hf_name.endswith("q_proj.weight"):
                 array = _unpermute_any(array, n_heads)

@@ -37,10 +37,11 @@ def hf_reference(model_dir: str, prompts: list[list[int]], max_new_tokens: int):
     return out[:, width:].tolist(), rows
 
 
-def run_wave(core: EngineCore, tag: str, params: SamplingParams) -> dict[int, list[EngineCoreOutput]]:
-    for i, p in enumerate(PROMPTS):
+def run_wave(core: EngineCore, tag: str, params: SamplingParams, prompts: list[list[int]] = PROMPTS
+             ) -> dict[int, list[EngineCoreOutput]]:
+    for i, p in enumerate(prompts):
         core.add_request(EngineCoreRequest(f"{tag}{i}", p, params, eos_token_id=None))
-    outs: dict[int, list[EngineCoreOutput]] = {i: [] for i in range(len(PROMPTS))}
+    outs: dict[int, list[EngineCoreOutput]] = {i: [] for i in range(len(prompts))}
     for _ in range(10_000):
         if not core.has_unfinished_requests():
             break
