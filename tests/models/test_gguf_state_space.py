@@ -99,6 +99,13 @@ def test_mamba2_q8_0_gguf_loads_the_q8_0_rounded_weights(mamba2_dir, tmp_path):
         core = _engine(source)
         params.append({k: v.detach().clone() for k, v in core.executor.worker.model_runner.model.state_dict().items()})
         core.shutdown()
+    # with -q int8 the projections whose rows are whole blocks keep the file's Q8_0 blocks
+    config = EngineArgs(model=path, dtype="float32", block_size=4, num_gpu_blocks_override=64,
+                        quantization="int8").create_engine_config()
+    core = EngineCore(config)
+    modules = dict(core.executor.worker.model_runner.model.named_modules())
+    core.shutdown()
+    assert modules["backbone.layers.0.mixer.out_proj"].quant_only and modules["lm_head"].quant_only
     from_gguf, from_checkpoint = params
     assert from_gguf.keys() == from_checkpoint.keys()
     for name, want in from_checkpoint.items():
