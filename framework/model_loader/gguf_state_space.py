@@ -7,7 +7,8 @@ conv weight squeezed from ``[channels, 1, kernel]`` to ``[channels, kernel]``, t
 inner / groups]`` and ``dt_bias`` as ``ssm_dt.bias``. It writes no head size: ``ssm.time_step_rank`` is the
 number of heads, so the head size is ``ssm.inner_size / heads``.
 
-Other llama.cpp architectures with state layers (:func:`state_space_architectures`) are refused by name.
+Other llama.cpp architectures with state layers (:func:`state_space_architectures`) are refused by name
+(``tokenmill.model_loader.hf_config``).
 """
 
 from __future__ import annotations
@@ -63,34 +64,16 @@ def metadata_value(reader: Any, key: str) -> Any:
 
 
 def read_state_space_config(path: str) -> Any | None:
-    """The transformers config of a state-space GGUF file; ``None`` for any other architecture (transformers'
-    GGUF reader reads those).
+    """The transformers config of a ``mamba2`` GGUF file; ``None`` for any other architecture (transformers'
+    GGUF reader reads the dense ones; the other state-space ones are refused by the caller).
 
     Raises:
-        ValueError: a llama.cpp state-space architecture other than :data:`GGUF_STATE_SPACE_ARCHITECTURES`, or a
-            ``mamba2`` file whose sizes do not fit a ``Mamba2Config``.
+        ValueError: a ``mamba2`` file whose metadata lacks a size or whose sizes do not fit a ``Mamba2Config``.
     """
     import gguf
 
-    from tokenmill.model_loader.gguf_weights import gguf_architecture
-
     reader = gguf.GGUFReader(path)
-    arch = gguf_architecture(reader)
-    if arch == "mamba2":
-        return _mamba2_config(reader)
-    if arch in state_space_architectures():
-        raise ValueError(unsupported_architecture_message(arch))
-    return None
-
-
-def unsupported_architecture_message(arch: str) -> str:
-    """Why a GGUF file of llama.cpp architecture ``arch`` is refused, naming the architectures that load."""
-    from tokenmill.model_loader.gguf_weights import GGUF_FILE_ARCHITECTURES
-
-    supported = ", ".join(sorted(GGUF_FILE_ARCHITECTURES))
-    return (f"GGUF architecture {arch!r} is not supported; tokenmill reads GGUF files of the llama.cpp "
-            f"architectures {supported} (convert other models' Hugging Face checkpoints, not GGUF files, "
-            "to serve them)")
+    return _mamba2_config(reader) if metadata_value(reader, "general.architecture") == "mamba2" else None
 
 
 def _mamba2_config(reader: Any) -> Any:

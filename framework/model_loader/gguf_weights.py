@@ -34,6 +34,15 @@ from tokenmill.model_loader.gguf_tensor import GGUFQuantTensor
 # ones; ``llama`` covers Llama, Mistral and Mixtral files)
 GGUF_FILE_ARCHITECTURES = frozenset({"llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3",
                                      *GGUF_STATE_SPACE_ARCHITECTURES})
+
+
+def unsupported_architecture_message(arch: str) -> str:
+    """Why a GGUF file of llama.cpp architecture ``arch`` is refused, naming the architectures that load."""
+    return (f"GGUF architecture {arch!r} is not supported; tokenmill reads GGUF files of the llama.cpp "
+            f"architectures {', '.join(sorted(GGUF_FILE_ARCHITECTURES))} (serve other models from their Hugging "
+            "Face checkpoints)")
+
+
 PERMUTED_ARCHS = frozenset({"llama", "granite", "granitemoe", "deci"})
 GEMMA_ARCHS = frozenset({"gemma", "gemma2", "gemma3"})
 

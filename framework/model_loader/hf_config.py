@@ -140,17 +140,20 @@ def load_hf_config(directory: str, gguf_file: str | None, *, trust_remote_code: 
 def _read_transformers_gguf_config(directory: str, gguf_file: str, path: str) -> Any:
     from transformers import AutoConfig
 
-    from tokenmill.model_loader.gguf_state_space import unsupported_architecture_message
-    from tokenmill.model_loader.gguf_weights import gguf_architecture
+    import gguf
 
+    from tokenmill.model_loader.gguf_state_space import state_space_architectures
+    from tokenmill.model_loader.gguf_weights import gguf_architecture, unsupported_architecture_message
+
+    arch = gguf_architecture(gguf.GGUFReader(path))
+    if arch in state_space_architectures():  # transformers may read some (mamba) but tokenmill has no model
+        raise ValueError(unsupported_architecture_message(arch))
     try:
         config = AutoConfig.from_pretrained(directory, gguf_file=gguf_file)
     except ValueError as exc:
         if "is not supported" not in str(exc):
             raise
-        import gguf
-
-        raise ValueError(unsupported_architecture_message(gguf_architecture(gguf.GGUFReader(path)))) from exc
+        raise ValueError(unsupported_architecture_message(arch)) from exc
     return _fix_gguf_config(config, path)
 
 
