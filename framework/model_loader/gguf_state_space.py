@@ -85,9 +85,10 @@ def _mamba2_config(reader: Any) -> Any:
             raise ValueError(f"mamba2 GGUF file: the metadata has no mamba2.{key}")
         return got
 
-    hidden, inner, heads = int(value("embedding_length")), int(value("ssm.inner_size")), int(value("ssm.time_step_rank"))
+    hidden, inner = int(value("embedding_length")), int(value("ssm.inner_size"))
+    heads = int(value("ssm.time_step_rank"))  # llama.cpp's converter writes the number of heads here
     if inner % hidden or inner % heads:
-        raise ValueError(f"mamba2 GGUF file: ssm.inner_size {inner} is not a multiple of embedding_length {hidden} "
+        raise ValueError(f"mamba2 GGUF file: ssm.inner_size {inner} must be a multiple of embedding_length {hidden} "
                          f"and of ssm.time_step_rank (heads) {heads}")
     names = {t.name: t for t in reader.tensors}
     embedding = names.get("token_embd.weight")

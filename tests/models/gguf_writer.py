@@ -47,10 +47,21 @@ def write_gguf(model_dir: str, path: str, arch: str, *, name: str = "tiny", qtyp
             array = _permute(array, n_heads)
         elif arch == "llama" and hf_name.endswith("k_proj.weight"):
             array = _permute(array, n_kv)
-        if qtype is not None and array.ndim == 2:
-            w.add_tensor(gguf_name, gguf.quants.quantize(np.ascontiguousarray(array), qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(gguf_name, np.ascontiguousarray(array))
+        _add_tensor(w, gguf_name, array, qtype if array.ndim == 2 else None)
+    return _finish(w, path)
+
+
+def _add_tensor(w: Any, name: str, array: np.ndarray, qtype: Any) -> None:
+    """``array`` as ``name``: quantized to ``qtype`` (``gguf.quants.quantize``), or float32 when ``qtype`` is None."""
+    import gguf
+
+    if qtype is not None:
+        w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(array), qtype), raw_dtype=qtype)
+    else:
+        w.add_tensor(name, np.ascontiguousarray(array))
+
+
+def _finish(w: Any, path: str) -> str:
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -214,13 +225,7 @@ def write_mamba2_gguf(model_dir: str, path: str, *, qtype: Any = None, tokenizer
             array = array.reshape(cfg["n_groups"], -1)
         gguf_name = tensor_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, hf_name
-        block = gguf.GGML_QUANT_SIZES[qtype][0] if qtype is not None else 0
-        if qtype is not None and array.ndim == 2 and array.shape[1] % block == 0 and "conv1d" not in hf_name:
-            w.add_tensor(gguf_name, gguf.quants.quantize(np.ascontiguousarray(array), qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(gguf_name, np.ascontiguousarray(array))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+        quantize = (qtype is not None and array.ndim == 2 and "conv1d" not in hf_name
+                    and array.shape[1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0)
+        _add_tensor(w, gguf_name, array, qtype if quantize else None)
+    return _finish(w, path)
