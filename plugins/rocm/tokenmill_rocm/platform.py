@@ -16,6 +16,8 @@ from tokenmill.plugin_api import Platform
 if TYPE_CHECKING:
     from tokenmill.plugin_api import EngineConfig
 
+TRITON_QUANT_METHODS = {"int8": "tokenmill.plugin_api:TritonInt8Weight", "int4": "tokenmill.plugin_api:TritonInt4Weight"}
+
 
 # Mirrors tokenmill_cuda's CudaPlatform field by field on purpose: the plugins may not import each other.
 class RocmPlatform(Platform):
@@ -33,3 +35,12 @@ class RocmPlatform(Platform):
     def get_attn_backend_cls(cls, config: EngineConfig) -> str:
         """``TRITON_PAGED`` when triton is installed, else ``TORCH_PAGED``."""
         return "TRITON_PAGED" if importlib.util.find_spec("triton") is not None else "TORCH_PAGED"
+
+    @classmethod
+    def get_quant_method_cls(cls, method: str) -> str | None:
+        """``int8`` and ``int4`` in the Triton group-quantized formats of the plugin API (``TritonInt8Weight``,
+        ``TritonInt4Weight``: AWQ, GPTQ, compressed-tensors and GGUF weights stay quantized); without triton,
+        the base class's ``int8`` (torch's packed int8 op) and no ``int4``."""
+        if importlib.util.find_spec("triton") is None:
+            return super().get_quant_method_cls(method)
+        return TRITON_QUANT_METHODS.get(method)
