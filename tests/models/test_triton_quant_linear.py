@@ -205,3 +205,20 @@ def test_emulated_cuda_device_gives_the_cpu_platforms_greedy_tokens(quantized_ch
     assert cpu_quants and not any(isinstance(q, TritonGroupQuantWeight) for q in cpu_quants)
     assert all(len(t) == 12 for t in cuda_tokens) and len({tok for t in cuda_tokens for tok in t}) > 5
     assert cuda_tokens == cpu_tokens
+
+
+def test_kernel_compiles_ahead_of_time_for_sm90_and_gfx942() -> None:
+    """The compiler accepts the kernel for NVIDIA Hopper and AMD MI300 (``aot_compile_quant_kernel``; a
+    subprocess because compiling needs TRITON_INTERPRET unset)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "tests.models.aot_compile_quant_kernel", "sm90", "gfx942"], cwd=root,
+                          env=env, capture_output=True, text=True, timeout=300)
+    if proc.returncode and ("ImportError" in proc.stderr or "ModuleNotFoundError" in proc.stderr):
+        pytest.skip(f"this triton cannot compile ahead of time here: {proc.stderr.strip().splitlines()[-1]}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("OK sm90") == 3 and proc.stdout.count("OK gfx942") == 3, proc.stdout
