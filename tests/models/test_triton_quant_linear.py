@@ -185,7 +185,7 @@ def _greedy(model: str, platform: type | None, **kwargs) -> tuple[list[list[int]
                                      **kwargs).create_engine_config())
         quants = [m.quant for m in core.executor.worker.model_runner.model.modules()
                   if getattr(m, "quant_only", False)]
-        return run_engine(core, PROMPTS[:3], max_tokens=12), quants
+        return run_engine(core, PROMPTS[:2], max_tokens=10), quants
     finally:
         set_current_platform(base)
 
@@ -203,7 +203,7 @@ def test_emulated_cuda_device_gives_the_cpu_platforms_greedy_tokens(quantized_ch
     assert len(quants) >= 4 and all(isinstance(getattr(q, "inner", q), TritonGroupQuantWeight) for q in quants)
     cpu_tokens, cpu_quants = _greedy(model, None, **kwargs)
     assert cpu_quants and not any(isinstance(q, TritonGroupQuantWeight) for q in cpu_quants)
-    assert all(len(t) == 12 for t in cuda_tokens) and len({tok for t in cuda_tokens for tok in t}) > 5
+    assert all(len(t) == 10 for t in cuda_tokens) and len({tok for t in cuda_tokens for tok in t}) > 5
     assert cuda_tokens == cpu_tokens
 
 
@@ -222,3 +222,41 @@ def test_kernel_compiles_ahead_of_time_for_sm90_and_gfx942() -> None:
         pytest.skip(f"this triton cannot compile ahead of time here: {proc.stderr.strip().splitlines()[-1]}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("OK sm90") == 3 and proc.stdout.count("OK gfx942") == 3, proc.stdout
+
+
+def test_gguf_on_a_gpu_dequantizes_the_table_and_keeps_the_tied_head_quantized(tmp_path, monkeypatch) -> None:
+    """Off the CPU the loader keeps no GGUF blocks in the token embedding (its lookup is CPU code) but a float
+    table, and the tied LM head still gets the table's rows, held exactly in a Triton format. A GPU is stood in
+    for by the emulated CUDA platform with the loader told what it does on a GPU."""
+    import gguf
+
+    from tests.conftest import build_tiny_llama
+    from tests.models.gguf_writer import write_gguf
+    from tokenmill.conformance.emulation import emulated_platform
+    from tokenmill.engine_args import EngineArgs
+    from tokenmill.model_loader import quantized_loading
+    from tokenmill.model_loader.loader import get_model
+    from tokenmill.platforms import get_current_platform
+    from tokenmill.platforms.current import set_current_platform
+    from tokenmill_cuda.platform import CudaPlatform
+
+    tied = build_tiny_llama(str(tmp_path / "tied"), tie=True, hidden_size=64, intermediate_size=96,
+                            num_hidden_layers=1, vocab_size=256)
+    path = write_gguf(tied, str(tmp_path / "tied-q4_0.gguf"), "llama", qtype=gguf.GGMLQuantizationType.Q4_0)
+    prepare = quantized_loading.prepare_quantized_loading
+    monkeypatch.setattr(quantized_loading, "prepare_quantized_loading",
+                        lambda model, method, embedding_blocks=True: prepare(model, method, embedding_blocks=False))
+
+    def load(quantization: str | None) -> torch.nn.Module:
+        config = EngineArgs(model=path, dtype="float32", quantization=quantization).create_engine_config()
+        return get_model(config.model_config, torch.device("cpu"))
+
+    base = get_current_platform()
+    set_current_platform(emulated_platform(CudaPlatform))
+    try:
+        reference, model = load(None), load("int4")
+    finally:
+        set_current_platform(base)
+    table = reference.model.embed_tokens.weight
+    assert model.model.embed_tokens.qtype is None and torch.equal(model.model.embed_tokens.weight, table)
+    assert type(model.lm_head.quant) is TritonInt4Weight and torch.equal(model.lm_head.quant.dequantize(), table)
