@@ -134,7 +134,7 @@ def test_gguf_blocks_are_held_bit_identically(type_name: str) -> None:
     assert TritonInt4Weight.from_gguf("Q2_K", blocks) is None  # the loader quantizes it again
 
 
-def test_row_tiles_join_and_the_platforms_name_these_formats() -> None:
+def test_row_tiles_join_and_the_platforms_name_these_formats(monkeypatch) -> None:
     rows = random_groups(40, 64, 4, 32, True, seed=1)
     parts = [TritonInt4Weight.from_zero_point(r.codes, r.scales, r.zeros, 4) for r in rows.split([16, 24])]
     joined = TritonInt4Weight.concat_rows(parts)
@@ -150,6 +150,11 @@ def test_row_tiles_join_and_the_platforms_name_these_formats() -> None:
         assert resolve_qualname(platform.get_quant_method_cls("int4")) is TritonInt4Weight
         assert resolve_qualname(platform.get_quant_method_cls("int8")) is TritonInt8Weight
         assert issubclass(TritonInt8Weight, TritonGroupQuantWeight)
+    find_spec = importlib.util.find_spec  # without triton: torch's int8 only, and int4 refused by name
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else find_spec(name, *a))
+    for platform in (CudaPlatform, RocmPlatform):
+        assert platform.get_quant_method_cls("int8") == "tokenmill.layers.quantization:Int8WeightOnly"
+        assert platform.get_quant_method_cls("int4") is None
 
 
 # -- end to end: an emulated CUDA device serves quantized checkpoints with these kernels -------------------------
