@@ -26,7 +26,8 @@ Contents, by what a plugin does with them:
 * device graphs: :class:`GraphCapture` (what a platform implements), :class:`EmulatedGraphCapture` (the CPU
   emulator tests use), :class:`GraphCaptureError`;
 * kernels a platform may replace: :class:`QuantizedWeight` (``--quantization``; the Triton formats
-  :class:`TritonInt8Weight` / :class:`TritonInt4Weight` the CUDA and ROCm plugins name), :class:`UnquantizedLinearMethod`
+  :class:`TritonInt8Weight` / :class:`TritonInt4Weight` the CUDA and ROCm plugins name),
+  :class:`UnquantizedLinearMethod`
   (how full-precision linear layers multiply; custom op ``unquantized_linear``), :class:`FusedMoEMethod`,
   :class:`CustomOp` / :class:`CustomOpRegistry` / :data:`CUSTOM_OPS` (RMSNorm, rotary, activations, ...),
   the state-layer ops :class:`CausalConv1d`, :class:`MambaSSD`, :class:`RMSNormGated`, :class:`GatedDeltaRule`,

@@ -215,8 +215,8 @@ def _k_groups(b: torch.Tensor, q: torch.Tensor, rows: int, bits: int) -> BlockGr
     ``d * sc`` and minimum ``-(dmin * mn)``."""
     d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
     sc, mn = _k_scale_min(b[:, 4:16])
-    return BlockGroups(q.reshape(rows, -1), (d * sc.float()).reshape(rows, -1), (-(dmin * mn.float())).reshape(rows, -1),
-                       0, bits, 32)
+    scales, mins = (d * sc.float()).reshape(rows, -1), (-(dmin * mn.float())).reshape(rows, -1)
+    return BlockGroups(q.reshape(rows, -1), scales, mins, 0, bits, 32)
 
 
 def block_groups(raw: torch.Tensor, type_name: str) -> BlockGroups | None:

@@ -93,7 +93,8 @@ def test_float_weights_quantize_within_the_formats_step() -> None:
     w = torch.randn(48, 100, generator=torch.Generator().manual_seed(3))
     x = torch.randn(3, 100, generator=torch.Generator().manual_seed(4))
     pad = torch.nn.functional.pad(w, (0, 28)).reshape(48, 4, 32)
-    for cls, step in ((TritonInt8Weight, pad.abs().amax(-1) / 127), (TritonInt4Weight, (pad.amax(-1) - pad.amin(-1)) / 15)):
+    steps = {TritonInt8Weight: pad.abs().amax(-1) / 127, TritonInt4Weight: (pad.amax(-1) - pad.amin(-1)) / 15}
+    for cls, step in steps.items():
         q = cls(w)
         deq = q.dequantize()
         half = (step.repeat_interleave(32, dim=1)[:, :100] / 2) * (1 + 2 ** -9) + 1e-3 * step.max()

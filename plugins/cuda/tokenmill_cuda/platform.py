@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 
 GRAPH_CAPTURE_CLS = "tokenmill_cuda.graphs:CudaGraphCapture"
 
-TRITON_QUANT_METHODS = {"int8": "tokenmill.plugin_api:TritonInt8Weight", "int4": "tokenmill.plugin_api:TritonInt4Weight"}
+TRITON_QUANT_METHODS = {"int8": "tokenmill.plugin_api:TritonInt8Weight",
+                        "int4": "tokenmill.plugin_api:TritonInt4Weight"}
 
 
 class CudaPlatform(Platform):

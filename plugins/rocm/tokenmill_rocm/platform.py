@@ -16,7 +16,8 @@ from tokenmill.plugin_api import Platform
 if TYPE_CHECKING:
     from tokenmill.plugin_api import EngineConfig
 
-TRITON_QUANT_METHODS = {"int8": "tokenmill.plugin_api:TritonInt8Weight", "int4": "tokenmill.plugin_api:TritonInt4Weight"}
+TRITON_QUANT_METHODS = {"int8": "tokenmill.plugin_api:TritonInt8Weight",
+                        "int4": "tokenmill.plugin_api:TritonInt4Weight"}
 
 
 # Mirrors tokenmill_cuda's CudaPlatform field by field on purpose: the plugins may not import each other.
