@@ -26,7 +26,9 @@ Contents, by what a plugin does with them:
   :func:`kv_cache_row_size`, :func:`is_quantized_kv_dtype`;
 * device graphs: :class:`GraphCapture` (what a platform implements), :class:`EmulatedGraphCapture` (the CPU
   emulator tests use), :class:`GraphCaptureError`;
-* kernels a platform may replace: :class:`QuantizedWeight` (``--quantization``), :class:`UnquantizedLinearMethod`
+* kernels a platform may replace: :class:`QuantizedWeight` (``--quantization``; the Triton formats
+  :class:`TritonInt8Weight` / :class:`TritonInt4Weight` the CUDA and ROCm plugins name),
+  :class:`UnquantizedLinearMethod`
   (how full-precision linear layers multiply; custom op ``unquantized_linear``), :class:`FusedMoEMethod`,
   :class:`CustomOp` / :class:`CustomOpRegistry` / :data:`CUSTOM_OPS` (RMSNorm, rotary, activations, ...),
   the state-layer ops :class:`CausalConv1d`, :class:`MambaSSD`, :class:`RMSNormGated`, :class:`GatedDeltaRule`,
@@ -114,6 +116,9 @@ _LAZY: dict[str, str] = {
     "QuantizedWeight": "tokenmill.layers.quantization",
     "UnsupportedShapeError": "tokenmill.layers.quantization",
     "Int8WeightOnly": "tokenmill.layers.quantization",
+    "TritonGroupQuantWeight": "tokenmill.layers.triton_quant_linear",
+    "TritonInt8Weight": "tokenmill.layers.triton_quant_linear",
+    "TritonInt4Weight": "tokenmill.layers.triton_quant_linear",
     "UnquantizedLinearMethod": "tokenmill.layers.linear_method",
     "CustomOp": "tokenmill.layers.custom_op",
     "CustomOpRegistry": "tokenmill.layers.custom_op",
@@ -195,6 +200,7 @@ if TYPE_CHECKING:
         StateMetadata,
     )
     from tokenmill.layers.quantization import Int8WeightOnly, QuantizedWeight, UnsupportedShapeError
+    from tokenmill.layers.triton_quant_linear import TritonGroupQuantWeight, TritonInt4Weight, TritonInt8Weight
     from tokenmill.lora.ops import LoRABatchMapping, LoRAMethod, TorchLoRAMethod
     from tokenmill.lora.request import LoRARequest
     from tokenmill.model_contract import CausalLM, SupportsMultiModal, merge_multimodal_embeddings, supports_multimodal

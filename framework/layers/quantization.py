@@ -12,6 +12,7 @@ full-precision weight. Which classes implement a method comes from the platform
 * The CPU plugin replaces both: ``int8`` and ``int4`` in GGUF's ``Q8_0`` / ``Q4_1`` blocks of 32 input channels,
   multiplied with 14-bit integer activations by its VNNI kernels (``tokenmill_cpu.quant_linear``); under ``int4`` the LM
   head stays 8-bit (``QuantizedWeight.lm_head_method``).
+* The CUDA and ROCm plugins name the Triton group-quantized formats (``tokenmill.layers.triton_quant_linear``).
 """
 
 from __future__ import annotations

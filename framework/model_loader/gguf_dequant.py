@@ -39,6 +39,7 @@ Super-blocks of 256 values (k-quants), sub-blocks of 32 (``Q4_K``, ``Q5_K``) or 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -195,3 +196,64 @@ def dequantize_gguf(data: np.ndarray, tensor_type: object) -> torch.Tensor:
     import gguf
 
     return torch.from_numpy(np.array(gguf.quants.dequantize(data, tensor_type), dtype=np.float32, order="C"))
+
+
+class BlockGroups(NamedTuple):
+    """GGUF rows as group-quantized codes: ``w = (codes - offset) * scales + mins`` (per group of ``group_size``
+    consecutive values), the same float32 operations as :func:`dequantize_blocks` (bit-identical values)."""
+
+    codes: torch.Tensor  # [rows, K] uint8, unsigned, at most ``bits`` bits
+    scales: torch.Tensor  # [rows, K / group_size] float16 (the file's) or float32 (k-quants: products of the file's)
+    mins: torch.Tensor | None  # [rows, K / group_size] like ``scales``, or None
+    offset: int
+    bits: int
+    group_size: int
+
+
+def _k_groups(b: torch.Tensor, q: torch.Tensor, rows: int, bits: int) -> BlockGroups:
+    """``Q4_K``/``Q5_K`` super-blocks ``b [B, bytes]`` with codes ``q [B, 8, 32]``: sub-blocks of 32 with scale
+    ``d * sc`` and minimum ``-(dmin * mn)``."""
+    d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
+    sc, mn = _k_scale_min(b[:, 4:16])
+    scales, mins = (d * sc.float()).reshape(rows, -1), (-(dmin * mn.float())).reshape(rows, -1)
+    return BlockGroups(q.reshape(rows, -1), scales, mins, 0, bits, 32)
+
+
+def block_groups(raw: torch.Tensor, type_name: str) -> BlockGroups | None:
+    """``raw [rows, bytes_per_row]`` uint8 blocks of ``type_name`` as :class:`BlockGroups`, or ``None`` for a type
+    without that form (``Q2_K``, ``Q3_K``: signed sub-block minimums and scales of 16 values in two levels).
+
+    Codes: ``Q4_0`` 4 bits (offset 8), ``Q4_1`` 4 bits with minimums, ``Q5_0`` 5 bits (offset 16), ``Q5_1`` 5 bits
+    with minimums, ``Q8_0`` 8 bits (``q + 128``, offset 128), ``Q4_K``/``Q5_K`` 4/5 bits with float32 scales and
+    minimums per 32 values, ``Q6_K`` 6 bits (offset 32) with float32 scales per 16 values."""
+    if type_name not in BLOCK_TYPES or type_name in ("Q2_K", "Q3_K"):
+        return None
+    size, per_block, _ = BLOCK_TYPES[type_name]
+    rows = raw.shape[0]
+    b = raw.reshape(-1, size)
+    n = b.shape[0]
+    d = _f16(b[:, :2]).half().reshape(rows, -1)
+    if type_name == "Q4_0":
+        return BlockGroups(_nibbles(b[:, 2:]).reshape(rows, -1), d, None, 8, 4, 32)
+    if type_name == "Q4_1":
+        return BlockGroups(_nibbles(b[:, 4:]).reshape(rows, -1), d, _f16(b[:, 2:4]).half().reshape(rows, -1), 0, 4, 32)
+    if type_name == "Q5_0":
+        q = _nibbles(b[:, 6:]) | (_fifth_bits(b[:, 2:6]) << 4)
+        return BlockGroups(q.reshape(rows, -1), d, None, 16, 5, 32)
+    if type_name == "Q5_1":
+        q = _nibbles(b[:, 8:]) | (_fifth_bits(b[:, 4:8]) << 4)
+        return BlockGroups(q.reshape(rows, -1), d, _f16(b[:, 2:4]).half().reshape(rows, -1), 0, 5, 32)
+    if type_name == "Q8_0":
+        q = (b[:, 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+        return BlockGroups(q.reshape(rows, -1), d, None, 128, 8, 32)
+    if type_name == "Q4_K":
+        return _k_groups(b, _shifted(b[:, 16:].reshape(n, 4, 32), (0, 4), 0x0F), rows, 4)
+    if type_name == "Q5_K":
+        ql = _shifted(b[:, 48:].reshape(n, 4, 32), (0, 4), 0x0F).reshape(n, 8, 32)
+        qh = _shifted(b[:, 16:48].reshape(n, 1, 32), tuple(range(8)), 1).reshape(n, 8, 32)
+        return _k_groups(b, ql | (qh << 4), rows, 5)
+    ql = _shifted(b[:, :128].reshape(n, 2, 64), (0, 4), 0x0F).reshape(n, 8, 32)  # Q6_K
+    qh = _shifted(b[:, 128:192].reshape(n, 2, 32), (0, 2, 4, 6), 3).reshape(n, 8, 32)
+    sc = b[:, 192:208].contiguous().view(torch.int8).float()
+    scales = (_f16(b[:, 208:210]) * sc).reshape(rows, -1)
+    return BlockGroups((ql | (qh << 4)).reshape(rows, -1), scales, None, 32, 6, 16)

@@ -44,15 +44,16 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
             model = model_cls(model_config)
     finally:
         torch.set_default_dtype(previous)
-    # Weights stay quantized from a GGUF file on one CPU process (tokenmill.model_loader.quantized_loading);
-    # with tensor or pipeline parallelism the model loads in float and gets quantized copies, as before.
-    # An AWQ/GPTQ checkpoint (tokenmill.model_loader.hf_quant_weights) goes the same way, with or without
-    # --quantization; elsewhere its weights are dequantized as the layers load them.
+    # Weights stay quantized from a GGUF file on one process (tokenmill.model_loader.quantized_loading), in the
+    # platform's formats (the CPU plugin's, the Triton ones of the CUDA and ROCm plugins); with tensor or
+    # pipeline parallelism the model loads in float and gets quantized copies, as before. An AWQ/GPTQ checkpoint
+    # (tokenmill.model_loader.hf_quant_weights) goes the same way, with or without --quantization; elsewhere its
+    # weights are dequantized as the layers load them.
     from tokenmill.model_loader.hf_quant_config import parse_hf_quant_config
 
     hf_quant = None if model_config.gguf_file else parse_hf_quant_config(model_config.hf_config)
     keep_quantized = bool((model_config.gguf_file and model_config.quantization or hf_quant)
-                          and torch.device(device).type == "cpu" and get_tp_size() == 1 and get_pp_size() == 1)
+                          and get_tp_size() == 1 and get_pp_size() == 1)
     if model_config.gguf_file:
         from tokenmill.model_loader.gguf_weights import iterate_gguf_weights
 
@@ -69,7 +70,8 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         from tokenmill.model_loader import quantized_loading
 
         prepared = quantized_loading.prepare_quantized_loading(model, model_config.quantization,
-                                                               embedding_blocks=bool(model_config.gguf_file))
+                                                               embedding_blocks=bool(model_config.gguf_file)
+                                                               and torch.device(device).type == "cpu")
         weights = quantized_loading.feeding_tied_heads(model, weights)
     with torch.no_grad():
         loaded = model.load_weights(weights)

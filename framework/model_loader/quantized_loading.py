@@ -74,6 +74,7 @@ class QuantizedRowLoader:
         self.rows: list[tuple[int, Any]] = []
         self.filled = 0
         self.shape = tuple(layer.weight.shape)
+        self.device = layer.weight.device  # where the layer was built: rows arrive on the CPU (the file's pages)
         self.done = False
         self.tied = False  # an LM head whose weight is the token embedding's (fed by feeding_tied_heads)
 
@@ -155,9 +156,9 @@ class QuantizedRowLoader:
 
     def _install(self, quant: QuantizedWeight | None) -> None:
         if quant is None:  # no format holds it or can pack this shape: the layer keeps a float weight
-            self.layer.weight = _param_like(self.layer.weight, self._floats(0, self.shape[0]))
+            self.layer.weight = _param_like(self.layer.weight, self._floats(0, self.shape[0]).to(self.device))
         else:
-            self.layer.quant = quant
+            self.layer.quant = quant.to(self.device)
             self.layer.quant_only = True
             self.layer.quant_max_tokens = 0
         self.rows = []
@@ -227,7 +228,8 @@ def prepare_quantized_loading(model: nn.Module, method: str | None, embedding_bl
 
     Args:
         method: the format for float weights; ``None`` keeps them float (and leaves the LM head alone).
-        embedding_blocks: the token embedding keeps GGUF blocks (a GGUF file).
+        embedding_blocks: the token embedding keeps GGUF blocks (a GGUF file on the CPU; on a GPU the table is
+            dequantized into its float weight as it loads).
 
     Returns:
         the number of layers prepared.
@@ -247,6 +249,8 @@ def prepare_quantized_loading(model: nn.Module, method: str | None, embedding_bl
         except ValueError:
             continue
     replaced: dict[int, nn.Parameter] = {}
+    embeddings = [m.weight for m in model.modules()  # before any is replaced: a tied LM head shares its parameter
+                  if isinstance(m, VocabParallelEmbedding) and not getattr(m, "is_lm_head", False)]
 
     def to_meta(module: nn.Module) -> None:
         old = module.weight
@@ -269,14 +273,9 @@ def prepare_quantized_loading(model: nn.Module, method: str | None, embedding_bl
         if getattr(module, "tp_size", 1) != 1 or (head and head_cls is None):
             continue
         module.quant_loader = QuantizedRowLoader(module, head_cls if head else cls, formats, name)
+        module.quant_loader.tied = head and any(module.weight is w for w in embeddings)
         to_meta(module)
         count += 1
-    embeddings = [m.weight for m in model.modules()
-                  if isinstance(m, VocabParallelEmbedding) and not getattr(m, "is_lm_head", False)]
-    for module in model.modules():
-        loader = getattr(module, "quant_loader", None)
-        if getattr(module, "is_lm_head", False) and loader is not None:
-            loader.tied = any(module.weight is w for w in embeddings)
     return count
 
 

@@ -16,6 +16,9 @@ from tokenmill.plugin_api import Platform
 if TYPE_CHECKING:
     from tokenmill.plugin_api import EngineConfig
 
+TRITON_QUANT_METHODS = {"int8": "tokenmill.plugin_api:TritonInt8Weight",
+                        "int4": "tokenmill.plugin_api:TritonInt4Weight"}
+
 
 _TRITON_STATE_OPS = {
     "causal_conv1d": "tokenmill.layers.mamba.triton_state_ops:TritonCausalConv1d",
@@ -48,3 +51,12 @@ class RocmPlatform(Platform):
         if importlib.util.find_spec("triton") is None:
             return None
         return _TRITON_STATE_OPS.get(name)
+
+    @classmethod
+    def get_quant_method_cls(cls, method: str) -> str | None:
+        """``int8`` and ``int4`` in the Triton group-quantized formats of the plugin API (``TritonInt8Weight``,
+        ``TritonInt4Weight``: AWQ, GPTQ, compressed-tensors and GGUF weights stay quantized); without triton,
+        the base class's ``int8`` (torch's packed int8 op) and no ``int4``."""
+        if importlib.util.find_spec("triton") is None:
+            return super().get_quant_method_cls(method)
+        return TRITON_QUANT_METHODS.get(method)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tokenmill.plugin_api import PlatformSpec, hookimpl
 
-TOKENMILL_PLUGIN_API = ">=1.0,<2"
+TOKENMILL_PLUGIN_API = ">=1.6,<2"  # 1.6: the Triton quantized-weight formats
 
 
 def detect() -> tuple[bool, str]:
