@@ -37,6 +37,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     from tests import kernel_prebuild
 
     kernel_prebuild.stop()
+    if "tests.lower_isa" in sys.modules:
+        sys.modules["tests.lower_isa"].close_worker()
 
 
 # The shape of every tiny test model (tests/models/families.py builds the other families on it too).

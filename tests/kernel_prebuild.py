@@ -44,6 +44,8 @@ def start(items: list[pytest.Item]) -> None:
     checks = [item for item in items if item.get_closest_marker(MARKER)]
     if not checks or _process is not None:
         return
+    # By capability: the checks of one build share one worker process (tests/lower_isa.py).
+    checks.sort(key=lambda item: str(getattr(getattr(item, "callspec", None), "params", {}).get("capability", "")))
     items[:] = [item for item in items if not item.get_closest_marker(MARKER)] + checks
     if os.environ.get("TOKENMILL_TEST_PREBUILD") != "1" or os.environ.get("TOKENMILL_CPU_KERNELS") == "0":
         return

@@ -148,12 +148,13 @@ def test_serve_streams_and_stops_cleanly_on_sigterm() -> None:
 
 
 def test_serve_non_stream_disconnect_aborts() -> None:
-    with launch(env={"FAKE_DELAY_S": "0.05"}) as proc:
+    with launch(env={"FAKE_DELAY_S": "0.2"}) as proc:
         wait_healthy(proc)
         body = {"prompt": "x", "max_tokens": 100}
         with pytest.raises(httpx.TimeoutException):
-            # 2 s of the request's 5: under load the server may take a second to reach the engine.
-            httpx.post(proc.url + "/v1/completions", json=body, timeout=2.0)
+            # 1.5 s of the answer's 6 (31 tokens, 0.2 s each): under load the request may take a second to reach
+            # the engine, and it must still be running when the client goes.
+            httpx.post(proc.url + "/v1/completions", json=body, timeout=1.5)
         time.sleep(0.5)
         proc.process.send_signal(signal.SIGINT)
         assert proc.finish() == 0

@@ -3,10 +3,6 @@ the activations the same way, so the kernel's own error (not the 8-bit rounding)
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -163,16 +159,7 @@ print("ok")
 @pytest.mark.parametrize(("capability", "isa"), [("default", "scalar"), ("avx2", "avx2")])
 def test_lower_isa_builds_give_the_same_results(capability, isa):
     """The plain C++ path (ATen's default capability) and the AVX2/FMA path (CPUs without AVX-512 VNNI; on an
-    AVX-512 machine built with AVX2 flags only), each built and checked in a subprocess."""
-    if isa == "avx2" and not {"avx2", "fma", "f16c"} <= kernels.cpu_flags():
-        pytest.skip("this CPU has no AVX2/FMA/F16C")
-    from tests import kernel_prebuild
+    AVX-512 machine built with AVX2 flags only), each checked in its build's process (tests/lower_isa.py)."""
+    from tests.lower_isa import run_lower_isa_script
 
-    kernel_prebuild.stop()  # finish a background build of this capability in the foreground (tests/kernel_prebuild.py)
-    from tests.lower_isa import lower_isa_env
-
-    env = lower_isa_env(capability)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    result = subprocess.run([sys.executable, "-c", BUILD_CHECK, isa], env=env, cwd=root, capture_output=True,
-                            text=True, timeout=600)
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+    assert "ok" in run_lower_isa_script(capability, isa, BUILD_CHECK, isa)
