@@ -93,7 +93,7 @@ def load_hf_config(directory: str, gguf_file: str | None, *, trust_remote_code: 
     and caches its tokenizer (:func:`tokenmill.tokenizer.load_tokenizer`; a failure there is left for the
     tokenizer's own load to report), all from one ``gguf.GGUFReader`` (:func:`reuse_gguf_readers`).
 
-    A state-space file (``mamba2``) gets its config from
+    A state-space or hybrid file (``mamba2``, ``granitehybrid``, ``falcon-h1``) gets its config from
     :func:`tokenmill.model_loader.gguf_state_space.read_state_space_config`, which transformers' reader lacks;
     for other GGUF files the architecture comes from the model type (:data:`GGUF_ARCHITECTURES`; llama.cpp writes
     Mistral and Mixtral files as ``llama``: transformers recognises Mistral by name, and a ``llama`` file with

@@ -1,0 +1,77 @@
+"""Granite 4.0-H and Falcon-H1 written to GGUF as llama.cpp's converter writes ``granitehybrid`` and ``falcon-h1``
+files, served from the file.
+
+The tiny random checkpoints of ``test_hybrid_models.py`` (Granite: Mamba2 and attention layers, 4 experts top-2
+plus the shared MLP, Granite's multipliers; Falcon-H1: a mixer and attention in every layer, muP multipliers)
+are converted with the ``gguf`` package (``tests/models/gguf_hybrid_writer.py``). A float32 file must give
+transformers' greedy tokens (24) and prompt logprobs on the original weights; a Q8_0 file must load exactly the
+weights of the checkpoint whose quantized tensors went through the same Q8_0 round trip.
+"""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+
+from tests.models.gguf_hybrid_writer import (
+    falcon_h1_folded_copy,
+    q8_0_rounded_copy,
+    write_falcon_h1_gguf,
+    write_granite_hybrid_gguf,
+)
+from tests.models.test_families import PROMPTS, check_against_transformers
+from tests.models.test_hybrid_models import SPECS, build
+from tokenmill.engine.core import EngineCore
+from tokenmill.engine_args import EngineArgs
+
+# short, mid-chunk and long (several 16-token prefill steps) prompts, one more than the two state slots
+PROMPTS_HERE = [PROMPTS[0], PROMPTS[2], PROMPTS[5]]
+WRITERS = {"granitemoehybrid": write_granite_hybrid_gguf, "falcon_h1": write_falcon_h1_gguf}
+ARCHITECTURES = {"granitemoehybrid": "GraniteMoeHybridForCausalLM", "falcon_h1": "FalconH1ForCausalLM"}
+
+
+@pytest.fixture(scope="module", params=list(WRITERS))
+def hybrid_dir(request, tmp_path_factory) -> tuple[str, str]:
+    name = request.param
+    return name, build(next(s for s in SPECS if s.name == name), str(tmp_path_factory.mktemp(name)))
+
+
+def _engine(source: str, arch: str) -> EngineCore:
+    config = EngineArgs(model=source, dtype="float32", block_size=4, max_num_batched_tokens=16, max_num_seqs=2,
+                        max_model_len=256, num_gpu_blocks_override=256).create_engine_config()
+    assert config.model_config.architectures == [arch]
+    return EngineCore(config)
+
+
+def test_hybrid_gguf_matches_transformers(hybrid_dir, tmp_path):
+    name, model_dir = hybrid_dir
+    path, _ = WRITERS[name](model_dir, str(tmp_path / f"{name}.gguf"))
+    check_against_transformers(_engine(path, ARCHITECTURES[name]), model_dir, PROMPTS_HERE)
+
+
+def test_hybrid_q8_0_gguf_loads_the_q8_0_rounded_weights(hybrid_dir, tmp_path):
+    """Every parameter loaded from the Q8_0 file equals the one loaded from the checkpoint whose quantized
+    tensors went through the same Q8_0 round trip (Falcon-H1: the checkpoint with the multipliers folded in, as
+    the file holds them; the float32 file's outputs are checked above, so equal weights give equal outputs)."""
+    import torch
+
+    name, model_dir = hybrid_dir
+    path, quantized = WRITERS[name](model_dir, str(tmp_path / f"{name}-q8_0.gguf"),
+                                    qtype=gguf.GGMLQuantizationType.Q8_0)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert types["blk.0.ssm_in.weight"] == types["blk.1.attn_k.weight"] == "Q8_0"
+    assert types["blk.0.ssm_conv1d.weight"] == types["blk.0.ssm_a"] == "F32"
+    reference = model_dir
+    if name == "falcon_h1":
+        reference = falcon_h1_folded_copy(model_dir, str(tmp_path / "folded"))
+    reference = q8_0_rounded_copy(reference, str(tmp_path / "rounded"), quantized.__contains__)
+    params = []
+    for source in (path, reference):
+        core = _engine(source, ARCHITECTURES[name])
+        params.append({k: v.detach().clone() for k, v in core.executor.worker.model_runner.model.state_dict().items()})
+        core.shutdown()
+    from_gguf, from_checkpoint = params
+    assert from_gguf.keys() == from_checkpoint.keys()
+    for key, want in from_checkpoint.items():
+        # A_log comes back as log(-(-exp(A_log))): equal within float32 rounding
+        torch.testing.assert_close(from_gguf[key], want, rtol=1e-6, atol=1e-7, msg=key)
