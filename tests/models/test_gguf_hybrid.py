@@ -70,6 +70,13 @@ def test_hybrid_q8_0_gguf_loads_the_q8_0_rounded_weights(hybrid_dir, tmp_path):
         core = _engine(source, ARCHITECTURES[name])
         params.append({k: v.detach().clone() for k, v in core.executor.worker.model_runner.model.state_dict().items()})
         core.shutdown()
+    # with -q int8 the projections whose rows are whole blocks keep the file's Q8_0 blocks (q/k rows permuted back)
+    config = EngineArgs(model=path, dtype="float32", block_size=4, num_gpu_blocks_override=64, max_model_len=256,
+                        quantization="int8").create_engine_config()
+    core = EngineCore(config)
+    modules = dict(core.executor.worker.model_runner.model.named_modules())
+    core.shutdown()
+    assert modules["model.layers.1.self_attn.qkv_proj"].quant_only and modules["lm_head"].quant_only
     from_gguf, from_checkpoint = params
     assert from_gguf.keys() == from_checkpoint.keys()
     for key, want in from_checkpoint.items():
