@@ -186,10 +186,12 @@ _FALCON_UNIT_MULTIPLIERS = dict(
 )
 
 
-def write_falcon_h1_gguf(model_dir: str, path: str, *, qtype: Any = None) -> tuple[str, set[str]]:
+def write_falcon_h1_gguf(model_dir: str, path: str, *, qtype: Any = None, tokenizer: Any = None
+                         ) -> tuple[str, set[str]]:
     """Convert a transformers ``FalconH1ForCausalLM`` directory to a ``falcon-h1`` file at ``path`` as
     ``FalconH1Model`` does (multipliers folded into the weights, none in the metadata; q/k not permuted).
-    Returns the path and the transformers names of the tensors written in ``qtype``."""
+    ``tokenizer``: as :func:`tests.models.gguf_writer.add_vocab`. Returns the path and the transformers names of
+    the tensors written in ``qtype``."""
     import gguf
 
     cfg = _config(model_dir)
@@ -213,7 +215,7 @@ def write_falcon_h1_gguf(model_dir: str, path: str, *, qtype: Any = None) -> tup
         w.add_ssm_time_step_rank(cfg["mamba_d_ssm"] // cfg["mamba_d_head"])
         w.add_ssm_group_count(cfg["mamba_n_groups"])
         w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
-        add_vocab(w, cfg)
+        add_vocab(w, cfg, tokenizer)
 
     def tensors() -> Iterator[tuple[str, str, np.ndarray]]:
         tensor_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.FALCON_H1, layers)

@@ -24,7 +24,8 @@ from tests.models.test_hybrid_models import SPECS, build
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine_args import EngineArgs
 
-# short, mid-chunk and long (several 16-token prefill steps) prompts, one more than the two state slots
+# prompts of 33, 2 and 40 tokens, run together (what is tested here is the file's weights and config; the
+# scheduling cases are test_hybrid_models.py's)
 PROMPTS_HERE = [PROMPTS[0], PROMPTS[2], PROMPTS[5]]
 WRITERS = {"granitemoehybrid": write_granite_hybrid_gguf, "falcon_h1": write_falcon_h1_gguf}
 ARCHITECTURES = {"granitemoehybrid": "GraniteMoeHybridForCausalLM", "falcon_h1": "FalconH1ForCausalLM"}
@@ -37,16 +38,24 @@ def hybrid_dir(request, tmp_path_factory) -> tuple[str, str]:
 
 
 def _engine(source: str, arch: str) -> EngineCore:
-    config = EngineArgs(model=source, dtype="float32", block_size=4, max_num_batched_tokens=16, max_num_seqs=2,
+    config = EngineArgs(model=source, dtype="float32", block_size=4, max_num_batched_tokens=128, max_num_seqs=3,
                         max_model_len=256, num_gpu_blocks_override=256).create_engine_config()
     assert config.model_config.architectures == [arch]
     return EngineCore(config)
 
 
-def test_hybrid_gguf_matches_transformers(hybrid_dir, tmp_path):
+def test_hybrid_gguf_matches_transformers_and_carries_the_tokenizer(hybrid_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from tokenmill.tokenizer import load_tokenizer
+
     name, model_dir = hybrid_dir
-    path, _ = WRITERS[name](model_dir, str(tmp_path / f"{name}.gguf"))
+    hf_tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    # no tokenizer files beside the GGUF: the vocabulary must come from the file
+    path, _ = WRITERS[name](model_dir, str(tmp_path / f"{name}.gguf"), tokenizer=hf_tokenizer)
     check_against_transformers(_engine(path, ARCHITECTURES[name]), model_dir, PROMPTS_HERE)
+    text = "Hello there, the quick brown fox: 42 + 7"
+    assert load_tokenizer(str(tmp_path), f"{name}.gguf")(text).input_ids == hf_tokenizer(text).input_ids
 
 
 def test_hybrid_q8_0_gguf_loads_the_q8_0_rounded_weights(hybrid_dir, tmp_path):
