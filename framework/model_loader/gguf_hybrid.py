@@ -7,7 +7,8 @@
 * Granite's multipliers are ``embedding_scale``, ``attention.scale``, ``residual_scale`` and ``logit_scale``;
 * the converter switches RoPE with ``rope.scaling.finetuned`` (false for a Granite 4.0-H, which has no
   positional encoding, and then writes a placeholder ``context_length`` of 2**20); llama.cpp applies RoPE when
-  the key is true or absent, so does tokenmill;
+  the key is true or absent, so does tokenmill (over whole heads: a partial ``rope.dimension_count``, as in
+  Bamba files, which llama.cpp also writes as ``granitehybrid``, is refused);
 * the experts' merged ``input_linear`` ``[E, 2I, H]`` is split into ``ffn_gate_exps`` / ``ffn_up_exps`` (the
   router is ``ffn_gate_inp``), the shared MLP's into ``ffn_gate_shexp`` / ``ffn_up_shexp`` (``ffn_gate`` /
   ``ffn_up`` / ``ffn_down`` in a file without experts); the loader takes the halves as they are;
@@ -142,6 +143,13 @@ def _granite_hybrid_config(reader: Any, value: Any, names: dict[str, Any], ssm: 
     if ssm["inner"] % hidden:
         raise ValueError(f"granitehybrid GGUF file: ssm.inner_size {ssm['inner']} must be a multiple of "
                          f"embedding_length {hidden}")
+    rope = bool(value("rope.scaling.finetuned", True))
+    head_dim = hidden // common["num_attention_heads"]
+    if rope and int(value("rope.dimension_count", head_dim)) != head_dim:
+        # a Bamba file (which llama.cpp also writes as granitehybrid) rotates part of each head
+        raise ValueError(f"granitehybrid GGUF file: RoPE over {value('rope.dimension_count')} of {head_dim} "
+                         "dimensions per head (partial rotary, Bamba) is not supported; serve the model from its "
+                         "Hugging Face checkpoint")
     experts = int(value("expert_count", 0) or 0)
     shared = value("expert_shared_feed_forward_length", None)
     if shared is None:  # a file without experts has the shared MLP as ffn_gate, [hidden, intermediate]
@@ -160,10 +168,10 @@ def _granite_hybrid_config(reader: Any, value: Any, names: dict[str, Any], ssm: 
         mamba_expand=ssm["inner"] // hidden,
         embedding_multiplier=float(value("embedding_scale", 1.0)),
         # llama.cpp's default when the key is absent: 1 / sqrt(head size)
-        attention_multiplier=float(value("attention.scale", (hidden // common["num_attention_heads"]) ** -0.5)),
+        attention_multiplier=float(value("attention.scale", head_dim ** -0.5)),
         residual_multiplier=float(value("residual_scale", 1.0)),
         logits_scaling=float(value("logit_scale", 1.0)),
-        position_embedding_type="rope" if value("rope.scaling.finetuned", True) else None,
+        position_embedding_type="rope" if rope else None,
     )
 
 

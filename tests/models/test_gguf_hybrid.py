@@ -91,3 +91,32 @@ def test_hybrid_q8_0_gguf_loads_the_q8_0_rounded_weights(hybrid_dir, tmp_path):
     for key, want in from_checkpoint.items():
         # A_log comes back as log(-(-exp(A_log))): equal within float32 rounding
         torch.testing.assert_close(from_gguf[key], want, rtol=1e-6, atol=1e-7, msg=key)
+
+
+def test_granitehybrid_gguf_with_partial_rotary_is_refused(tmp_path):
+    """A ``granitehybrid`` file with RoPE over part of each head (llama.cpp writes Bamba files so) is refused
+    with a clear error, not served with the wrong rotary."""
+    import numpy as np
+
+    path = str(tmp_path / "bamba.gguf")
+    w = gguf.GGUFWriter(path, "granitehybrid")
+    w.add_block_count(2)
+    w.add_context_length(256)
+    w.add_embedding_length(64)
+    w.add_feed_forward_length(32)
+    w.add_head_count(4)
+    w.add_head_count_kv([0, 2])
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_dimension_count(8)  # of 16 per head
+    w.add_rope_scaling_finetuned(True)
+    w.add_ssm_conv_kernel(4)
+    w.add_ssm_state_size(16)
+    w.add_ssm_inner_size(128)
+    w.add_ssm_time_step_rank(8)
+    w.add_tensor("token_embd.weight", np.zeros((16, 64), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="RoPE over 8 of 16 dimensions per head"):
+        EngineArgs(model=path, dtype="float32").create_engine_config()
