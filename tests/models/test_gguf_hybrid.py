@@ -20,6 +20,7 @@ from tests.models.gguf_hybrid_writer import (
     write_granite_hybrid_gguf,
 )
 from tests.models.test_families import PROMPTS, check_against_transformers
+from tests.models.test_gguf_state_space import check_q8_0_load
 from tests.models.test_hybrid_models import SPECS, build
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine_args import EngineArgs
@@ -62,8 +63,6 @@ def test_hybrid_q8_0_gguf_loads_the_q8_0_rounded_weights(hybrid_dir, tmp_path):
     """Every parameter loaded from the Q8_0 file equals the one loaded from the checkpoint whose quantized
     tensors went through the same Q8_0 round trip (Falcon-H1: the checkpoint with the multipliers folded in, as
     the file holds them; the float32 file's outputs are checked above, so equal weights give equal outputs)."""
-    import torch
-
     name, model_dir = hybrid_dir
     path, quantized = WRITERS[name](model_dir, str(tmp_path / f"{name}-q8_0.gguf"),
                                     qtype=gguf.GGMLQuantizationType.Q8_0)
@@ -74,23 +73,9 @@ def test_hybrid_q8_0_gguf_loads_the_q8_0_rounded_weights(hybrid_dir, tmp_path):
     if name == "falcon_h1":
         reference = falcon_h1_folded_copy(model_dir, str(tmp_path / "folded"))
     reference = q8_0_rounded_copy(reference, str(tmp_path / "rounded"), quantized.__contains__)
-    params = []
-    for source in (path, reference):
-        core = _engine(source, ARCHITECTURES[name])
-        params.append({k: v.detach().clone() for k, v in core.executor.worker.model_runner.model.state_dict().items()})
-        core.shutdown()
-    # with -q int8 the projections whose rows are whole blocks keep the file's Q8_0 blocks (q/k rows permuted back)
-    config = EngineArgs(model=path, dtype="float32", block_size=4, num_gpu_blocks_override=64, max_model_len=256,
-                        quantization="int8").create_engine_config()
-    core = EngineCore(config)
-    modules = dict(core.executor.worker.model_runner.model.named_modules())
-    core.shutdown()
-    assert modules["model.layers.1.self_attn.qkv_proj"].quant_only and modules["lm_head"].quant_only
-    from_gguf, from_checkpoint = params
-    assert from_gguf.keys() == from_checkpoint.keys()
-    for key, want in from_checkpoint.items():
-        # A_log comes back as log(-(-exp(A_log))): equal within float32 rounding
-        torch.testing.assert_close(from_gguf[key], want, rtol=1e-6, atol=1e-7, msg=key)
+    # with -q int8 the attention projections keep the file's Q8_0 blocks (q/k rows permuted back for Granite)
+    check_q8_0_load(lambda source: _engine(source, ARCHITECTURES[name]), path, reference,
+                    ["model.layers.1.self_attn.qkv_proj", "lm_head"], max_model_len=256)
 
 
 def test_granitehybrid_gguf_with_partial_rotary_is_refused(tmp_path):

@@ -9,6 +9,9 @@ form must load exactly the Q8_0-rounded weights. Other llama.cpp state-space arc
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -57,25 +60,33 @@ def test_mamba2_q8_0_gguf_loads_the_q8_0_rounded_weights(mamba2_dir, tmp_path):
     through the same Q8_0 round trip (the float32 file's outputs are checked above, so equal weights give
     equal outputs)."""
     import gguf
-    import torch
 
     path = write_mamba2_gguf(mamba2_dir, str(tmp_path / "mamba2-q8_0.gguf"), qtype=gguf.GGMLQuantizationType.Q8_0)
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
     assert types["blk.0.ssm_in.weight"] == types["blk.1.ssm_norm.weight"] == "Q8_0"
     assert types["blk.0.ssm_conv1d.weight"] == types["blk.0.ssm_a"] == "F32"
-    params = []
     rounded = q8_0_rounded_copy(mamba2_dir, str(tmp_path / "rounded"), lambda name: name.endswith(_QUANTIZED))
-    for source in (path, rounded):
-        core = _engine(source)
+    check_q8_0_load(_engine, path, rounded, ["backbone.layers.0.mixer.out_proj", "lm_head"])
+
+
+def check_q8_0_load(engine: Callable[[str], EngineCore], path: str, reference: str, quant_only: list[str],
+                    **engine_args: Any) -> None:
+    """Every parameter ``engine(path)`` (a Q8_0 file) loads equals the one ``engine(reference)`` (its checkpoint
+    with the same Q8_0 round trip) loads, and with ``-q int8`` (``engine_args`` on top of float32, 4-token
+    blocks) the modules ``quant_only`` keep the file's Q8_0 blocks (their rows are whole blocks)."""
+    import torch
+
+    params = []
+    for source in (path, reference):
+        core = engine(source)
         params.append({k: v.detach().clone() for k, v in core.executor.worker.model_runner.model.state_dict().items()})
         core.shutdown()
-    # with -q int8 the projections whose rows are whole blocks keep the file's Q8_0 blocks
-    config = EngineArgs(model=path, dtype="float32", block_size=4, num_gpu_blocks_override=64,
-                        quantization="int8").create_engine_config()
+    config = EngineArgs(model=path, dtype="float32", block_size=4, num_gpu_blocks_override=64, quantization="int8",
+                        **engine_args).create_engine_config()
     core = EngineCore(config)
     modules = dict(core.executor.worker.model_runner.model.named_modules())
     core.shutdown()
-    assert modules["backbone.layers.0.mixer.out_proj"].quant_only and modules["lm_head"].quant_only
+    assert all(modules[name].quant_only for name in quant_only)
     from_gguf, from_checkpoint = params
     assert from_gguf.keys() == from_checkpoint.keys()
     for name, want in from_checkpoint.items():
