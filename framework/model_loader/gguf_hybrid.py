@@ -178,13 +178,12 @@ def _granite_hybrid_config(reader: Any, value: Any, names: dict[str, Any], ssm: 
 def _falcon_h1_config(value: Any, names: dict[str, Any], ssm: dict[str, int], common: dict[str, Any]) -> Any:
     from transformers import FalconH1Config
 
-    head_dim = common["hidden_size"] // common["num_attention_heads"]
-    if int(value("attention.key_length", head_dim)) != head_dim:
-        raise ValueError(f"falcon-h1 GGUF file: attention.key_length {value('attention.key_length')} differs from "
-                         f"embedding_length / head_count ({head_dim}), which tokenmill's Falcon-H1 requires")
+    # Falcon-H1's head size is not hidden / heads (64 or 128 in every checkpoint): attention.key_length
+    head_dim = int(value("attention.key_length", common["hidden_size"] // common["num_attention_heads"]))
     return FalconH1Config(
         **common,
         num_key_value_heads=int(value("attention.head_count_kv")),
+        head_dim=head_dim,
         intermediate_size=int(value("feed_forward_length")),
         mamba_d_ssm=ssm["inner"],
         mamba_rms_norm=any(n.endswith(".ssm_norm.weight") for n in names),

@@ -59,9 +59,11 @@ SPECS = [
                     embedding_multiplier=6.0, attention_multiplier=0.15, residual_multiplier=0.4,
                     logits_scaling=3.0, max_position_embeddings=256),
                num_blocks=24),
-    # attention and a Mamba2 mixer side by side in every layer, no gated norm, muP multipliers all != 1
+    # attention and a Mamba2 mixer side by side in every layer, no gated norm, muP multipliers all != 1, a head
+    # size apart from hidden / heads (as in every Falcon-H1 checkpoint)
     HybridSpec("falcon_h1", "FalconH1Config", "FalconH1ForCausalLM",
-               dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+               dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                    intermediate_size=96,
                     mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4,
                     mamba_expand=2, mamba_d_ssm=128, mamba_chunk_size=8, mamba_rms_norm=False,
                     max_position_embeddings=256,
