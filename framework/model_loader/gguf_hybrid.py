@@ -21,7 +21,9 @@ multipliers into the weights (embeddings, LM head, q/k/v by ``attention_in_multi
 ``key_multiplier``, the attention output, the MLP's gate and down projections, the mixer's input projection by
 ``ssm_in_multiplier`` and each of its five sections by ``ssm_multipliers``, its output projection) and writes
 none of them, so the config read here has every multiplier 1. Its query/key rows are not permuted (NeoX rotary
-layout). llama.cpp's Mamba2 layer gates before its optional grouped norm: ``mamba_norm_before_gate`` is false.
+layout); the head size is ``attention.key_length`` (not hidden / heads in any Falcon-H1); the pre-MLP norm is
+``blk.N.ffn_norm`` without ``.weight`` (as gguf's tensor map names it). llama.cpp's Mamba2 layer gates before
+its optional grouped norm: ``mamba_norm_before_gate`` is false.
 """
 
 from __future__ import annotations
@@ -102,7 +104,7 @@ def hybrid_config(reader: Any, arch: str) -> Any:
         raise ValueError(f"{arch} GGUF file: no token_embd.weight tensor")
     value = arch_metadata(reader, arch)
     hidden, layers = int(value("embedding_length")), int(value("block_count"))
-    ssm = ssm_sizes(reader, arch, hidden)
+    ssm = ssm_sizes(reader, arch)
     common = dict(
         vocab_size=int(embedding.shape[1]),  # GGUF shapes are innermost first: [hidden, vocab]
         hidden_size=hidden,

@@ -16,6 +16,7 @@ Other llama.cpp architectures with state layers (:func:`state_space_architecture
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from functools import cache
 from typing import Any
 
@@ -79,7 +80,7 @@ def metadata_list(reader: Any, key: str) -> list[Any] | None:
     return [field.parts[i].tolist()[0] for i in field.data]
 
 
-def arch_metadata(reader: Any, arch: str) -> Any:
+def arch_metadata(reader: Any, arch: str) -> Callable[..., Any]:
     """``value(key, default)``: the metadata ``{arch}.{key}``, or ``default``; without a default a missing key
     raises ``ValueError`` naming it."""
     missing = object()
@@ -95,7 +96,7 @@ def arch_metadata(reader: Any, arch: str) -> Any:
     return value
 
 
-def ssm_sizes(reader: Any, arch: str, hidden: int) -> dict[str, int]:
+def ssm_sizes(reader: Any, arch: str) -> dict[str, int]:
     """The Mamba2 mixer sizes of a file's ``ssm.*`` metadata: ``inner`` channels, ``heads``
     (``ssm.time_step_rank``, where llama.cpp's converter writes the number of heads), ``head_dim`` (inner /
     heads), ``state``, ``conv_kernel``, ``groups`` (1 when absent).
@@ -145,7 +146,7 @@ def _mamba2_config(reader: Any) -> Any:
 
     value = arch_metadata(reader, "mamba2")
     hidden = int(value("embedding_length"))
-    ssm = ssm_sizes(reader, "mamba2", hidden)
+    ssm = ssm_sizes(reader, "mamba2")
     if ssm["inner"] % hidden:
         raise ValueError(f"mamba2 GGUF file: ssm.inner_size {ssm['inner']} must be a multiple of "
                          f"embedding_length {hidden}")
