@@ -105,3 +105,19 @@ def test_granitehybrid_gguf_with_partial_rotary_is_refused(tmp_path):
     w.close()
     with pytest.raises(ValueError, match="RoPE over 8 of 16 dimensions per head"):
         EngineArgs(model=path, dtype="float32").create_engine_config()
+
+
+def test_granitehybrid_gguf_without_experts_loads_the_q8_0_rounded_weights(tmp_path):
+    """A Granite 4.0-H without experts (as Granite 4.0-H-Micro): the converter writes the shared MLP as
+    ``ffn_gate`` / ``ffn_up`` / ``ffn_down``, and the file must load exactly the Q8_0-rounded checkpoint."""
+    from dataclasses import replace
+
+    spec = next(s for s in SPECS if s.name == "granitemoehybrid")
+    model_dir = build(replace(spec, kwargs={**spec.kwargs, "num_local_experts": 0}), str(tmp_path / "dense"))
+    path, quantized = write_granite_hybrid_gguf(model_dir, str(tmp_path / "dense-q8_0.gguf"),
+                                                qtype=gguf.GGMLQuantizationType.Q8_0)
+    names = {t.name for t in gguf.GGUFReader(path).tensors}
+    assert "blk.0.ffn_gate.weight" in names and not any("exps" in n or "shexp" in n for n in names)
+    reference = q8_0_rounded_copy(model_dir, str(tmp_path / "rounded"), quantized.__contains__)
+    check_q8_0_load(lambda source: _engine(source, "GraniteMoeHybridForCausalLM"), path, reference,
+                    ["model.layers.0.shared_mlp.gate_up_proj"], max_model_len=256)
