@@ -43,7 +43,8 @@ def _rope_theta(cfg: dict[str, Any]) -> float:
 
 def converter_quantizes(gguf_name: str, array: np.ndarray, qtype: Any) -> bool:
     """Whether the converter writes ``gguf_name`` in ``qtype``: a ``.weight`` of 2 or more dimensions, not a
-    norm, the router or the conv weight, whose rows are whole blocks (it falls back to a float type otherwise)."""
+    norm, the router or the conv weight, whose rows are whole blocks (otherwise the converter falls back to
+    float16; float32 here)."""
     import gguf
 
     return (qtype is not None and array.ndim >= 2 and gguf_name.endswith(".weight")
