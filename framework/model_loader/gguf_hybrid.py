@@ -35,7 +35,10 @@ from tokenmill.model_loader.gguf_state_space import (
     GGUF_STATE_SPACE_ARCHITECTURES,
     SSM_LAYER_PARTS,
     arch_metadata,
+    mamba2_config,
+    mamba2_hf_name,
     metadata_list,
+    metadata_value,
     ssm_sizes,
     token_ids,
 )
@@ -77,6 +80,31 @@ _LAYER_NAMES = {
         **{f"ffn_{p}.weight": f"feed_forward.{p}_proj.weight" for p in ("gate", "up", "down")},
     },
 }
+
+
+def read_state_space_config(path: str) -> Any | None:
+    """The transformers config of a ``mamba2``, ``granitehybrid`` or ``falcon-h1`` GGUF file; ``None`` for any
+    other architecture (transformers' GGUF reader reads the dense ones; the other state-space ones are refused by
+    the caller).
+
+    Raises:
+        ValueError: a file whose metadata lacks a size or whose sizes do not fit the config class.
+    """
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    arch = metadata_value(reader, "general.architecture")
+    if arch == "mamba2":
+        return mamba2_config(reader)
+    if arch in GGUF_STATE_SPACE_ARCHITECTURES:
+        return hybrid_config(reader, arch)
+    return None
+
+
+def state_space_hf_name(name: str, arch: str) -> str | None:
+    """The transformers name of tensor ``name`` of a ``mamba2``, ``granitehybrid`` or ``falcon-h1`` file
+    (``blk.3.ssm_a`` -> ``backbone.layers.3.mixer.A_log`` for ``mamba2``); ``None`` for unknown names."""
+    return mamba2_hf_name(name) if arch == "mamba2" else hybrid_hf_name(name, arch)
 
 
 def hybrid_hf_name(name: str, arch: str) -> str | None:

@@ -120,28 +120,7 @@ def token_ids(reader: Any) -> dict[str, Any]:
             for key, name in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"))}
 
 
-def read_state_space_config(path: str) -> Any | None:
-    """The transformers config of a ``mamba2``, ``granitehybrid`` or ``falcon-h1`` GGUF file; ``None`` for any
-    other architecture (transformers' GGUF reader reads the dense ones; the other state-space ones are refused by
-    the caller).
-
-    Raises:
-        ValueError: a file whose metadata lacks a size or whose sizes do not fit the config class.
-    """
-    import gguf
-
-    reader = gguf.GGUFReader(path)
-    arch = metadata_value(reader, "general.architecture")
-    if arch == "mamba2":
-        return _mamba2_config(reader)
-    if arch in GGUF_STATE_SPACE_ARCHITECTURES:
-        from tokenmill.model_loader.gguf_hybrid import hybrid_config
-
-        return hybrid_config(reader, arch)
-    return None
-
-
-def _mamba2_config(reader: Any) -> Any:
+def mamba2_config(reader: Any) -> Any:
     from transformers import Mamba2Config
 
     value = arch_metadata(reader, "mamba2")
@@ -173,13 +152,8 @@ def _mamba2_config(reader: Any) -> Any:
     )
 
 
-def state_space_hf_name(name: str, arch: str) -> str | None:
-    """``blk.3.ssm_a`` -> ``backbone.layers.3.mixer.A_log`` for a ``mamba2`` file (the hybrid files:
-    :func:`tokenmill.model_loader.gguf_hybrid.hybrid_hf_name`); ``None`` for unknown names."""
-    if arch != "mamba2":
-        from tokenmill.model_loader.gguf_hybrid import hybrid_hf_name
-
-        return hybrid_hf_name(name, arch)
+def mamba2_hf_name(name: str) -> str | None:
+    """``blk.3.ssm_a`` -> ``backbone.layers.3.mixer.A_log`` for a ``mamba2`` file; ``None`` for unknown names."""
     if name in _MAMBA2_GLOBAL:
         return _MAMBA2_GLOBAL[name]
     m = BLOCK_RE.match(name)

@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
+from tokenmill.model_loader.gguf_hybrid import state_space_hf_name
 from tokenmill.model_loader.gguf_state_space import (
     GGUF_STATE_SPACE_ARCHITECTURES,
     changes_state_space_layout,
-    state_space_hf_name,
     undo_state_space_layout,
 )
 from tokenmill.model_loader.gguf_tensor import GGUFQuantTensor

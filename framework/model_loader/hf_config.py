@@ -11,7 +11,7 @@ from typing import Any
 
 from tokenmill.model_loader.default_model import DEFAULT_SERVED_MODEL_NAME, default_model_path
 from tokenmill.model_loader.gguf_cache import gguf_cache_dir, read_gguf_tensors, reuse_gguf_readers, save_atomically
-from tokenmill.model_loader.gguf_state_space import read_state_space_config
+from tokenmill.model_loader.gguf_hybrid import read_state_space_config
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ def load_hf_config(directory: str, gguf_file: str | None, *, trust_remote_code: 
     tokenizer's own load to report), all from one ``gguf.GGUFReader`` (:func:`reuse_gguf_readers`).
 
     A state-space or hybrid file (``mamba2``, ``granitehybrid``, ``falcon-h1``) gets its config from
-    :func:`tokenmill.model_loader.gguf_state_space.read_state_space_config`, which transformers' reader lacks;
+    :func:`tokenmill.model_loader.gguf_hybrid.read_state_space_config`, which transformers' reader lacks;
     for other GGUF files the architecture comes from the model type (:data:`GGUF_ARCHITECTURES`; llama.cpp writes
     Mistral and Mixtral files as ``llama``: transformers recognises Mistral by name, and a ``llama`` file with
     experts becomes a Mixtral config here), and ``head_dim`` is taken from ``attention.key_length`` where
