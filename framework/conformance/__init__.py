@@ -31,7 +31,18 @@ _EXPORTS = {
     "ConformanceTarget": "target", "ContractFailure": "target", "ItemSkipped": "target",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "CONTRACT_ITEMS",
+    "ConformanceReport",
+    "ConformanceTarget",
+    "ContractFailure",
+    "ItemResult",
+    "ItemSkipped",
+    "contract_items",
+    "resolve_target",
+    "run_conformance",
+    "run_item",
+]
 
 
 def __getattr__(name: str) -> Any:
