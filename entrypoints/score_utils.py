@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    import torch
 
 
 def make_pairs(data_1: str | Sequence[str], data_2: str | Sequence[str], param_1: str = "text_1",
@@ -42,4 +43,6 @@ def pair_token_ids(tokenizer: Any, text_1: str, text_2: str) -> list[int]:
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     """Cosine similarity of two ``[d]`` float tensors."""
+    import torch  # the API server imports this module and starts without torch
+
     return float(torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=0))

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from tokenmill.engine.detokenizer import IncrementalDetokenizer, TokenizerView
 from tokenmill.engine.input_processor import ProcessedRequest
@@ -242,6 +241,8 @@ class _Request:
 
     def _pooling_output(self) -> PoolingRequestOutput:
         assert self.pooled is not None
+        import torch  # the front end (this module's user) imports torch only once a pooling result arrives
+
         values = np.frombuffer(self.pooled.data, dtype=np.float32).reshape(self.pooled.shape)
         return PoolingRequestOutput(
             request_id=self.request_id,

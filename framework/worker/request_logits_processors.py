@@ -20,15 +20,16 @@ from __future__ import annotations
 import inspect
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import LogitsProcessorSpec
 
+if TYPE_CHECKING:  # the front end validates processors with this module and starts without torch
+    import torch
+
 PARAM = "logits_processors"
-RequestProcessor = Callable[..., torch.Tensor]
+RequestProcessor = Callable[..., "torch.Tensor"]
 
 
 def resolve_name(qualname: str) -> Any:
@@ -112,7 +113,7 @@ class RequestProcessors:
         """
         for fn, takes_prompt in self.processors:
             out = fn(prompt_ids, output_ids, logits) if takes_prompt else fn(output_ids, logits)
-            if not isinstance(out, torch.Tensor) or out.shape != logits.shape:
+            if not isinstance(out, type(logits)) or out.shape != logits.shape:
                 raise RuntimeError(f"logits processor {fn!r} returned "
                                    f"{getattr(out, 'shape', type(out).__name__)}, expected {tuple(logits.shape)}")
             logits = out
