@@ -39,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 # default step budget of encoder-only pooling models (without --max-num-batched-tokens): 16 sequences of 512 tokens
 ENCODER_MAX_NUM_BATCHED_TOKENS = 8192
+# the context length of a model whose config names none, unless --max-model-len gives one (vLLM's default)
+DEFAULT_MAX_MODEL_LEN = 2048
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 
 
@@ -120,7 +123,9 @@ class EngineArgs:
         g.add_argument("--tokenizer", default=d.tokenizer, help="Tokenizer directory (default: the model's).")
         g.add_argument("--served-model-name", default=d.served_model_name, help="Model name the API reports.")
         g.add_argument("--dtype", default=d.dtype, choices=list(MODEL_DTYPES))
-        g.add_argument("--max-model-len", type=int, default=d.max_model_len, help="Context length in tokens.")
+        g.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                       help="Context length in tokens (default: the model's; 2048 for a model whose config names "
+                            "none, such as Mamba2, which takes any length).")
         g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="Most requests per step.")
         g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                        help="Token budget of one step (default: max(2048, max_model_len) capped at 8192; "
@@ -229,7 +234,10 @@ class EngineArgs:
         return cls(**{k: v for k, v in vars(args).items() if k in names})
 
     def create_model_config(self) -> ModelConfig:
-        """Resolve the model location, read its config and pick the context length.
+        """Resolve the model location, read its config and pick the context length: ``max_model_len``, at most
+        the config's limit (:func:`~tokenmill.model_loader.hf_config.derived_max_model_len`); a config that
+        names no limit (state-space models) takes any positive ``max_model_len`` and defaults to
+        :data:`DEFAULT_MAX_MODEL_LEN` (vLLM's rule).
 
         Raises:
             FileNotFoundError: the model path does not exist.
@@ -251,12 +259,19 @@ class EngineArgs:
 
             parse_hf_quant_config(hf_config)  # an unsupported quant_method fails here, before any weight is read
         derived = derived_max_model_len(hf_config)
-        if choice.encoder_only and getattr(hf_config, "model_type", "") in ("xlm-roberta", "roberta"):
+        if derived is not None and choice.encoder_only \
+                and getattr(hf_config, "model_type", "") in ("xlm-roberta", "roberta"):
             derived -= int(getattr(hf_config, "pad_token_id", 1) or 0) + 1  # positions start after padding_idx
         max_len = self.max_model_len if self.max_model_len is not None else derived
+        if max_len is None:
+            # as vLLM: a config without a position limit (Mamba2) takes any --max-model-len, else 2048
+            max_len = DEFAULT_MAX_MODEL_LEN
+            logger.warning("the model's config names no context length (max_position_embeddings, n_positions, "
+                           "max_seq_len or seq_length): max_model_len is %d; set --max-model-len for longer "
+                           "sequences", max_len)
         if max_len <= 0:
             raise ValueError(f"max_model_len: must be positive, got {max_len}")
-        if max_len > derived:
+        if derived is not None and max_len > derived:
             raise ValueError(f"max_model_len: {max_len} exceeds the model's maximum context length {derived}")
         return ModelConfig(
             model=loc.path,

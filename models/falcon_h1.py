@@ -60,7 +60,8 @@ class FalconH1DecoderLayer(nn.Module):
     def __init__(self, config: Any, layer_idx: int, prefix: str) -> None:
         super().__init__()
         cfg = config.hf_config
-        head_dim = cfg.hidden_size // cfg.num_attention_heads
+        # Falcon-H1's checkpoints set head_dim apart from hidden_size / heads (64 or 128 for all of them)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         # keys scaled by key_multiplier == scores scaled by it (values and the cached keys' use are unchanged)
         self.self_attn = DecoderAttention(**attention_args(
             config, layer_idx, f"{prefix}.self_attn", scale=head_dim ** -0.5 * float(cfg.key_multiplier)))

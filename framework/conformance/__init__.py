@@ -8,16 +8,28 @@ The items (:func:`contract_items`) and what each checks are listed in ``docs/plu
 
 from __future__ import annotations
 
-from tokenmill.conformance.kit import (
-    CONTRACT_ITEMS,
-    ConformanceReport,
-    ItemResult,
-    contract_items,
-    resolve_target,
-    run_conformance,
-    run_item,
-)
-from tokenmill.conformance.target import ConformanceTarget, ContractFailure, ItemSkipped
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tokenmill.conformance.kit import (
+        CONTRACT_ITEMS,
+        ConformanceReport,
+        ItemResult,
+        contract_items,
+        resolve_target,
+        run_conformance,
+        run_item,
+    )
+    from tokenmill.conformance.target import ConformanceTarget, ContractFailure, ItemSkipped
+
+# Imported on first use: the pytest plugin (tokenmill.conformance.pytest_plugin, loaded by every pytest run in an
+# environment with tokenmill installed) lives in this package and must not import torch while it is inert.
+_EXPORTS = {
+    "CONTRACT_ITEMS": "kit", "ConformanceReport": "kit", "ItemResult": "kit", "contract_items": "kit",
+    "resolve_target": "kit", "run_conformance": "kit", "run_item": "kit",
+    "ConformanceTarget": "target", "ContractFailure": "target", "ItemSkipped": "target",
+}
 
 __all__ = [
     "CONTRACT_ITEMS",
@@ -31,3 +43,9 @@ __all__ = [
     "run_conformance",
     "run_item",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"tokenmill.conformance.{_EXPORTS[name]}"), name)

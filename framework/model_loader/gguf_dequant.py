@@ -58,6 +58,16 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     return torch.cat((qs & 0x0F, qs >> 4), dim=1)
 
 
+def _float_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """``[B, 16]`` uint8 bytes -> ``[B, 32]`` float32 codes (the low nibbles, then the high nibbles), written
+    straight into the float32 result, which the caller scales in place: no uint8 concatenation and no float32
+    temporaries."""
+    out = torch.empty(qs.shape[0], 2, 16, dtype=torch.float32)
+    out[:, 0].copy_(qs & 0x0F)
+    out[:, 1].copy_(qs >> 4)
+    return out.view(qs.shape[0], 32)
+
+
 def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
     """``[B, 4]`` uint8 (a little-endian uint32 per row) -> ``[B, 32]`` uint8 bits, bit ``j`` at column ``j``."""
     word = qh.contiguous().view(torch.int32)  # [B, 1]; bit 31 sign-extends, the mask below drops it
@@ -71,11 +81,11 @@ def _shifted(raw: torch.Tensor, shifts: tuple[int, ...], mask: int) -> torch.Ten
 
 
 def _q4_0(b: torch.Tensor) -> torch.Tensor:
-    return _f16(b[:, :2]) * (_nibbles(b[:, 2:]).to(torch.int8) - 8).float()
+    return _float_nibbles(b[:, 2:]).sub_(8).mul_(_f16(b[:, :2]))
 
 
 def _q4_1(b: torch.Tensor) -> torch.Tensor:
-    return _f16(b[:, :2]) * _nibbles(b[:, 4:]).float() + _f16(b[:, 2:4])
+    return _float_nibbles(b[:, 4:]).mul_(_f16(b[:, :2])).add_(_f16(b[:, 2:4]))
 
 
 def _q5_0(b: torch.Tensor) -> torch.Tensor:
@@ -89,7 +99,7 @@ def _q5_1(b: torch.Tensor) -> torch.Tensor:
 
 
 def _q8_0(b: torch.Tensor) -> torch.Tensor:
-    return b[:, 2:].contiguous().view(torch.int8).float() * _f16(b[:, :2])
+    return b[:, 2:].contiguous().view(torch.int8).float().mul_(_f16(b[:, :2]))
 
 
 def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

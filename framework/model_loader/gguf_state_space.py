@@ -1,11 +1,13 @@
-"""GGUF files of llama.cpp's state-space architectures, which transformers' GGUF reader does not read.
+"""GGUF files of llama.cpp's state-space and hybrid architectures, which transformers' GGUF reader does not read.
 
 A ``mamba2`` file (llama.cpp's ``convert_hf_to_gguf.py``, ``Mamba2Model``) becomes a transformers
 ``Mamba2Config`` built here from its ``ssm.*`` metadata, and its tensors get transformers' ``Mamba2ForCausalLM``
 names back with the converter's changes undone: it stores ``A = -exp(A_log)`` and ``D`` as ``[heads, 1]``, the
 conv weight squeezed from ``[channels, 1, kernel]`` to ``[channels, kernel]``, the gated norm as ``[groups,
 inner / groups]`` and ``dt_bias`` as ``ssm_dt.bias``. It writes no head size: ``ssm.time_step_rank`` is the
-number of heads, so the head size is ``ssm.inner_size / heads``.
+number of heads, so the head size is ``ssm.inner_size / heads``. The hybrid files (``granitehybrid``,
+``falcon-h1``) store their Mamba2 layers the same way; their configs and names are in
+:mod:`tokenmill.model_loader.gguf_hybrid`.
 
 Other llama.cpp architectures with state layers (:func:`state_space_architectures`) are refused by name
 (``tokenmill.model_loader.hf_config``).
@@ -14,33 +16,39 @@ Other llama.cpp architectures with state layers (:func:`state_space_architecture
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from functools import cache
 from typing import Any
 
 import torch
 
-# llama.cpp architecture -> tokenmill architecture, for the state-space files read here
-GGUF_STATE_SPACE_ARCHITECTURES = {"mamba2": "Mamba2ForCausalLM"}
+# llama.cpp architecture -> tokenmill architecture, for the state-space and hybrid files read here
+GGUF_STATE_SPACE_ARCHITECTURES = {
+    "mamba2": "Mamba2ForCausalLM",
+    "granitehybrid": "GraniteMoeHybridForCausalLM",
+    "falcon-h1": "FalconH1ForCausalLM",
+}
 
 _MAMBA2_GLOBAL = {
     "token_embd.weight": "backbone.embeddings.weight",
     "output_norm.weight": "backbone.norm_f.weight",
     "output.weight": "lm_head.weight",
 }
-_MAMBA2_LAYER = {
-    "attn_norm.weight": "norm.weight",
-    "ssm_in.weight": "mixer.in_proj.weight",
-    "ssm_in.bias": "mixer.in_proj.bias",
-    "ssm_conv1d.weight": "mixer.conv1d.weight",
-    "ssm_conv1d.bias": "mixer.conv1d.bias",
-    "ssm_dt.bias": "mixer.dt_bias",
-    "ssm_a": "mixer.A_log",
-    "ssm_d": "mixer.D",
-    "ssm_norm.weight": "mixer.norm.weight",
-    "ssm_out.weight": "mixer.out_proj.weight",
-    "ssm_out.bias": "mixer.out_proj.bias",
+# a Mamba2 mixer's tensors -> their names inside transformers' mixer module (``mixer.`` / ``mamba.``)
+SSM_LAYER_PARTS = {
+    "ssm_in.weight": "in_proj.weight",
+    "ssm_in.bias": "in_proj.bias",
+    "ssm_conv1d.weight": "conv1d.weight",
+    "ssm_conv1d.bias": "conv1d.bias",
+    "ssm_dt.bias": "dt_bias",
+    "ssm_a": "A_log",
+    "ssm_d": "D",
+    "ssm_norm.weight": "norm.weight",
+    "ssm_out.weight": "out_proj.weight",
+    "ssm_out.bias": "out_proj.bias",
 }
-_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+_MAMBA2_LAYER = {"attn_norm.weight": "norm.weight", **{k: f"mixer.{v}" for k, v in SSM_LAYER_PARTS.items()}}
+BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
 @cache
@@ -53,7 +61,8 @@ def state_space_architectures() -> frozenset[str]:
 
 
 def metadata_value(reader: Any, key: str) -> Any:
-    """The scalar (or string) metadata ``key`` of an open ``gguf.GGUFReader``; ``None`` when absent."""
+    """The scalar (or string) metadata ``key`` of an open ``gguf.GGUFReader`` (an array's first element);
+    ``None`` when absent."""
     field = reader.fields.get(key)
     if field is None:
         return None
@@ -63,71 +72,96 @@ def metadata_value(reader: Any, key: str) -> Any:
     return part.tolist()[0]
 
 
-def read_state_space_config(path: str) -> Any | None:
-    """The transformers config of a ``mamba2`` GGUF file; ``None`` for any other architecture (transformers'
-    GGUF reader reads the dense ones; the other state-space ones are refused by the caller).
+def metadata_list(reader: Any, key: str) -> list[Any] | None:
+    """The numeric array (or scalar, as one element) metadata ``key``; ``None`` when absent."""
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    return [field.parts[i].tolist()[0] for i in field.data]
+
+
+def arch_metadata(reader: Any, arch: str) -> Callable[..., Any]:
+    """``value(key, default)``: the metadata ``{arch}.{key}``, or ``default``; without a default a missing key
+    raises ``ValueError`` naming it."""
+    missing = object()
+
+    def value(key: str, default: Any = missing) -> Any:
+        got = metadata_value(reader, f"{arch}.{key}")
+        if got is not None:
+            return got
+        if default is missing:
+            raise ValueError(f"{arch} GGUF file: the metadata has no {arch}.{key}")
+        return default
+
+    return value
+
+
+def ssm_sizes(reader: Any, arch: str) -> dict[str, int]:
+    """The Mamba2 mixer sizes of a file's ``ssm.*`` metadata: ``inner`` channels, ``heads``
+    (``ssm.time_step_rank``, where llama.cpp's converter writes the number of heads), ``head_dim`` (inner /
+    heads), ``state``, ``conv_kernel``, ``groups`` (1 when absent).
 
     Raises:
-        ValueError: a ``mamba2`` file whose metadata lacks a size or whose sizes do not fit a ``Mamba2Config``.
+        ValueError: a size is missing or ``ssm.inner_size`` is not a multiple of the heads.
     """
-    import gguf
+    value = arch_metadata(reader, arch)
+    inner, heads = int(value("ssm.inner_size")), int(value("ssm.time_step_rank"))
+    if heads <= 0 or inner % heads:
+        raise ValueError(f"{arch} GGUF file: ssm.inner_size {inner} must be a multiple of ssm.time_step_rank "
+                         f"(heads) {heads}")
+    return dict(inner=inner, heads=heads, head_dim=inner // heads, state=int(value("ssm.state_size")),
+                conv_kernel=int(value("ssm.conv_kernel")), groups=int(value("ssm.group_count", 1)))
 
-    reader = gguf.GGUFReader(path)
-    return _mamba2_config(reader) if metadata_value(reader, "general.architecture") == "mamba2" else None
+
+def token_ids(reader: Any) -> dict[str, Any]:
+    """``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` of the file's ``tokenizer.ggml.*`` metadata
+    (``None`` where absent)."""
+    return {f"{key}_token_id": metadata_value(reader, f"tokenizer.ggml.{name}_token_id")
+            for key, name in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"))}
 
 
-def _mamba2_config(reader: Any) -> Any:
+def mamba2_config(reader: Any) -> Any:
     from transformers import Mamba2Config
 
-    def value(key: str) -> Any:
-        got = metadata_value(reader, f"mamba2.{key}")
-        if got is None:
-            raise ValueError(f"mamba2 GGUF file: the metadata has no mamba2.{key}")
-        return got
-
-    hidden, inner = int(value("embedding_length")), int(value("ssm.inner_size"))
-    heads = int(value("ssm.time_step_rank"))  # llama.cpp's converter writes the number of heads here
-    if inner % hidden or inner % heads:
-        raise ValueError(f"mamba2 GGUF file: ssm.inner_size {inner} must be a multiple of embedding_length {hidden} "
-                         f"and of ssm.time_step_rank (heads) {heads}")
+    value = arch_metadata(reader, "mamba2")
+    hidden = int(value("embedding_length"))
+    ssm = ssm_sizes(reader, "mamba2")
+    if ssm["inner"] % hidden:
+        raise ValueError(f"mamba2 GGUF file: ssm.inner_size {ssm['inner']} must be a multiple of "
+                         f"embedding_length {hidden}")
     names = {t.name: t for t in reader.tensors}
     embedding = names.get("token_embd.weight")
     if embedding is None:
         raise ValueError("mamba2 GGUF file: no token_embd.weight tensor")
-    token_ids = {key: metadata_value(reader, f"tokenizer.ggml.{key}_token_id") for key in ("bos", "eos", "padding")}
     return Mamba2Config(
         vocab_size=int(embedding.shape[1]),  # GGUF shapes are innermost first: [hidden, vocab]
         hidden_size=hidden,
         num_hidden_layers=int(value("block_count")),
-        state_size=int(value("ssm.state_size")),
-        conv_kernel=int(value("ssm.conv_kernel")),
-        expand=inner // hidden,
-        num_heads=heads,
-        head_dim=inner // heads,
-        n_groups=int(metadata_value(reader, "mamba2.ssm.group_count") or 1),
+        state_size=ssm["state"],
+        conv_kernel=ssm["conv_kernel"],
+        expand=ssm["inner"] // hidden,
+        num_heads=ssm["heads"],
+        head_dim=ssm["head_dim"],
+        n_groups=ssm["groups"],
         layer_norm_epsilon=float(value("attention.layer_norm_rms_epsilon")),
         use_bias="blk.0.ssm_in.bias" in names,
         use_conv_bias="blk.0.ssm_conv1d.bias" in names,
         tie_word_embeddings="output.weight" not in names,
-        bos_token_id=token_ids["bos"],
-        eos_token_id=token_ids["eos"],
-        pad_token_id=token_ids["padding"],
+        **token_ids(reader),
         architectures=[GGUF_STATE_SPACE_ARCHITECTURES["mamba2"]],
     )
 
 
-def state_space_hf_name(name: str, arch: str) -> str | None:
+def mamba2_hf_name(name: str) -> str | None:
     """``blk.3.ssm_a`` -> ``backbone.layers.3.mixer.A_log`` for a ``mamba2`` file; ``None`` for unknown names."""
-    if arch != "mamba2":
-        return None
     if name in _MAMBA2_GLOBAL:
         return _MAMBA2_GLOBAL[name]
-    m = _BLOCK_RE.match(name)
+    m = BLOCK_RE.match(name)
     part = None if m is None else _MAMBA2_LAYER.get(m.group(2))
     return None if part is None else f"backbone.layers.{m.group(1)}.{part}"  # type: ignore[union-attr]
 
 
-_RELAID_SUFFIXES = (".A_log", ".D", "mixer.norm.weight", "conv1d.weight")
+_RELAID_SUFFIXES = (".A_log", ".D", "mixer.norm.weight", "mamba.norm.weight", "conv1d.weight")
 
 
 def changes_state_space_layout(hf_name: str) -> bool:
@@ -141,7 +175,7 @@ def undo_state_space_layout(hf_name: str, array: torch.Tensor) -> torch.Tensor:
     ``[channels, 1, kernel]``, gated norm ``[groups, inner / groups]`` -> ``[inner]``; others unchanged."""
     if hf_name.endswith(".A_log"):
         return torch.log(-array.reshape(-1))
-    if hf_name.endswith((".D", "mixer.norm.weight")):
+    if hf_name.endswith((".D", "mixer.norm.weight", "mamba.norm.weight")):
         return array.reshape(-1)
     if hf_name.endswith("conv1d.weight") and array.dim() == 2:
         return array.unsqueeze(1)

@@ -7,11 +7,12 @@ Gemma's ``ffn_norm`` is the pre-feedforward norm, Phi-3 stores gate and up fused
 Fix-ups llama.cpp's converter applied and this module undoes:
 
 * Query/key rows interleaved per head (its rotary layout) for the architectures whose converter permutes
-  them (:data:`PERMUTED_ARCHS`: Llama, Mistral and Mixtral files use ``llama``, plus Granite): restored to the
-  Hugging Face order, so the same model code serves both formats. Qwen2/3, Gemma, Phi-3 and OLMo 2 files are
-  not permuted.
+  them (:data:`PERMUTED_ARCHS`: Llama, Mistral and Mixtral files use ``llama``, plus Granite and Granite
+  4.0-H's ``granitehybrid``): restored to the Hugging Face order, so the same model code serves both formats.
+  Qwen2/3, Gemma, Phi-3, OLMo 2 and Falcon-H1 files are not permuted.
 * Gemma norm weights stored as ``1 + w``: one is subtracted (the model adds it back).
-* State-space files (``mamba2``): names and layout in :mod:`tokenmill.model_loader.gguf_state_space`.
+* State-space and hybrid files (``mamba2``, ``granitehybrid``, ``falcon-h1``): names and layout in
+  :mod:`tokenmill.model_loader.gguf_state_space` and :mod:`tokenmill.model_loader.gguf_hybrid`.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from typing import Any
 
 import torch
 
+from tokenmill.model_loader.gguf_hybrid import state_space_hf_name
 from tokenmill.model_loader.gguf_state_space import (
     GGUF_STATE_SPACE_ARCHITECTURES,
     changes_state_space_layout,
-    state_space_hf_name,
     undo_state_space_layout,
 )
 from tokenmill.model_loader.gguf_tensor import GGUFQuantTensor
@@ -43,7 +44,7 @@ def unsupported_architecture_message(arch: str) -> str:
             "Face checkpoints)")
 
 
-PERMUTED_ARCHS = frozenset({"llama", "granite", "granitemoe", "deci"})
+PERMUTED_ARCHS = frozenset({"llama", "granite", "granitemoe", "granitehybrid", "deci"})
 GEMMA_ARCHS = frozenset({"gemma", "gemma2", "gemma3"})
 
 _LAYER_NAMES = {

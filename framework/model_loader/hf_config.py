@@ -11,7 +11,7 @@ from typing import Any
 
 from tokenmill.model_loader.default_model import DEFAULT_SERVED_MODEL_NAME, default_model_path
 from tokenmill.model_loader.gguf_cache import gguf_cache_dir, read_gguf_tensors, reuse_gguf_readers, save_atomically
-from tokenmill.model_loader.gguf_state_space import read_state_space_config
+from tokenmill.model_loader.gguf_hybrid import read_state_space_config
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +93,8 @@ def load_hf_config(directory: str, gguf_file: str | None, *, trust_remote_code: 
     and caches its tokenizer (:func:`tokenmill.tokenizer.load_tokenizer`; a failure there is left for the
     tokenizer's own load to report), all from one ``gguf.GGUFReader`` (:func:`reuse_gguf_readers`).
 
-    A state-space file (``mamba2``) gets its config from
-    :func:`tokenmill.model_loader.gguf_state_space.read_state_space_config`, which transformers' reader lacks;
+    A state-space or hybrid file (``mamba2``, ``granitehybrid``, ``falcon-h1``) gets its config from
+    :func:`tokenmill.model_loader.gguf_hybrid.read_state_space_config`, which transformers' reader lacks;
     for other GGUF files the architecture comes from the model type (:data:`GGUF_ARCHITECTURES`; llama.cpp writes
     Mistral and Mixtral files as ``llama``: transformers recognises Mistral by name, and a ``llama`` file with
     experts becomes a Mixtral config here), and ``head_dim`` is taken from ``attention.key_length`` where
@@ -157,10 +157,10 @@ def _read_transformers_gguf_config(directory: str, gguf_file: str, path: str) ->
     return _fix_gguf_config(config, path)
 
 
-def derived_max_model_len(hf_config: Any) -> int:
+def derived_max_model_len(hf_config: Any) -> int | None:
     """The context length (tokens) a transformers config declares: the first positive integer of
     ``max_position_embeddings``, ``n_positions``, ``max_seq_len``, ``seq_length`` (of the config, then of its text
-    config); 2048 when it names none."""
+    config); ``None`` when it names none (a state-space model such as Mamba2 has no position limit)."""
     from tokenmill.config import text_config_of
 
     for cfg in (hf_config, text_config_of(hf_config)):  # a vision-language model declares it in its text_config
@@ -168,7 +168,7 @@ def derived_max_model_len(hf_config: Any) -> int:
             value = getattr(cfg, key, None)
             if isinstance(value, int) and value > 0:
                 return value
-    return 2048
+    return None
 
 
 def _prepare_tokenizer(directory: str, gguf_file: str, trust_remote_code: bool) -> None:

@@ -7,9 +7,13 @@ tensors for that image (pixel values and whatever else the model's encoder takes
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import msgspec
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch  # imported where tensors are made: a process that only passes requests on needs no torch
 
 # torch dtype name <-> numpy dtype of the tensors a processor returns (bfloat16 travels as its raw 16 bits).
 _NUMPY_DTYPES = {
@@ -34,6 +38,8 @@ class TensorData(msgspec.Struct, array_like=True):
     @classmethod
     def from_tensor(cls, tensor: torch.Tensor) -> TensorData:
         """Raises: ValueError for a dtype that has no wire form here."""
+        import torch
+
         t = tensor.detach().to("cpu").contiguous()
         name = str(t.dtype).removeprefix("torch.")
         if name == "bfloat16":
@@ -46,6 +52,8 @@ class TensorData(msgspec.Struct, array_like=True):
 
     def to_tensor(self) -> torch.Tensor:
         """The tensor (CPU, a fresh copy)."""
+        import torch
+
         if self.dtype == "bfloat16":
             arr = np.frombuffer(self.data, dtype=np.int16).reshape(self.shape)
             return torch.from_numpy(arr.copy()).view(torch.bfloat16)

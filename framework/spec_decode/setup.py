@@ -59,7 +59,7 @@ def _draft_model_config(path: str, target: ModelConfig) -> ModelConfig:
             "tokenizer (same vocabulary)"
         )
     draft_len = derived_max_model_len(hf_config)
-    if draft_len < target.max_model_len:
+    if draft_len is not None and draft_len < target.max_model_len:  # None: no position limit (state-space)
         raise ValueError(
             f"speculative_config.model: the draft model {path!r} supports {draft_len} positions, fewer than "
             f"max_model_len {target.max_model_len}; lower --max-model-len"

@@ -24,10 +24,11 @@ from tests.entrypoints.conftest import free_port
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Runs the real CLI with tokenmill.engine.async_llm replaced by the fake engine. Knobs via environment:
-# FAKE_START_S (seconds from_engine_args blocks), FAKE_DIE_AFTER_S (engine dies that long after start),
-# FAKE_DELAY_S (seconds per token).
+# FAKE_START_S (seconds from_engine_args blocks), FAKE_DIE_ON_SIGUSR1 (the engine dies when the server gets
+# SIGUSR1), FAKE_DELAY_S (seconds per token). It prints "FAKE GENERATE <id>" when a request reaches the engine
+# and "FAKE ABORTED <id>" when one is aborted, so tests wait for those events instead of sleeping.
 _LAUNCHER = """
-import asyncio, os, sys, time, types
+import asyncio, os, signal, sys, time, types
 from tests.entrypoints.fake_engine import FakeAsyncLLM
 
 class AsyncLLM(FakeAsyncLLM):
@@ -39,11 +40,19 @@ class AsyncLLM(FakeAsyncLLM):
         engine = cls(max_model_len=engine_args.max_model_len or 128,
                      delay_s=float(os.environ.get("FAKE_DELAY_S", "0")))
         engine.on_abort = lambda rid: print("FAKE ABORTED", rid, flush=True)
-        die = os.environ.get("FAKE_DIE_AFTER_S")
-        if die:
-            asyncio.get_running_loop().call_later(float(die), setattr, engine, "dead", True)
+        if os.environ.get("FAKE_DIE_ON_SIGUSR1"):
+            asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, setattr, engine, "dead", True)
         print("FAKE ENGINE STARTED", flush=True)
         return engine
+
+    async def generate(self, *args, **kwargs):
+        inner = super().generate(*args, **kwargs)
+        print("FAKE GENERATE", args[2] if len(args) > 2 else kwargs["request_id"], flush=True)
+        try:
+            async for out in inner:
+                yield out
+        finally:
+            await inner.aclose()
 
     def shutdown(self):
         print("FAKE ENGINE SHUTDOWN", flush=True)
@@ -58,14 +67,54 @@ exit_without_teardown(main(sys.argv[1:]))
 
 
 class Proc:
+    """A server process whose output a thread collects, line by line, as it comes."""
+
     def __init__(self, process: subprocess.Popen[str], url: str) -> None:
         self.process = process
         self.url = url
-        self.output = ""
+        self._lines: list[str] = []
+        self._new_line = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            with self._new_line:
+                self._lines.append(line)
+                self._new_line.notify_all()
+        with self._new_line:
+            self._lines.append("")  # end of output
+            self._new_line.notify_all()
+
+    @property
+    def output(self) -> str:
+        with self._new_line:
+            return "".join(self._lines)
+
+    def wait_for(self, text: str, timeout: float = 30) -> str:
+        """The first output line holding ``text``, once it is printed.
+
+        Raises:
+            AssertionError: the output ended, or ``timeout`` seconds passed, without it.
+        """
+        deadline = time.monotonic() + timeout
+        seen = 0
+        with self._new_line:
+            while True:
+                for line in self._lines[seen:]:
+                    if text in line:
+                        return line
+                    if not line:
+                        raise AssertionError(f"output ended without {text!r}:\n" + "".join(self._lines))
+                seen = len(self._lines)
+                left = deadline - time.monotonic()
+                assert left > 0, f"no {text!r} within {timeout} s:\n" + "".join(self._lines)
+                self._new_line.wait(left)
 
     def finish(self, timeout: float = 20) -> int:
-        out, _ = self.process.communicate(timeout=timeout)
-        self.output += out
+        self.process.wait(timeout)
+        self._reader.join(timeout)
         return self.process.returncode
 
 
@@ -107,7 +156,7 @@ def launch(*extra: str, env: dict[str, str] | None = None, port: int | None = No
     finally:
         if process.poll() is None:
             process.kill()
-            process.communicate(timeout=10)
+            proc.finish(timeout=10)
 
 
 def wait_healthy(proc: Proc, timeout: float = 30) -> None:
@@ -139,7 +188,7 @@ def test_serve_streams_and_stops_cleanly_on_sigterm() -> None:
         body["max_tokens"] = 100
         with httpx.stream("POST", proc.url + "/v1/chat/completions", json=body, timeout=10) as r:
             next(r.iter_lines())
-        time.sleep(0.5)
+        proc.wait_for("FAKE ABORTED chatcmpl-")
         proc.process.send_signal(signal.SIGTERM)
         assert proc.finish() == 0, proc.output
     assert "Uvicorn running on " + proc.url in proc.output
@@ -150,20 +199,23 @@ def test_serve_streams_and_stops_cleanly_on_sigterm() -> None:
 def test_serve_non_stream_disconnect_aborts() -> None:
     with launch(env={"FAKE_DELAY_S": "0.2"}) as proc:
         wait_healthy(proc)
-        body = {"prompt": "x", "max_tokens": 100}
-        with pytest.raises(httpx.TimeoutException):
-            # 1.5 s of the answer's 6 (31 tokens, 0.2 s each): under load the request may take a second to reach
-            # the engine, and it must still be running when the client goes.
-            httpx.post(proc.url + "/v1/completions", json=body, timeout=1.5)
-        time.sleep(0.5)
+        body = json.dumps({"prompt": "x", "max_tokens": 100}).encode()
+        host, port = proc.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as client:
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (host.encode(), len(body), body))
+            # The answer takes 6 s (31 tokens, 0.2 s each): the client goes while the engine runs the request.
+            proc.wait_for("FAKE GENERATE cmpl-")
+        proc.wait_for("FAKE ABORTED cmpl-")
         proc.process.send_signal(signal.SIGINT)
         assert proc.finish() == 0
     assert "FAKE ABORTED cmpl-" in proc.output
 
 
 def test_engine_death_makes_health_503_and_exits_nonzero() -> None:
-    with launch(env={"FAKE_DIE_AFTER_S": "2"}) as proc:
+    with launch(env={"FAKE_DIE_ON_SIGUSR1": "1"}) as proc:
         wait_healthy(proc)
+        proc.process.send_signal(signal.SIGUSR1)  # the engine dies now
         saw_503 = False
         deadline = time.monotonic() + 20
         while proc.process.poll() is None and time.monotonic() < deadline:
@@ -182,14 +234,7 @@ def test_engine_core_sigkill_fails_requests_and_health() -> None:
     """SIGKILL the real engine-core process while a stream and a non-stream request run."""
     with launch(launcher=_REAL_CORE_LAUNCHER) as proc:
         wait_healthy(proc, timeout=60)
-        assert proc.process.stdout is not None
-        pid = None
-        while pid is None:  # the launcher printed the engine core's pid before uvicorn started
-            line = proc.process.stdout.readline()
-            assert line, "server output ended"
-            proc.output += line
-            if line.startswith("ENGINE CORE PID"):
-                pid = int(line.split()[-1])
+        pid = int(proc.wait_for("ENGINE CORE PID").split()[-1])  # printed before uvicorn started
         body = {"prompt": "Hello world, this is a tiny corpus", "max_tokens": 240, "ignore_eos": True}
         results: dict[str, Any] = {}
 
@@ -275,16 +320,23 @@ def test_stop_signal_ends_requests_in_flight_with_503_not_a_cut_connection() -> 
             r = httpx.post(proc.url + "/v1/completions", json={"prompt": "x", "max_tokens": 50}, timeout=30)
             results["plain"] = (r.status_code, r.json())
 
+        streaming = threading.Event()
+
         def streamed() -> None:
             body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 50, "stream": True}
+            events = results["stream"] = []
             with httpx.stream("POST", proc.url + "/v1/chat/completions", json=body, timeout=30) as r:
-                results["stream"] = [json.loads(line[6:]) for line in r.iter_lines()
-                                     if line.startswith("data: ") and line != "data: [DONE]"]
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        events.append(json.loads(line[6:]))
+                        streaming.set()
 
         threads = [threading.Thread(target=plain), threading.Thread(target=streamed)]
         for t in threads:
             t.start()
-        time.sleep(1.5)  # both have produced a token or two of the 50
+        # both are in the engine, and the stream has sent its first event (31 tokens take 15 s)
+        proc.wait_for("FAKE GENERATE cmpl-")
+        assert streaming.wait(30), proc.output
         start = time.monotonic()
         proc.process.send_signal(signal.SIGINT)
         for t in threads:

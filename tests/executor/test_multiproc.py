@@ -1,7 +1,8 @@
 """MultiprocExecutor: tensor parallelism across worker processes on CPU (gloo), and failure handling.
 
 Each engine here spawns two worker processes (about 10-15 s on a small machine), so the module shares one
-TP=2 engine between the tests that only read it, and builds a second one for the tests that break it.
+TP=2 engine: the tests that only read it borrow it, and the test that breaks it takes it over (a later
+borrower then gets a new one), whatever order the tests run in.
 """
 
 from __future__ import annotations
@@ -71,11 +72,40 @@ def _raise_on_rank(worker, rank: int) -> int:
 # -- fixtures ------------------------------------------------------------------------------------------------
 
 
+class _SharedEngine:
+    """One TP=2 engine core, built on first use: ``borrow()`` lends it, ``take()`` hands it over for good (the
+    taker shuts it down; the next ``borrow()`` builds a fresh one)."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.core: EngineCore | None = None
+
+    def borrow(self) -> EngineCore:
+        if self.core is None:
+            self.core = EngineCore(
+                EngineArgs(model=self.model, tensor_parallel_size=2, **ENGINE_KWARGS).create_engine_config())
+        return self.core
+
+    def take(self) -> EngineCore:
+        core = self.borrow()
+        self.core = None
+        return core
+
+    def close(self) -> None:
+        if self.core is not None:
+            self.take().shutdown()
+
+
 @pytest.fixture(scope="module")
-def tp2_core(tiny_llama_dir):
-    core = EngineCore(EngineArgs(model=tiny_llama_dir, tensor_parallel_size=2, **ENGINE_KWARGS).create_engine_config())
-    yield core
-    core.shutdown()
+def tp2_engine(tiny_llama_dir):
+    shared = _SharedEngine(tiny_llama_dir)
+    yield shared
+    shared.close()
+
+
+@pytest.fixture
+def tp2_core(tp2_engine) -> EngineCore:
+    return tp2_engine.borrow()
 
 
 # -- tests ---------------------------------------------------------------------------------------------------
@@ -150,8 +180,8 @@ def test_kv_cache_blocks_are_the_minimum_over_ranks(tp2_core):
         executor.collective_rpc(_clear_block_budget)
 
 
-def test_worker_error_then_killed_worker(tiny_llama_dir):
-    core = EngineCore(EngineArgs(model=tiny_llama_dir, tensor_parallel_size=2, **ENGINE_KWARGS).create_engine_config())
+def test_worker_error_then_killed_worker(tp2_engine):
+    core = tp2_engine.take()  # it breaks the engine: no other test may borrow it afterwards
     executor = core.executor
     try:
         # an exception on one rank fails the call with its traceback; the ranks stay in step

@@ -181,6 +181,24 @@ def write_random_llama_gguf(path: str, cfg: dict[str, Any], qtype: Any, seed: in
     return path
 
 
+def mamba2_layout(name: str, array: np.ndarray, groups: int) -> tuple[str, np.ndarray]:
+    """llama.cpp's ``Mamba2Model`` changes to one Mamba2 mixer tensor (transformers' name and layout in):
+    ``dt_bias`` renamed ``dt_proj.bias``, ``A = -exp(A_log)`` and ``D`` as ``[heads, 1]``, the conv weight
+    squeezed to ``[channels, kernel]``, the gated norm (``mixer.norm`` / ``mamba.norm``) as ``[groups, inner /
+    groups]``; other tensors unchanged."""
+    if name.endswith(".dt_bias"):
+        return name.removesuffix(".dt_bias") + ".dt_proj.bias", array
+    if name.endswith(".A_log"):
+        return name, -np.exp(array).reshape(-1, 1)
+    if name.endswith(".D"):
+        return name, array.reshape(-1, 1)
+    if name.endswith("conv1d.weight"):
+        return name, array.squeeze(1)
+    if name.endswith(("mixer.norm.weight", "mamba.norm.weight")):
+        return name, array.reshape(groups, -1)
+    return name, array
+
+
 def write_mamba2_gguf(model_dir: str, path: str, *, qtype: Any = None, tokenizer: Any = None) -> str:
     """Convert a transformers ``Mamba2ForCausalLM`` directory to ``path`` as llama.cpp's converter writes a
     ``mamba2`` file: ``ssm.*`` metadata (``time_step_rank`` = heads, no head size), ``dt_bias`` as
@@ -212,17 +230,7 @@ def write_mamba2_gguf(model_dir: str, path: str, *, qtype: Any = None, tokenizer
     for hf_name, array in load_file(os.path.join(model_dir, "model.safetensors")).items():
         if hf_name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
             continue
-        array = array.astype(np.float32)
-        if hf_name.endswith(".dt_bias"):
-            hf_name = hf_name.removesuffix(".dt_bias") + ".dt_proj.bias"
-        if hf_name.endswith(".A_log"):
-            array = -np.exp(array)
-        if hf_name.endswith((".A_log", ".D")):
-            array = array.reshape(-1, 1)
-        elif hf_name.endswith("conv1d.weight"):
-            array = array.squeeze(1)
-        elif hf_name.endswith("mixer.norm.weight"):
-            array = array.reshape(cfg["n_groups"], -1)
+        hf_name, array = mamba2_layout(hf_name, array.astype(np.float32), cfg["n_groups"])
         gguf_name = tensor_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, hf_name
         quantize = (qtype is not None and array.ndim == 2 and "conv1d" not in hf_name

@@ -56,6 +56,22 @@ def tokens(outs: list[EngineCoreOutput]) -> list[int]:
     return [t for o in outs for t in o.new_token_ids]
 
 
+def check_against_transformers(core: EngineCore, model_dir: str, prompts: list[list[int]]) -> None:
+    """Run ``prompts`` on ``core`` (greedy, :data:`MAX_TOKENS` each, prompt logprobs), shut it down, and assert
+    transformers' greedy tokens and prompt logprobs (within 1e-4) on the model of ``model_dir``."""
+    try:
+        outs = run_wave(core, "g", SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                                  prompt_logprobs=1), prompts)
+    finally:
+        core.shutdown()
+    greedy, rows = hf_reference(model_dir, prompts, MAX_TOKENS)
+    for i, prompt in enumerate(prompts):
+        assert tokens(outs[i]) == greedy[i], f"prompt {i}"
+        got = [lps[0] for _, lps, _ in outs[i][0].prompt_logprobs]
+        want = [float(rows[i][t, prompt[t + 1]]) for t in range(len(prompt) - 1)]
+        assert got == pytest.approx(want, abs=1e-4), f"prompt logprobs of prompt {i}"
+
+
 @pytest.mark.parametrize("spec", FAMILIES, ids=[f.name for f in FAMILIES])
 def test_family_greedy_and_prompt_logprobs_match_transformers(spec, family_root):
     from tokenmill.entrypoints.llm import LLM

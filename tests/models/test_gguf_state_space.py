@@ -9,45 +9,28 @@ form must load exactly the Q8_0-rounded weights. Other llama.cpp state-space arc
 
 from __future__ import annotations
 
-import os
-import shutil
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
 
+from tests.models.gguf_hybrid_writer import q8_0_rounded_copy
 from tests.models.gguf_writer import write_mamba2_gguf
-from tests.models.test_families import MAX_TOKENS, PROMPTS, hf_reference, run_wave, tokens
+from tests.models.test_families import PROMPTS, check_against_transformers
 from tests.models.test_hybrid_models import SPECS, build
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine_args import EngineArgs
-from tokenmill.sampling_params import SamplingParams
 
-# the tensors write_mamba2_gguf quantizes (2-D in llama.cpp's layout, rows of whole blocks, not the conv weight)
 # short, mid-chunk and long (several 16-token prefill steps) prompts, one more than the two state slots
 PROMPTS_HERE = [PROMPTS[0], PROMPTS[2], PROMPTS[5]]
+# the tensors write_mamba2_gguf quantizes (2-D in llama.cpp's layout, rows of whole blocks, not the conv weight)
 _QUANTIZED = ("in_proj.weight", "out_proj.weight", "embeddings.weight", "lm_head.weight", "mixer.norm.weight")
 
 
 @pytest.fixture(scope="module")
 def mamba2_dir(tmp_path_factory) -> str:
     return build(next(s for s in SPECS if s.name == "mamba2"), str(tmp_path_factory.mktemp("mamba2")))
-
-
-def _q8_0_rounded_copy(model_dir: str, out_dir: str) -> str:
-    """``model_dir`` with the tensors the Q8_0 file quantizes replaced by their Q8_0 round trip (blocks of 32
-    along the rows, as in the file: every such row length is a multiple of 32)."""
-    import gguf
-    from safetensors.numpy import load_file, save_file
-
-    q8 = gguf.GGMLQuantizationType.Q8_0
-    state = load_file(os.path.join(model_dir, "model.safetensors"))
-    for name, array in state.items():
-        if name.endswith(_QUANTIZED):
-            blocks = gguf.quants.quantize(np.ascontiguousarray(array.reshape(-1, 32), dtype=np.float32), q8)
-            state[name] = gguf.quants.dequantize(blocks, q8).reshape(array.shape).astype(array.dtype)
-    shutil.copytree(model_dir, out_dir)
-    save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    return out_dir
 
 
 def _engine(gguf_or_dir: str) -> EngineCore:
@@ -65,18 +48,7 @@ def test_mamba2_gguf_matches_transformers_and_carries_the_tokenizer(mamba2_dir, 
     hf_tokenizer = AutoTokenizer.from_pretrained(mamba2_dir)
     (tmp_path / "f32").mkdir()  # no tokenizer files beside the GGUF: the vocabulary must come from the file
     path = write_mamba2_gguf(mamba2_dir, str(tmp_path / "f32" / "mamba2.gguf"), tokenizer=hf_tokenizer)
-    core = _engine(path)
-    try:
-        outs = run_wave(core, "g", SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
-                                                  prompt_logprobs=1), PROMPTS_HERE)
-    finally:
-        core.shutdown()
-    greedy, rows = hf_reference(mamba2_dir, PROMPTS_HERE, MAX_TOKENS)
-    for i, prompt in enumerate(PROMPTS_HERE):
-        assert tokens(outs[i]) == greedy[i], f"prompt {i}"
-        got = [lps[0] for _, lps, _ in outs[i][0].prompt_logprobs]
-        want = [float(rows[i][t, prompt[t + 1]]) for t in range(len(prompt) - 1)]
-        assert got == pytest.approx(want, abs=1e-4), f"prompt logprobs of prompt {i}"
+    check_against_transformers(_engine(path), mamba2_dir, PROMPTS_HERE)
     tokenizer = load_tokenizer(str(tmp_path / "f32"), "mamba2.gguf")
     text = "Hello there, the quick brown fox: 42 + 7"
     assert tokenizer(text).input_ids == hf_tokenizer(text).input_ids
@@ -88,24 +60,33 @@ def test_mamba2_q8_0_gguf_loads_the_q8_0_rounded_weights(mamba2_dir, tmp_path):
     through the same Q8_0 round trip (the float32 file's outputs are checked above, so equal weights give
     equal outputs)."""
     import gguf
-    import torch
 
     path = write_mamba2_gguf(mamba2_dir, str(tmp_path / "mamba2-q8_0.gguf"), qtype=gguf.GGMLQuantizationType.Q8_0)
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
     assert types["blk.0.ssm_in.weight"] == types["blk.1.ssm_norm.weight"] == "Q8_0"
     assert types["blk.0.ssm_conv1d.weight"] == types["blk.0.ssm_a"] == "F32"
+    rounded = q8_0_rounded_copy(mamba2_dir, str(tmp_path / "rounded"), lambda name: name.endswith(_QUANTIZED))
+    check_q8_0_load(_engine, path, rounded, ["backbone.layers.0.mixer.out_proj", "lm_head"])
+
+
+def check_q8_0_load(engine: Callable[[str], EngineCore], path: str, reference: str, quant_only: list[str],
+                    **engine_args: Any) -> None:
+    """Every parameter ``engine(path)`` (a Q8_0 file) loads equals the one ``engine(reference)`` (its checkpoint
+    with the same Q8_0 round trip) loads, and with ``-q int8`` (``engine_args`` on top of float32, 4-token
+    blocks) the modules ``quant_only`` keep the file's Q8_0 blocks (their rows are whole blocks)."""
+    import torch
+
     params = []
-    for source in (path, _q8_0_rounded_copy(mamba2_dir, str(tmp_path / "rounded"))):
-        core = _engine(source)
+    for source in (path, reference):
+        core = engine(source)
         params.append({k: v.detach().clone() for k, v in core.executor.worker.model_runner.model.state_dict().items()})
         core.shutdown()
-    # with -q int8 the projections whose rows are whole blocks keep the file's Q8_0 blocks
-    config = EngineArgs(model=path, dtype="float32", block_size=4, num_gpu_blocks_override=64,
-                        quantization="int8").create_engine_config()
+    config = EngineArgs(model=path, dtype="float32", block_size=4, num_gpu_blocks_override=64, quantization="int8",
+                        **engine_args).create_engine_config()
     core = EngineCore(config)
     modules = dict(core.executor.worker.model_runner.model.named_modules())
     core.shutdown()
-    assert modules["backbone.layers.0.mixer.out_proj"].quant_only and modules["lm_head"].quant_only
+    assert all(modules[name].quant_only for name in quant_only)
     from_gguf, from_checkpoint = params
     assert from_gguf.keys() == from_checkpoint.keys()
     for name, want in from_checkpoint.items():
@@ -113,7 +94,7 @@ def test_mamba2_q8_0_gguf_loads_the_q8_0_rounded_weights(mamba2_dir, tmp_path):
         torch.testing.assert_close(from_gguf[name], want, rtol=1e-6, atol=1e-7, msg=name)
 
 
-@pytest.mark.parametrize("arch", ["granitehybrid", "rwkv7"])
+@pytest.mark.parametrize("arch", ["jamba", "rwkv7"])
 def test_gguf_of_an_unsupported_state_space_architecture_is_refused_by_name(arch, tmp_path):
     import gguf
 

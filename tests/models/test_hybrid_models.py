@@ -59,9 +59,11 @@ SPECS = [
                     embedding_multiplier=6.0, attention_multiplier=0.15, residual_multiplier=0.4,
                     logits_scaling=3.0, max_position_embeddings=256),
                num_blocks=24),
-    # attention and a Mamba2 mixer side by side in every layer, no gated norm, muP multipliers all != 1
+    # attention and a Mamba2 mixer side by side in every layer, no gated norm, muP multipliers all != 1, a head
+    # size apart from hidden / heads (as in every Falcon-H1 checkpoint)
     HybridSpec("falcon_h1", "FalconH1Config", "FalconH1ForCausalLM",
-               dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+               dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                    intermediate_size=96,
                     mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4,
                     mamba_expand=2, mamba_d_ssm=128, mamba_chunk_size=8, mamba_rms_norm=False,
                     max_position_embeddings=256,
@@ -199,3 +201,31 @@ def test_state_slots_come_out_of_the_kv_cache_memory(hybrid):
                        kv_cache_memory=str(3 * per_slot)).create_engine_config()
     with pytest.raises(ValueError, match="state slots"):
         EngineCore(small)
+
+
+def test_attention_free_model_takes_a_context_longer_than_2048(tmp_path):
+    """A Mamba2 config names no position limit: as in vLLM, ``max_model_len`` defaults to 2048 and any longer
+    ``--max-model-len`` is taken; a 2,100-token prompt (two prefill chunks of the default 2048-token budget)
+    gives transformers' greedy tokens (scan chunks of 64 keep both sides quick at this length)."""
+    from dataclasses import replace
+
+    from transformers import AutoModelForCausalLM
+
+    from tests.models.test_families import run_wave, tokens
+    from tokenmill.engine.core import EngineCore
+    from tokenmill.engine_args import EngineArgs
+
+    model_dir = build(replace(SPECS[0], kwargs={**SPECS[0].kwargs, "chunk_size": 64}), str(tmp_path))
+    assert EngineArgs(model=model_dir, dtype="float32").create_model_config().max_model_len == 2048
+    config = EngineArgs(model=model_dir, dtype="float32", max_model_len=4096, max_num_seqs=1).create_engine_config()
+    assert config.model_config.max_model_len == 4096
+    prompt = [(i * 37 + 11) % 500 + 3 for i in range(2100)]
+    core = EngineCore(config)
+    try:
+        outs = run_wave(core, "long", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), [prompt])
+    finally:
+        core.shutdown()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert tokens(outs[0]) == want[0, len(prompt):].tolist()

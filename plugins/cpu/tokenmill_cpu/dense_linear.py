@@ -327,9 +327,14 @@ def pack_panels(weight: torch.Tensor, width: int) -> torch.Tensor:
     """``weight [N, K]`` -> ``[ceil(N / width), K, width]``: panel ``p`` is rows ``p * width`` to
     ``(p + 1) * width`` transposed, rows past ``N`` zero (``csrc/dense_gemm.cpp``'s layout)."""
     n, k = weight.shape
-    panels = -(-n // width)
-    padded = F.pad(weight, (0, 0, 0, panels * width - n))
-    return padded.view(panels, width, k).transpose(1, 2).contiguous()
+    full, rest = divmod(n, width)
+    # One strided copy into the result (padding first and then transposing copied every weight twice).
+    out = weight.new_empty(full + (rest > 0), k, width)
+    out[:full].copy_(weight[:full * width].view(full, width, k).transpose(1, 2))
+    if rest:
+        out[full].zero_()
+        out[full, :, :rest].copy_(weight[full * width:].t())
+    return out
 
 
 def pack_panels_bf16(weight: torch.Tensor, width: int = _BF16_PANEL_WIDTH) -> torch.Tensor:
