@@ -37,6 +37,8 @@ from tokenmill.config import (
 
 logger = logging.getLogger(__name__)
 
+# default step budget of encoder-only pooling models (without --max-num-batched-tokens): 16 sequences of 512 tokens
+ENCODER_MAX_NUM_BATCHED_TOKENS = 8192
 # the context length of a model whose config names none, unless --max-model-len gives one (vLLM's default)
 DEFAULT_MAX_MODEL_LEN = 2048
 
@@ -126,7 +128,8 @@ class EngineArgs:
                             "none, such as Mamba2, which takes any length).")
         g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="Most requests per step.")
         g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
-                       help="Token budget of one step (default: max(2048, max_model_len) capped at 8192).")
+                       help="Token budget of one step (default: max(2048, max_model_len) capped at 8192; "
+                            "encoder-only pooling models: 8192, or their context length if larger).")
         g.add_argument("--long-prefill-token-threshold", type=int, default=d.long_prefill_token_threshold)
         g.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"])
         g.add_argument("--block-size", type=int, default=d.block_size, help="Tokens per KV-cache block.")
@@ -343,6 +346,12 @@ class EngineArgs:
                     f"max_num_batched_tokens: {self.max_num_batched_tokens} is less than max_model_len "
                     f"{model_config.max_model_len}; an encoder model runs every prompt in one step"
                 )
+            if self.max_num_batched_tokens is None:
+                # Larger steps for encoders: every step's token is prefill, nothing decodes beside it, and each
+                # element-wise op and attention call of a step has a fixed cost (thread start and barrier) that
+                # weighs most on a loaded CPU (docs/benchmarks.md, "Embedding throughput against
+                # sentence-transformers")
+                max_batched = max(max_batched, ENCODER_MAX_NUM_BATCHED_TOKENS)
             max_batched = max(max_batched, model_config.max_model_len)
             if self.tensor_parallel_size > 1:
                 raise ValueError("tensor_parallel_size: encoder models run on one rank")

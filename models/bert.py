@@ -68,7 +68,8 @@ class BertDenseOutput(nn.Module):
         self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dense(x) + residual)
+        # the product is a fresh tensor: the residual goes into it in place (no third [T, hidden] buffer)
+        return self.LayerNorm(self.dense(x).add_(residual))
 
 
 class BertAttention(nn.Module):

@@ -168,12 +168,12 @@ def _measure_length(args: argparse.Namespace, llm: Any, st: _SentenceTransformer
         elapsed = _timed(embed)
         if i >= args.num_iters_warmup:
             tm_times.append(elapsed)
-        for dtype in st_dtypes if st is not None else ():
+        for st_dtype in st_dtypes if st is not None else ():
             assert st is not None
-            st.to(dtype)
+            st.to(st_dtype)
             elapsed = _timed(lambda: st.encode(texts))
             if i >= args.num_iters_warmup:
-                base[dtype].append(elapsed)
+                base[st_dtype].append(elapsed)
     result["tokenmill"] = _figures(n, tm_times)
     if st is not None:
         per_dtype = {d: _figures(n, t) for d, t in base.items()}

@@ -109,7 +109,7 @@ def _wait_for_background_kernels(t: ConformanceTarget) -> None:
 
 
 def _check_unquantized_linear(t: ConformanceTarget, path: str, dtype: torch.dtype) -> None:
-    """The method's ``apply`` matches ``F.linear`` at several row counts, before and after
+    """The method's ``apply`` (and ``apply_with_bias``) matches ``F.linear`` at several row counts, before and after
     ``process_weights_after_loading``, which leaves the layer's weight in place and unchanged. The platform's
     attention backend is waited for first (``wait_until_ready``: kernels built in the background)."""
     from tokenmill.layers.linear import ReplicatedLinear
@@ -124,6 +124,7 @@ def _check_unquantized_linear(t: ConformanceTarget, path: str, dtype: torch.dtyp
     layer = ReplicatedLinear(96, 80, bias=False).to(dtype).to(t.device)
     weight = (torch.randn(80, 96, generator=g) * 0.1).to(dtype).to(t.device)
     layer.weight.data.copy_(weight)
+    bias = torch.randn(80, generator=g).to(dtype).to(t.device)
     method = cls()
     worst = 0.0
     with torch.inference_mode():
@@ -140,6 +141,9 @@ def _check_unquantized_linear(t: ConformanceTarget, path: str, dtype: torch.dtyp
                 got = method.apply(layer, x)
                 worst = max(worst, _close("unquantized_linear", got, torch.nn.functional.linear(x, weight),
                                           _tol(dtype)))
+                got = method.apply_with_bias(layer, x, bias)
+                worst = max(worst, _close("unquantized_linear (with bias)", got,
+                                          torch.nn.functional.linear(x, weight, bias), _tol(dtype)))
     t.note(f"unquantized_linear: {path} within {worst:.1e} of F.linear")
 
 

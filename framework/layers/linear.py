@@ -96,15 +96,21 @@ class LinearBase(nn.Module):
         self.quant = cls(self.weight)
         self.quant_max_tokens = max_tokens
 
+    def _quantized_for(self, x: torch.Tensor) -> bool:
+        return self.quant is not None and (self.quant_only or x.shape[0] <= self.quant_max_tokens)
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, in] -> x W^T [T, out]`` (no bias, no cross-rank reduction)."""
-        if self.quant is not None and (self.quant_only or x.shape[0] <= self.quant_max_tokens):
-            return self.quant.matmul(x)
+        if self._quantized_for(x):
+            return self.quant.matmul(x)  # type: ignore[union-attr]
         return self.linear_method.apply(self, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x)
-        return y if self.bias is None else y + self.bias
+        if self.bias is None or self._quantized_for(x):
+            y = self.matmul(x)
+            return y if self.bias is None else y + self.bias
+        # the method may add the bias inside its product (addmm, a GEMM epilogue) instead of in a second pass
+        return self.linear_method.apply_with_bias(self, x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):

@@ -17,6 +17,10 @@ Contract of a replacement (checked by ``tokenmill plugins check``, item ``custom
 * :meth:`UnquantizedLinearMethod.apply` returns what ``F.linear(x, layer.weight)`` returns (shape, dtype; values
   to rounding) for any number of rows, whether or not the weights were processed, and is traceable by
   ``torch.compile`` (an opaque custom op for anything device-specific).
+* :meth:`UnquantizedLinearMethod.apply_with_bias` returns what ``F.linear(x, layer.weight, bias)`` returns, on
+  the same terms. The built-in adds the bias inside the GEMM (``addmm``); for a replacement that does not
+  override it, the bias is added to :meth:`~UnquantizedLinearMethod.apply`'s product (one more pass over the
+  output, which an epilogue in the replacement's kernel saves).
 * :meth:`UnquantizedLinearMethod.cache_key_facts` names whatever besides the class decides what ``apply`` traces
   (an environment switch, a row bound read at import): it joins the key of the compiled forward passes' on-disk
   cache, so that a graph traced under one setting is not loaded under another.
@@ -45,6 +49,12 @@ class UnquantizedLinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``x [T, K]`` -> ``x W^T`` ``[T, N]`` in the weight's dtype (no bias)."""
         return F.linear(x, layer.weight)
+
+    def apply_with_bias(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """``x [T, K]``, ``bias [N]`` -> ``x W^T + bias`` ``[T, N]`` in the weight's dtype (module docstring)."""
+        if type(self).apply is UnquantizedLinearMethod.apply:
+            return F.linear(x, layer.weight, bias)
+        return self.apply(layer, x) + bias
 
     def cache_key_facts(self) -> dict[str, Any]:
         """JSON-serializable settings (besides this class and its package's source, which the cache key has

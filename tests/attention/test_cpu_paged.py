@@ -180,15 +180,18 @@ def test_cpu_backend_passes_window_and_soft_cap_to_the_kernel():
     assert rel_err(out.view_as(batch.q), reference_attention(batch, 0.25, 6, 8.0)) < 1e-5
 
 
-def prefill_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+def prefill_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None,
+                      causal: bool = True) -> torch.Tensor:
     """Causal attention in float64 of ``L`` queries that are the last ``L`` positions of the ``S``-row context
-    ``k``, ``v``: ``[L, Hq * D]``."""
+    ``k``, ``v`` (``causal=False``: each query sees all ``S`` rows): ``[L, Hq * D]``."""
     length, num_heads, head_size = q.shape
     group = num_heads // k.shape[1]
     keys, values = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
     scores = torch.einsum("thd,jhd->htj", q.double(), keys) * scale
     t, j = torch.arange(length)[:, None] + k.shape[0] - length, torch.arange(k.shape[0])[None]
     visible = (j <= t) & (j > t - window) if window else j <= t
+    if not causal:
+        visible = torch.ones_like(visible)
     probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
     return torch.einsum("htj,jhd->thd", probs, values).reshape(length, num_heads * head_size)
 
@@ -398,6 +401,48 @@ def test_prefill_kernel_varlen_matches_each_prompt_alone(dtype, num_heads, num_k
     for s, n in zip(starts, lengths):
         want = prefill_reference(q[s:s + n], k[s:s + n], v[s:s + n], head_size**-0.5, window)
         assert rel_err(out[s:s + n], want) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_size", [(9, 3, 64), (12, 1, 72), (12, 12, 32)],
+                         ids=["gqa3", "tail", "bert32"])
+@pytest.mark.parametrize("layout", ["fused", "contiguous"])
+def test_prefill_kernel_varlen_bidirectional_matches_each_sequence_alone(dtype, num_heads, num_kv_heads, head_size,
+                                                                        layout):
+    """Encoder-only attention (causal=False): tiles over a fused projection's rows, single rows over contiguous
+    keys and values; lengths around the kernel's key blocks of 64 and its groups of four."""
+    lengths = [17, 1, 130, 64, 3]
+    q, k, v = fused_qkv(sum(lengths), num_heads, num_kv_heads, head_size, dtype, seed=8)
+    if layout == "contiguous":
+        k, v = k.contiguous(), v.contiguous()
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    ranges = torch.tensor([[s, s + n] for s, n in zip(starts, lengths)], dtype=torch.int32)
+    out = torch.empty(q.shape[0], num_heads * head_size, dtype=dtype)
+    kernels.prefill_attention_varlen(q, k, v, ranges, head_size**-0.5, None, out, causal=False)
+    for s, n in zip(starts, lengths):
+        want = prefill_reference(q[s:s + n], k[s:s + n], v[s:s + n], head_size**-0.5, None, causal=False)
+        assert rel_err(out[s:s + n], want) < TOL[dtype]
+    with pytest.raises(RuntimeError, match="sliding window needs causal"):
+        kernels.prefill_attention_varlen(q, k, v, ranges, 0.2, 4, out, causal=False)
+
+
+def test_cpu_backend_sends_an_encoder_steps_short_sequences_to_the_kernel_in_one_call(monkeypatch):
+    from tokenmill.attention.encoder_batches import bidirectional_attention
+
+    calls = []
+    real = kernels.prefill_attention_varlen
+    monkeypatch.setattr(kernels, "prefill_attention_varlen",
+                        lambda *a, **kw: calls.append((a[3].tolist(), kw)) or real(*a, **kw))
+    impl = CpuPagedAttentionBackend.get_impl_cls()(8, 16, 0.25, 2)
+    q, k, v = fused_qkv(170, 8, 2, 16, torch.float32, seed=3)
+    ranges = [(0, 7), (7, 8), (8, 148), (148, 170)]  # 140 rows: above the kernel's bound, on SDPA
+    got = impl.forward_bidirectional(q, k, v, ranges)
+    assert rel_err(got, bidirectional_attention(q, k, v, ranges, 0.25).reshape(170, -1)) < 1e-5
+    assert calls == [([[0, 7], [7, 8], [148, 170]], {"causal": False})]
+    calls.clear()
+    got = impl.forward_bidirectional(q, k, v, ranges[:2])
+    assert rel_err(got[:8], bidirectional_attention(q, k, v, ranges[:2], 0.25).reshape(170, -1)[:8]) < 1e-5
+    assert calls == [([[0, 7], [7, 8]], {"causal": False})]
 
 
 def test_prefill_kernel_varlen_rejects_bad_ranges():

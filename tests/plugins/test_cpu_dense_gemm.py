@@ -31,6 +31,20 @@ def test_panel_product_matches_the_fp64_reference(n: int, k: int, rows: int) -> 
     assert _rel_err(got, F.linear(x.double(), w.double())) < 1e-5
 
 
+@pytest.mark.parametrize(("n", "k"), [(100, 33), (7, 5), (960, 576)])
+@pytest.mark.parametrize("rows", [1, 7, 13, 70])
+def test_bias_epilogue_matches_the_fp64_reference(n: int, k: int, rows: int) -> None:
+    """The bias added while each row group's outputs are in L1 (panel columns past N included: 100 and 7)."""
+    g = torch.Generator().manual_seed(n + k + rows)
+    w, x, b = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
+    got = torch.ops.tokenmill_cpu.dense_gemm(x, dense_linear.pack_panels(w, _width()), n, b)
+    assert _rel_err(got, F.linear(x.double(), w.double(), b.double())) < 1e-5
+    empty = torch.ops.tokenmill_cpu.dense_gemm(torch.empty(0, k), dense_linear.pack_panels(w, _width()), n, b)
+    assert empty.shape == (0, n)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        torch.ops.tokenmill_cpu.dense_gemm(x, dense_linear.pack_panels(w, _width()), n, b[:-1])
+
+
 def test_the_result_does_not_depend_on_the_row_count_or_the_threads() -> None:
     """Each output is one ordered sum over the input channels: a row's product is the same alone or in a batch."""
     g = torch.Generator().manual_seed(3)
@@ -104,7 +118,8 @@ def test_float32_layers_use_the_panel_kernel_up_to_the_bound_and_above_it_when_m
     assert dense_linear.pack(w) and dense_linear._TABLE[w.data_ptr()].library == dense_linear.PANEL
     calls = []
     real = torch.ops.tokenmill_cpu.dense_gemm
-    monkeypatch.setattr(torch.ops.tokenmill_cpu, "dense_gemm", lambda x, p, n: calls.append(len(x)) or real(x, p, n))
+    monkeypatch.setattr(torch.ops.tokenmill_cpu, "dense_gemm",
+                        lambda x, p, n, bias=None: calls.append(len(x)) or real(x, p, n, bias))
     for rows in (1, 31, top, top + 1, 600):
         x = torch.randn(rows, 32)
         assert _rel_err(dense_linear.dense_linear(x, w), F.linear(x.double(), w.double())) < 1e-5

@@ -56,6 +56,10 @@ def test_packed_product_matches_f_linear(dtype: torch.dtype, rows: int) -> None:
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(got.double(), want, atol=tol, rtol=tol)
     assert torch.equal(dense_linear.dense_linear(x, layer.weight), got) or rows < dense_linear.packed_rows(dtype)[0]
+    bias = torch.randn(48, generator=torch.Generator().manual_seed(7)).to(dtype)
+    got = method.apply_with_bias(layer, x, bias)  # the bias inside the product (or in place after it)
+    assert got.shape == (rows, 48) and got.dtype == dtype
+    assert torch.allclose(got.double(), want + bias.double(), atol=tol, rtol=tol)
 
 
 def test_an_entry_leaves_the_table_when_its_weight_is_freed() -> None:
@@ -138,6 +142,9 @@ def test_float32_uses_mkl_and_checks_each_row_count_once(monkeypatch: pytest.Mon
     for rows in (3, 3, 40):
         x = torch.randn(rows, 48)
         assert torch.allclose(dense_linear.dense_linear(x, layer.weight), F.linear(x, layer.weight), atol=1e-5)
+    bias = torch.randn(80)
+    assert torch.allclose(dense_linear.dense_linear(x, layer.weight, bias), F.linear(x, layer.weight, bias), atol=1e-5)
+    calls.pop()  # the biased product's call
     # the first product at 3 and at 40 rows is checked against F.linear on random data (one extra MKL call each)
     assert calls == [3, 3, 3, 40, 40]
     assert dense_linear._MKL_VERIFIED[(80, 48, 3)] and dense_linear._MKL_VERIFIED[(80, 48, 40)]

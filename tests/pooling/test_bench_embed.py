@@ -48,3 +48,32 @@ def test_bench_embed_refuses_a_generation_model(qwen3_embedder_dir: str) -> None
     with pytest.raises(SystemExit, match="generate runner"):
         main(["bench", "embed", "--model", qwen3_embedder_dir, "--runner", "generate", "--num-prompts", "1",
               "--input-len", "8", "--num-gpu-blocks-override", "16", "--block-size", "4", "--max-model-len", "64"])
+
+
+def test_the_same_dtype_ratio_is_against_the_baseline_in_tokenmills_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With several baseline dtypes, ``ratio_same_dtype`` compares with the one tokenmill ran in, not the last."""
+    import argparse
+    import types
+
+    import numpy as np
+
+    from tokenmill.entrypoints.bench import embed
+
+    class FakeLLM:
+        def embed(self, texts):
+            return [types.SimpleNamespace(outputs=types.SimpleNamespace(embedding=[1.0, 0.0])) for _ in texts]
+
+    class FakeST:
+        def to(self, dtype):
+            pass
+
+        def encode(self, texts):
+            return np.array([[1.0, 0.0]] * len(texts))
+
+    args = argparse.Namespace(num_iters=2, num_iters_warmup=0)
+    for dtype, ratio in (("float32", 2.0), ("bfloat16", 4.0)):
+        times = iter([1.0, 2.0, 4.0] * 2)  # per iteration: tokenmill, float32 baseline, bfloat16 baseline (s)
+        monkeypatch.setattr(embed, "_timed", lambda fn: next(times))
+        fig = embed._measure_length(args, FakeLLM(), FakeST(), ["float32", "bfloat16"], ["a", "b"], dtype)
+        assert fig["baseline"]["best_dtype"] == "float32" and fig["ratio_sequences_per_s"] == pytest.approx(2.0)
+        assert fig["ratio_same_dtype"] == pytest.approx(ratio)

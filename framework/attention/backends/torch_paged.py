@@ -137,8 +137,23 @@ class TorchPagedAttentionImpl(AttentionImpl):
         k = key.view(num_tokens, self.num_kv_heads, self.head_size)
         v = value.view(num_tokens, self.num_kv_heads, self.head_size)
         ranges = sequence_ranges(attn_metadata, num_tokens)
-        # sequences of similar length share one SDPA call (tokenmill.attention.encoder_batches)
-        return bidirectional_attention(q, k, v, ranges, self.scale).reshape(num_tokens, -1)
+        return self.forward_bidirectional(q, k, v, ranges).reshape(num_tokens, -1)
+
+    def forward_bidirectional(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              ranges: list[tuple[int, int]]) -> torch.Tensor:
+        """Bidirectional attention of an encoder step's whole sequences: the extension point for a kernel that
+        takes them all in one call (override it in a subclass, as :meth:`forward_prefills`). The default groups
+        sequences of similar length into batched SDPA calls (``tokenmill.attention.encoder_batches``).
+
+        Args:
+            q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]``, one dtype, rows contiguous (any row stride).
+            ranges: ``(start, end)`` rows of each sequence, in order, disjoint, non-empty and covering all ``T``
+                rows; query ``j`` of a sequence sees all of that sequence's rows and no other's.
+
+        Returns:
+            ``[T, Hq, D]`` (any strides) or ``[T, Hq * D]`` in ``q``'s dtype.
+        """
+        return bidirectional_attention(q, k, v, ranges, self.scale)
 
     def forward_prefills(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranges: list[tuple[int, int]], out: torch.Tensor

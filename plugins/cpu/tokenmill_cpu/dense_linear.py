@@ -202,34 +202,35 @@ def _mkl_matches(entry: _Packed, weight: torch.Tensor, rows: int) -> bool:
     return ok
 
 
-def _dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     entry = _TABLE.get(weight.data_ptr())
     if entry is None or entry.shape != tuple(weight.shape) or entry.dtype != weight.dtype or x.dim() != 2 \
-            or x.dtype != weight.dtype:
-        return F.linear(x, weight)
+            or x.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
+        return F.linear(x, weight, bias)
     rows = x.shape[0]
     lo, hi = packed_rows(weight.dtype)
     if rows < lo:
-        return F.linear(x, weight)
+        return F.linear(x, weight, bias)
     if entry.library == PANEL:
         if _panel_ready or _check_panel_kernel():
             if rows <= hi or _panel_for_rows(entry, weight):
-                return torch.ops.tokenmill_cpu.dense_gemm(x.contiguous(), entry.packed, entry.shape[0])
-            return F.linear(x, weight)
+                return torch.ops.tokenmill_cpu.dense_gemm(x.contiguous(), entry.packed, entry.shape[0], bias)
+            return F.linear(x, weight, bias)
         if not (kernels.failed() and HAS_MKL):  # the build is still running, or nothing better than F.linear
-            return F.linear(x, weight)
+            return F.linear(x, weight, bias)
         _repack_for_mkl(entry, weight)
     elif rows > hi:
-        return F.linear(x, weight)
+        return F.linear(x, weight, bias)
     x = x.contiguous()
     if entry.small is not None and rows <= BF16_PANEL_MAX_ROWS and _check_bf16_panel_kernel():
-        return torch.ops.tokenmill_cpu.dense_gemm_bf16(x, entry.small, entry.shape[0])
+        y = torch.ops.tokenmill_cpu.dense_gemm_bf16(x, entry.small, entry.shape[0])
+        return y if bias is None else y.add_(bias)
     if entry.library == MKL:
         if rows > MKL_MAX_ROWS or not _mkl_matches(entry, weight, rows):
-            return F.linear(x, weight)
+            return F.linear(x, weight, bias)
         # _mkl_linear uses the packed copy when the count it is given equals the input's rows
-        return torch.ops.mkl._mkl_linear(x, entry.packed, weight, None, rows)
-    return torch.ops.mkldnn._linear_pointwise(x, entry.packed, None, "none", [], "")
+        return torch.ops.mkl._mkl_linear(x, entry.packed, weight, bias, rows)
+    return torch.ops.mkldnn._linear_pointwise(x, entry.packed, bias, "none", [], "")
 
 
 def _panel_for_rows(entry: _Packed, weight: torch.Tensor) -> bool:
@@ -351,20 +352,22 @@ def pack_panels_bf16(weight: torch.Tensor, width: int = _BF16_PANEL_WIDTH) -> to
     return padded.view(panels, width, k // 2, 2).permute(0, 2, 1, 3).contiguous().view(panels, k // 2, 2 * width)
 
 
-def _dense_linear_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _dense_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 _lib = torch.library.Library("tokenmill_cpu", "FRAGMENT")  # the C++ kernels (tokenmill_cpu.kernels) share it
-_lib.define("dense_linear(Tensor x, Tensor weight) -> Tensor")
+_lib.define("dense_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor")
 _lib.impl("dense_linear", _dense_linear, "CPU")
 torch.library.register_fake("tokenmill_cpu::dense_linear", _dense_linear_fake, lib=_lib)
 
 
-def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x [..., K] @ weight [N, K]^T`` -> ``[..., N]`` in ``weight``'s dtype, on the packed copy of ``weight`` when
-    :func:`pack` made one and the row count is within :func:`packed_rows`, else with ``F.linear``."""
-    return torch.ops.tokenmill_cpu.dense_linear(x, weight)
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [..., K] @ weight [N, K]^T (+ bias [N])`` -> ``[..., N]`` in ``weight``'s dtype, on the packed copy of
+    ``weight`` when :func:`pack` made one and the row count is within :func:`packed_rows`, else with ``F.linear``.
+    The bias is added inside the product (the panel kernel's epilogue, oneDNN's and MKL's bias argument, or
+    ``addmm``), except on the bfloat16 panel path for few rows (added in place after it)."""
+    return torch.ops.tokenmill_cpu.dense_linear(x, weight, bias)
 
 
 def pack(weight: torch.Tensor, small: bool = True) -> bool:
@@ -501,6 +504,12 @@ class CpuUnquantizedLinearMethod(UnquantizedLinearMethod):
         if statically_known_true(x.shape[0] < packed_rows(layer.weight.dtype)[0]):
             return F.linear(x, layer.weight)
         return dense_linear(x, layer.weight)
+
+    def apply_with_bias(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        # as apply, with the bias inside the product (dense_linear)
+        if statically_known_true(x.shape[0] < packed_rows(layer.weight.dtype)[0]):
+            return F.linear(x, layer.weight, bias)
+        return dense_linear(x, layer.weight, bias)
 
     def cache_key_facts(self) -> dict[str, Any]:
         # below these row counts a graph of a known row count (the one-request graph) calls F.linear directly; the

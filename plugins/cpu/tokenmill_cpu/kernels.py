@@ -273,7 +273,7 @@ def _register_fake() -> None:
 
     @torch.library.register_fake("tokenmill_cpu::prefill_attention_varlen")
     def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranges: torch.Tensor, scale: float, sliding_window: int,
-          out: torch.Tensor) -> None:
+          out: torch.Tensor, causal: bool = True) -> None:
         return None
 
     @torch.library.register_fake("tokenmill_cpu::prefill_attention")
@@ -285,7 +285,7 @@ def _register_fake() -> None:
         return x.new_empty(x.shape[0], packed.shape[0] * 16)
 
     @torch.library.register_fake("tokenmill_cpu::dense_gemm")
-    def _(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    def _(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
         return x.new_empty(x.shape[0], n)
 
     @torch.library.register_fake("tokenmill_cpu::dense_gemm_bf16")
@@ -425,12 +425,13 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slo
 
 def prefill_attention_varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranges: torch.Tensor, scale: float,
-    sliding_window: int | None, out: torch.Tensor,
+    sliding_window: int | None, out: torch.Tensor, causal: bool = True,
 ) -> None:
     """Causal attention of several fresh prompts of one step (nothing cached before them) in one call, into
     ``out``: :func:`prefill_attention` of each prompt, with the work of all of them split between the threads at
     once (one parallel region, not one per prompt and layer, and no per-prompt Python), split by the key rows each
-    query reads so that a long prompt among short ones is shared between threads too.
+    query reads so that a long prompt among short ones is shared between threads too. With ``causal=False``
+    (an encoder step's whole sequences) every query of a prompt attends to all of that prompt's rows.
 
     Args:
         q: ``[T, Hq, D]`` float32, bfloat16 or float16, rows contiguous (any row and head stride), already rotated.
@@ -443,9 +444,10 @@ def prefill_attention_varlen(
         sliding_window: attend to the last ``sliding_window`` positions only; ``None``: all earlier ones.
         out: ``[T, Hq * D]`` in ``q``'s dtype, rows contiguous; the rows of the ranges are written, the others
             are left as they are.
+        causal: ``False``: bidirectional attention within each prompt (no sliding window then).
 
     Raises:
-        RuntimeError: shapes, dtypes or layouts are not as above, or a range is empty, outside ``q``'s rows or
-            overlaps the one before it.
+        RuntimeError: shapes, dtypes or layouts are not as above, a range is empty, outside ``q``'s rows or
+            overlaps the one before it, or a sliding window is asked for without ``causal``.
     """
-    torch.ops.tokenmill_cpu.prefill_attention_varlen(q, k, v, ranges, scale, sliding_window or 0, out)
+    torch.ops.tokenmill_cpu.prefill_attention_varlen(q, k, v, ranges, scale, sliding_window or 0, out, causal)

@@ -36,6 +36,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <strings.h>
 #include <type_traits>
@@ -203,10 +204,11 @@ inline void with_rows(int rows, Fn&& fn) {
   }
 }
 
-// One panel for all M rows; columns past N go to a scratch tile.
+// One panel for all M rows; columns past N go to a scratch tile. With a bias ([N], or nullptr) each row group's
+// outputs get it added while they are still in L1 (an epilogue: no second pass over y).
 template <int kLocality>
 void panel_product(const float* x, int64_t M, int64_t K, const float* panel, int64_t col0, int64_t N, float* y,
-                   Prefetcher<kLocality>& pf) {
+                   Prefetcher<kLocality>& pf, const float* bias) {
   const int64_t cols = std::min<int64_t>(kPanel, N - col0);
   alignas(64) float tile[kRows * kPanel];
   for (int64_t m0 = 0; m0 < M; m0 += kRows) {
@@ -216,6 +218,11 @@ void panel_product(const float* x, int64_t M, int64_t K, const float* panel, int
     with_rows<kRows>(rows, [&](auto r) { micro_kernel<decltype(r)::value>(x + m0 * K, K, panel, K, out, ldy, pf); });
     if (cols < kPanel)
       for (int r = 0; r < rows; ++r) std::memcpy(y + (m0 + r) * N + col0, tile + r * kPanel, cols * sizeof(float));
+    if (bias != nullptr)
+      for (int r = 0; r < rows; ++r) {
+        float* row = y + (m0 + r) * N + col0;
+        for (int64_t j = 0; j < cols; ++j) row[j] += bias[col0 + j];
+      }
   }
 }
 
@@ -249,7 +256,7 @@ void run_panels(int64_t M, int64_t K, int64_t P, int64_t panel_elems, int64_t gr
   });
 }
 
-at::Tensor dense_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+at::Tensor dense_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "dense_gemm: CPU tensors expected");
   TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat,
               "dense_gemm: float32 x and packed weight expected, got ", x.scalar_type(), " and ",
@@ -261,14 +268,19 @@ at::Tensor dense_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n) 
   TORCH_CHECK(packed.size(1) == K, "dense_gemm: x has ", K, " input channels, the packed weight ", packed.size(1));
   TORCH_CHECK(n > (P - 1) * kPanel && n <= P * kPanel, "dense_gemm: ", n, " output rows do not fit ", P,
               " panels of ", kPanel);
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias)
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous(),
+                "dense_gemm: bias must be a contiguous float32 [", n, "] tensor, got ", bias->sizes());
   at::Tensor y = at::empty({M, n}, x.options());
-  if (M == 0 || K == 0) return y.zero_();
+  if (M == 0 || K == 0) return has_bias ? y.copy_(bias->expand({M, n})) : y.zero_();
   const float* xs = x.data_ptr<float>();
   const float* ws = packed.data_ptr<float>();
+  const float* bs = has_bias ? bias->data_ptr<float>() : nullptr;
   float* ys = y.data_ptr<float>();
   const int64_t panel_floats = K * kPanel;
   auto product = [&](int64_t m0, int64_t rows, int64_t p, const float* panel, auto& pf) {
-    panel_product(xs + m0 * K, rows, K, panel, p * kPanel, n, ys + m0 * n, pf);
+    panel_product(xs + m0 * K, rows, K, panel, p * kPanel, n, ys + m0 * n, pf, bs);
   };
   if (prefetch_to_l2()) {
     run_panels<2>(M, K, P, panel_floats, kRows, K, ws, product);
@@ -430,7 +442,7 @@ std::string dense_gemm_isa() {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
-  m.def("dense_gemm(Tensor x, Tensor packed, int n) -> Tensor");
+  m.def("dense_gemm(Tensor x, Tensor packed, int n, Tensor? bias=None) -> Tensor");
   m.def("dense_gemm_panel() -> int", &dense_gemm_panel);
   m.def("dense_gemm_isa() -> str", &dense_gemm_isa);
   m.def("dense_gemm_bf16(Tensor x, Tensor packed, int n) -> Tensor");

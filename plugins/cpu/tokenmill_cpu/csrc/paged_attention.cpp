@@ -610,7 +610,8 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
 
 // Causal attention of a prompt chunk: the Lq query rows are the last Lq positions of an S-row context (S = Lq
 // for a fresh prompt), so query row t sits at position p = S - Lq + t and attends to positions
-// max(0, p - W + 1) .. p (all of 0 .. p without a window).
+// max(0, p - W + 1) .. p (all of 0 .. p without a window). A bidirectional chunk (an encoder's sequence, causal
+// false, no window) has every query row attend to all S rows.
 //
 // Where a KV head's key and value rows lie apart (a fresh prompt's views of the fused projection), one work item is
 // a tile of query rows for one KV head: the tile's rows x G query heads (about kTileVectors query vectors) pass
@@ -632,6 +633,7 @@ struct PrefillChunk {
   const T* v;  // likewise
   T* out;      // [Lq, Hq * D] rows ldo elements apart
   int64_t len, offset, qs0, qs1, ks0, ks1, vs0, vs1, ldo;
+  bool causal = true;  // false: every query row sees the whole context (encoder-only attention)
 };
 
 constexpr int64_t kTileVectors = 24;  // query vectors (rows x G) per tile
@@ -641,6 +643,12 @@ constexpr int64_t kKeyBlock = 64;     // key rows per pass of a tile; must be a 
 template <typename T>
 inline int64_t first_row(const PrefillChunk<T>& c, int64_t t, int64_t sliding_window) {
   return sliding_window > 0 ? std::max<int64_t>(c.offset + t - sliding_window + 1, 0) : 0;
+}
+
+// One past the last context row query row t of chunk c attends to: its own position (causal) or the context's end.
+template <typename T>
+inline int64_t end_row(const PrefillChunk<T>& c, int64_t t) {
+  return c.causal ? c.offset + t + 1 : c.offset + c.len;
 }
 
 // Per-thread buffers of prefill_tile and prefill_row: qf and acc [vectors, D], scores [vectors, score_cols] (a
@@ -719,7 +727,7 @@ inline void prefill_tile(const PrefillChunk<T>& c, int64_t t0, int64_t t1, int64
   std::fill(b.mx.begin(), b.mx.begin() + n, -std::numeric_limits<float>::infinity());
   std::fill(b.sum.begin(), b.sum.begin() + n, 0.f);
   const int64_t context = c.offset + c.len;                    // S: the rows k and v have
-  const int64_t hi = c.offset + t1;                            // one past the last row's position
+  const int64_t hi = end_row(c, t1 - 1);                       // one past the last row's last key
   const int64_t lo = first_row(c, t0, sliding_window);         // the first row's window start (the smallest)
   const int64_t hi4 = std::min(context, (hi + 3) / 4 * 4);     // read on the grid of four (see above)
   for (int64_t kb = lo / kKeyBlock * kKeyBlock; kb < hi; kb += kKeyBlock) {
@@ -736,7 +744,7 @@ inline void prefill_tile(const PrefillChunk<T>& c, int64_t t0, int64_t t1, int64
     tile_scores(qf, n, kblk, c.ks0, rows, head_size, vec_end, b.scores.data());
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t jlo = std::max<int64_t>(first_row(c, t, sliding_window) - kb, 0);
-      const int64_t jhi = std::min(c.offset + t + 1 - kb, rows);
+      const int64_t jhi = std::min(end_row(c, t) - kb, rows);
       for (int64_t g = 0; g < group; ++g) {
         const int64_t i = (t - t0) * group + g;
         const float alpha = online_softmax(b.scores.data() + i * kKeyBlock, rows, jlo, jhi, &b.mx[i], &b.sum[i]);
@@ -763,7 +771,7 @@ template <typename T>
 inline void prefill_row(const PrefillChunk<T>& c, int64_t t, int64_t h, int64_t group, int64_t head_size,
                         int64_t vec_end, float fscale, int64_t sliding_window, float* qf, float* acc, float* scores) {
   const int64_t first = first_row(c, t, sliding_window);
-  const int64_t n = c.offset + t - first + 1;
+  const int64_t n = end_row(c, t) - first;
   for (int64_t g = 0; g < group; ++g) {
     const T* src = c.q + t * c.qs0 + (h * group + g) * c.qs1;
     for (int64_t i = 0; i < head_size; ++i) qf[g * head_size + i] = static_cast<float>(src[i]) * fscale;
@@ -819,7 +827,7 @@ void prefill_chunks(const std::vector<PrefillChunk<T>>& chunks, int64_t num_head
   for (size_t c = 0; c < chunks.size(); ++c) {
     for (int64_t i = 0; i < item_start[c + 1] - item_start[c]; ++i) {
       const int64_t t0 = i / num_kv_heads * tile_rows, t1 = std::min(t0 + tile_rows, chunks[c].len);
-      const int64_t keys = chunks[c].offset + t1 - first_row(chunks[c], t0, sliding_window);
+      const int64_t keys = end_row(chunks[c], t1 - 1) - first_row(chunks[c], t0, sliding_window);
       cost[item_start[c] + i + 1] = cost[item_start[c] + i] + keys * (t1 - t0) * group + item_cost;
     }
   }
@@ -875,10 +883,12 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
 }
 
 // Several fresh prompts of one step at once: prompt i is rows starts[i] .. ends[i] - 1 of q, k and v (its own
-// keys and values are its whole context); out's rows of those ranges are written, others are left alone.
+// keys and values are its whole context); out's rows of those ranges are written, others are left alone. With
+// causal false (an encoder step's sequences) each row attends to its whole prompt.
 void prefill_attention_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& ranges,
-                              double scale, int64_t sliding_window, at::Tensor& out) {
+                              double scale, int64_t sliding_window, at::Tensor& out, bool causal) {
   TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: no window)");
+  TORCH_CHECK(causal || sliding_window == 0, "a sliding window needs causal attention");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k and v must be [T, H, D] tensors");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "q, k and v need contiguous rows");
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(2) == q.size(2),
@@ -911,7 +921,7 @@ void prefill_attention_varlen(const at::Tensor& q, const at::Tensor& k, const at
       const int64_t s0 = r[2 * i], len = r[2 * i + 1] - s0;
       chunks.push_back({qp + s0 * q.stride(0), kp + s0 * k.stride(0), vp + s0 * v.stride(0), op + s0 * out.stride(0),
                         len, 0, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                        out.stride(0)});
+                        out.stride(0), causal});
     }
     prefill_chunks(chunks, q.size(1), k.size(1), q.size(2), scale, sliding_window);
   });
@@ -967,7 +977,7 @@ TORCH_LIBRARY(tokenmill_cpu, m) {
         "int sliding_window=0, float soft_cap=0.0) -> Tensor");
   m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale, int sliding_window=0) -> Tensor");
   m.def("prefill_attention_varlen(Tensor q, Tensor k, Tensor v, Tensor ranges, float scale, int sliding_window, "
-        "Tensor(a!) out) -> ()");
+        "Tensor(a!) out, bool causal=True) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
