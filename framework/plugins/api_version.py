@@ -12,12 +12,14 @@ and tokenmill refuses to load a plugin whose requirement this version does not m
 
 from __future__ import annotations
 
-PLUGIN_API_VERSION = "1.6"  # 1.1: Platform.allocate_kv_cache, UnquantizedLinearMethod; 1.2: finish_kv_cache_allocation;
+PLUGIN_API_VERSION = "1.7"  # 1.1: Platform.allocate_kv_cache, UnquantizedLinearMethod; 1.2: finish_kv_cache_allocation;
 # 1.3: reasoning parsers (ReasoningParser, tokenmill_register_reasoning_parsers); 1.4: state layers and their ops
 # (MambaBase, MambaMixer2, GatedDeltaNet, StateMetadata, CausalConv1d, MambaSSD, RMSNormGated, GatedDeltaRule);
 # 1.5: quantized KV caches (AttentionBackend.supported_quantized_kv_cache_dtypes, quantize_kv, dequantize_kv,
 # kv_cache_row_size, is_quantized_kv_dtype)
 # 1.6: the Triton group-quantized weight formats (TritonGroupQuantWeight, TritonInt8Weight, TritonInt4Weight)
+# 1.7: UnquantizedLinearMethod.apply_with_bias (the bias inside the product); TorchPagedAttentionImpl.forward_bidirectional
+# (encoder-only steps of a subclassing backend)
 REQUIREMENT_ATTR = "TOKENMILL_PLUGIN_API"
 
 

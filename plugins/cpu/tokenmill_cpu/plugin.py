@@ -8,7 +8,7 @@ from tokenmill.plugin_api import PlatformSpec, hookimpl
 
 # 1.1: UnquantizedLinearMethod, Platform.allocate_kv_cache; 1.2: finish_kv_cache_allocation; 1.4: the state-layer
 # ops (CausalConv1d, MambaSSD, GatedDeltaRule); 1.5: quantized KV caches (is_quantized_kv_dtype)
-TOKENMILL_PLUGIN_API = ">=1.5,<2"
+TOKENMILL_PLUGIN_API = ">=1.7,<2"  # 1.7: apply_with_bias and forward_bidirectional, which it overrides
 
 
 def detect() -> tuple[bool, str]:
