@@ -29,8 +29,6 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
-SHAPE_1B = {"hidden": 2048, "layers": 16, "intermediate": 8192, "heads": 32, "kv_heads": 8}
-
 _TOKENMILL = """
 import json, resource, sys, time, torch
 from tokenmill.engine_args import EngineArgs
@@ -62,30 +60,12 @@ def write_model(path: str, qtype_name: str, seed: int = 0) -> None:
     import gguf
     import numpy as np
 
-    from tokenmill.model_loader.default_model import default_model_path
+    from gguf_random_model import open_writer  # benchmarks/gguf_random_model.py: this script's folder is on sys.path
 
     qtype = gguf.GGMLQuantizationType[qtype_name]
-    source = gguf.GGUFReader(default_model_path())
-    vocab = len(source.fields["tokenizer.ggml.tokens"].data)
-    s = SHAPE_1B
-    h, f, head_dim = s["hidden"], s["intermediate"], s["hidden"] // s["heads"]
-    w = gguf.GGUFWriter(path, "llama")
-    w.add_name("random-llama-3.2-1b-shape")
-    w.add_block_count(s["layers"])
-    w.add_context_length(8192)
-    w.add_embedding_length(h)
-    w.add_feed_forward_length(f)
-    w.add_head_count(s["heads"])
-    w.add_head_count_kv(s["kv_heads"])
-    w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(500000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(vocab)
-    for key, field in source.fields.items():
-        if key.startswith("tokenizer."):
-            vtype = field.types[0]
-            sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-            w.add_key_value(key, field.contents(), vtype, sub_type=sub)
+    w, s = open_writer(path, "1b")
+    vocab, h, f = s["vocab"], s["hidden"], s["intermediate"]
+    head_dim = h // s["heads"]
     rng = np.random.default_rng(seed)
 
     def add(name: str, shape: tuple[int, ...], std: float) -> None:
