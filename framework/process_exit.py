@@ -24,10 +24,17 @@ def exit_without_teardown(status: int) -> NoReturn:
     Only for a process's own top level (a console script, a process target): it never returns, so a caller that
     runs inside another program (a test calling ``main()``) must not use it.
     """
-    current = threading.current_thread()
-    for thread in threading.enumerate():
-        if thread is not current and not thread.daemon:
-            thread.join()
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None and threading.current_thread() is threading.main_thread():
+        # What the interpreter's exit calls first: threading's own exit hooks (a concurrent.futures executor left
+        # open tells its idle workers to stop), then the join of every non-daemon thread. Joining them without
+        # those hooks waits forever on such a worker.
+        shutdown()
+    else:
+        current = threading.current_thread()
+        for thread in threading.enumerate():
+            if thread is not current and not thread.daemon:
+                thread.join()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
