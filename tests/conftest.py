@@ -24,6 +24,9 @@ os.environ["TOKENMILL_CPU_PREFAULT"] = "0"
 # tokenmill's on-disk caches (compiled graphs, converted GGUF tokenizers) go to a directory of this test run,
 # never the user's ~/.cache; servers the tests start inherit it, so a GGUF tokenizer is converted once per run.
 os.environ.setdefault("TOKENMILL_CACHE_DIR", tempfile.mkdtemp(prefix="tokenmill-test-cache-"))
+# So do Inductor's (compiled kernels, FX graphs): a run then pays what a fresh machine pays (CI), instead of reusing
+# kernels that earlier runs left in the machine-wide /tmp/torchinductor_<user>.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.environ["TOKENMILL_CACHE_DIR"], "inductor"))
 
 
 @pytest.hookimpl(trylast=True)  # after ``-k``/``-m`` deselection: only checks that will run count
