@@ -147,11 +147,12 @@ class TorchPagedAttentionImpl(AttentionImpl):
 
         Args:
             q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]``, one dtype, rows contiguous (any row stride).
-            ranges: ``(start, end)`` rows of each sequence, in order, disjoint, non-empty and covering all ``T``
-                rows; query ``j`` of a sequence sees all of that sequence's rows and no other's.
+            ranges: ``(start, end)`` rows of each sequence, disjoint and non-empty (the engine's cover all ``T``
+                rows); query ``j`` of a sequence sees all of that sequence's rows and no other's.
 
         Returns:
-            ``[T, Hq, D]`` (any strides) or ``[T, Hq * D]`` in ``q``'s dtype.
+            ``[T, Hq, D]`` (any strides) or ``[T, Hq * D]`` in ``q``'s dtype; rows outside every range are left
+            uninitialized (a subclass may pass part of the sequences here and fill the other rows itself).
         """
         return bidirectional_attention(q, k, v, ranges, self.scale)
 

@@ -498,15 +498,12 @@ class CpuUnquantizedLinearMethod(UnquantizedLinearMethod):
         return nbytes
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return self.apply_with_bias(layer, x, None)
+
+    def apply_with_bias(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # Only a row count known without guards picks F.linear here (eager steps; the one-request graph, whose
         # row count is the constant 1). A graph with a symbolic row count calls the op, which chooses at run time:
         # a plain Python test would bake the traced dummy step's choice into the graph.
-        if statically_known_true(x.shape[0] < packed_rows(layer.weight.dtype)[0]):
-            return F.linear(x, layer.weight)
-        return dense_linear(x, layer.weight)
-
-    def apply_with_bias(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        # as apply, with the bias inside the product (dense_linear)
         if statically_known_true(x.shape[0] < packed_rows(layer.weight.dtype)[0]):
             return F.linear(x, layer.weight, bias)
         return dense_linear(x, layer.weight, bias)
