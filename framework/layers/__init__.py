@@ -1,7 +1,8 @@
 """Building blocks for models; a model built only from these runs on every platform.
 
-Decoder families compose :class:`DecoderAttention`, :class:`GatedMLP` or :class:`SparseMoeBlock`,
-:class:`DecoderLayer`, :class:`DecoderModel` and :class:`DecoderForCausalLM` (see ``docs/models.md``).
+Decoder families compose :class:`DecoderAttention`, :class:`GatedMLP` (:class:`MLP` without a gate) or
+:class:`SparseMoeBlock`, :class:`DecoderLayer`, :class:`DecoderModel` and :class:`DecoderForCausalLM` (see
+``docs/models.md``).
 """
 
 from tokenmill.layers.activation import GeluAndMul, SiluAndMul, get_act_and_mul
@@ -17,7 +18,7 @@ from tokenmill.layers.linear import (
     RowParallelLinear,
     default_weight_loader,
 )
-from tokenmill.layers.mlp import GatedMLP
+from tokenmill.layers.mlp import MLP, GatedMLP
 from tokenmill.layers.pipeline import (
     IntermediateTensors,
     PPMissingLayer,
@@ -43,6 +44,7 @@ __all__ = [
     "GatedMLP",
     "GeluAndMul",
     "IntermediateTensors",
+    "MLP",
     "MergedColumnParallelLinear",
     "PPMissingLayer",
     "ParallelLMHead",

@@ -1,6 +1,9 @@
-"""Activations used by gated MLPs: ``act(x[..., :d]) * x[..., d:]`` for input ``[..., 2d]``."""
+"""Activations of MLPs: gated ones, ``act(x[..., :d]) * x[..., d:]`` for input ``[..., 2d]``
+(:func:`get_act_and_mul`), and plain elementwise ones for MLPs without a gate (:func:`get_act_fn`)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -63,3 +66,31 @@ def get_act_and_mul(name: str) -> nn.Module:
         raise ValueError(f"hidden_act: activation {name!r} is not supported for gated MLPs "
                          f"(supported: {', '.join(sorted(_GATED))})")
     return factory()
+
+
+def relu_squared(x: torch.Tensor) -> torch.Tensor:
+    """``relu(x) ** 2`` (So et al. 2021, "Primer"; transformers' ``relu2``, Nemotron-H's MLPs and experts)."""
+    return torch.square(F.relu(x))
+
+
+# transformers' activation names -> elementwise activation of an MLP without a gate
+_PLAIN = {
+    "relu2": relu_squared,
+    "relu": F.relu,
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+def get_act_fn(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The elementwise activation for a transformers activation name, for MLPs without a gate.
+
+    Raises:
+        ValueError: the name is not a supported activation (the message lists the supported ones).
+    """
+    fn = _PLAIN.get(name)
+    if fn is None:
+        raise ValueError(f"activation {name!r} is not supported for MLPs without a gate "
+                         f"(supported: {', '.join(sorted(_PLAIN))})")
+    return fn

@@ -134,6 +134,7 @@ class DecoderModel(nn.Module):
         embedding_multiplier: the embeddings are scaled by it (Gemma: ``sqrt(H)`` rounded to the model dtype;
             Granite: ``embedding_multiplier``).
         norm_offset, norm_in_float32: the final norm's settings.
+        norm_eps: the final norm's epsilon (default: the config's ``rms_norm_eps``, else ``1e-6``).
 
     The forward pass is ``embed -> layers -> norm`` over ``self.layers`` in order. Under pipeline parallelism
     (docs/distributed.md) each stage builds only its range ``[start_layer, end_layer)`` of the layers
@@ -151,10 +152,13 @@ class DecoderModel(nn.Module):
         embedding_multiplier: float | None = None,
         norm_offset: float = 0.0,
         norm_in_float32: bool = False,
+        norm_eps: float | None = None,
     ) -> None:
         super().__init__()
         cfg = config.hf_config
         pp = get_pp_group()
+        if norm_eps is None:
+            norm_eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
         self.embed_tokens = (
             VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if pp.is_first_rank else PPMissingLayer()
         )
@@ -165,7 +169,7 @@ class DecoderModel(nn.Module):
             f"{prefix}.layers",
         )
         self.norm = (
-            RMSNorm(cfg.hidden_size, float(getattr(cfg, "rms_norm_eps", 1e-6)), offset=norm_offset,
+            RMSNorm(cfg.hidden_size, norm_eps, offset=norm_offset,
                     multiply_in_float32=norm_in_float32)
             if pp.is_last_rank
             else PPMissingLayer()

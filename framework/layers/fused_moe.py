@@ -1,8 +1,12 @@
-"""Mixture-of-experts through one fused-experts op (Mixtral, Qwen3-MoE), with a platform hook for the kernel.
+"""Mixture-of-experts through one fused-experts op (Mixtral, Qwen3-MoE, Nemotron-H), with a platform hook for the
+kernel.
 
 :class:`FusedMoE` holds every expert's weights as two stacked tensors and routes tokens: softmax over the router
 logits in float32, top-k, optionally renormalised to sum to one (Mixtral always; Qwen3-MoE when
-``norm_topk_prob``), as in transformers. The expert computation is a :class:`FusedMoEMethod` chosen by the
+``norm_topk_prob``), as in transformers; a model with another routing rule (Nemotron-H's sigmoid scores with a
+correction bias, :mod:`tokenmill.layers.moe_routing`) routes itself and calls :meth:`FusedMoE.apply_routed`.
+Experts are gated MLPs (``w13`` holds gate and up rows) or, with ``gated=False``, plain ones (``w13`` holds the
+up rows only: Nemotron-H's ``relu2`` experts). The expert computation is a :class:`FusedMoEMethod` chosen by the
 platform (``Platform.get_fused_moe_cls``); the portable one, :class:`TorchFusedMoEMethod`, sorts the
 ``T * top_k`` (token, expert) pairs by expert and runs each projection as one grouped matrix multiply over
 those groups (``torch.nn.functional.grouped_mm``; a loop over experts where that op is unavailable), with no
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -26,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed import get_tp_rank, get_tp_size, tp_all_reduce
-from tokenmill.layers.activation import get_act_and_mul
+from tokenmill.layers.activation import get_act_and_mul, get_act_fn
 from tokenmill.layers.linear import ReplicatedLinear
 
 DEFAULT_FUSED_MOE = "tokenmill.layers.fused_moe:TorchFusedMoEMethod"
@@ -56,11 +61,13 @@ class FusedMoEMethod(ABC):
 
         Args:
             hidden_states: ``[T, H]``.
-            w13: ``[E, 2 * I, H]``, each expert's gate rows then up rows (this rank's ``I``).
+            w13: ``[E, 2 * I, H]``, each expert's gate rows then up rows (this rank's ``I``); or ``[E, I, H]``,
+                up rows only, for experts without a gate (the activation then applies elementwise).
             w2: ``[E, H, I]``, each expert's down projection.
             topk_weights: ``[T, k]`` float32 routing weights.
             topk_ids: ``[T, k]`` int64 expert ids.
-            activation: transformers' ``hidden_act`` name of the gated activation (``"silu"`` for SwiGLU).
+            activation: transformers' ``hidden_act`` name of the experts' activation (``"silu"`` for SwiGLU,
+                ``"relu2"`` for Nemotron-H's experts without a gate).
 
         Returns:
             ``[T, H]`` in ``hidden_states``' dtype (this rank's partial sum under tensor parallelism).
@@ -86,15 +93,15 @@ class TorchFusedMoEMethod(FusedMoEMethod):
         counts = torch.bincount(flat, minlength=num_experts)
         x = hidden_states[token]
         h = _grouped_linear(x, w13, counts)  # [T*k, 2I]
-        h = _activation(activation)(h)
+        h = _activation(activation, w13.shape[1] != w2.shape[2])(h)
         y = _grouped_linear(h, w2, counts)  # [T*k, H]
         y = (y.float() * topk_weights.reshape(-1)[order].unsqueeze(1)).to(hidden_states.dtype)
         return torch.zeros_like(hidden_states).index_add_(0, token, y)
 
 
 @functools.cache
-def _activation(name: str) -> nn.Module:
-    return get_act_and_mul(name)
+def _activation(name: str, gated: bool = True) -> Callable[[torch.Tensor], torch.Tensor]:
+    return get_act_and_mul(name) if gated else get_act_fn(name)
 
 
 _GROUPED_MM_UNSUPPORTED: set[tuple[str, torch.dtype]] = set()
@@ -170,10 +177,12 @@ class FusedMoE(nn.Module):
         hidden_size: H.
         intermediate_size: each expert's I (split across tensor-parallel ranks).
         renormalize: rescale the top-k probabilities to sum to one.
-        activation: transformers' ``hidden_act`` of the experts' gated MLP.
+        activation: transformers' ``hidden_act`` of the experts' MLP.
+        gated: the experts are gated MLPs (gate and up projections); ``False``: an up projection only.
 
-    Parameters ``w13_weight [E, 2 * I / tp, H]`` (gate rows, then up rows) and ``w2_weight [E, H, I / tp]``
-    take checkpoint tensors through ``weight_loader(param, tensor, shard_id, expert_id)``.
+    Parameters ``w13_weight [E, 2 * I / tp, H]`` (gate rows, then up rows; ``[E, I / tp, H]``, up rows, without a
+    gate) and ``w2_weight [E, H, I / tp]`` take checkpoint tensors through ``weight_loader(param, tensor,
+    shard_id, expert_id)``; each carries ``expert_shards``, the shard ids that fill it.
 
     Raises:
         ValueError: ``top_k > num_experts`` or I not divisible by the tensor-parallel size.
@@ -188,6 +197,7 @@ class FusedMoE(nn.Module):
         *,
         renormalize: bool = True,
         activation: str = "silu",
+        gated: bool = True,
         prefix: str = "",
     ) -> None:
         super().__init__()
@@ -198,12 +208,15 @@ class FusedMoE(nn.Module):
             raise ValueError(f"expert intermediate size ({intermediate_size}) is not divisible by the "
                              f"tensor-parallel size ({self.tp_size})")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
-        self.activation = activation
-        _activation(activation)  # fail early on an unsupported one
+        self.activation, self.gated = activation, gated
+        _activation(activation, gated)  # fail early on an unsupported one
         self.intermediate_per_rank = intermediate_size // self.tp_size
         i = self.intermediate_per_rank
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * i, hidden_size), requires_grad=False)
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, (2 if gated else 1) * i, hidden_size),
+                                       requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, i), requires_grad=False)
+        self.w13_weight.expert_shards = ("w1", "w3") if gated else ("w3",)  # type: ignore[attr-defined]
+        self.w2_weight.expert_shards = ("w2",)  # type: ignore[attr-defined]
         for p in (self.w13_weight, self.w2_weight):
             p.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.method_path = get_fused_moe_method_path()
@@ -217,13 +230,15 @@ class FusedMoE(nn.Module):
 
         Args:
             shard_id: ``"w1"`` (gate), ``"w3"`` (up), ``"w2"`` (down), or ``"w13"`` (gate and up fused, as
-                transformers' ``experts.gate_up_proj``).
+                transformers' ``experts.gate_up_proj``); experts without a gate take ``"w3"`` and ``"w2"``.
             expert_id: the expert of a 2-D tensor ``[I, H]`` / ``[H, I]``; ``None`` for a 3-D tensor holding
                 every expert (``[E, I, H]``, ``[E, 2I, H]``, ``[E, H, I]``).
 
         Raises:
-            ValueError: unknown shard id or shapes that do not match.
+            ValueError: unknown shard id (a gate for experts without one) or shapes that do not match.
         """
+        if not self.gated and shard_id in ("w1", "w13"):
+            raise ValueError(f"FusedMoE: shard {shard_id!r} is a gate projection; these experts have none (w3, w2)")
         if shard_id == "w13":
             gate, up = loaded.chunk(2, dim=-2)
             self.weight_loader(param, gate, "w1", expert_id)
@@ -232,7 +247,7 @@ class FusedMoE(nn.Module):
         i, r = self.intermediate_per_rank, self.tp_rank
         if shard_id in ("w1", "w3"):
             src = loaded.narrow(-2, r * i, i)
-            dst = param.data.narrow(-2, 0 if shard_id == "w1" else i, i)
+            dst = param.data.narrow(-2, 0 if shard_id == "w1" or not self.gated else i, i)
         elif shard_id == "w2":
             src = loaded.narrow(-1, r * i, i)
             dst = param.data
@@ -255,7 +270,11 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """``hidden_states [T, H]``, ``router_logits [T, E]`` -> ``[T, H]`` (summed over ranks)."""
-        weights, ids = self.select_experts(router_logits)
+        return self.apply_routed(hidden_states, *self.select_experts(router_logits))
+
+    def apply_routed(self, hidden_states: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The experts of tokens already routed: ``hidden_states [T, H]``, ``weights [T, k]`` float32, ``ids [T,
+        k]`` int64 -> ``[T, H]`` (summed over ranks)."""
         if torch.compiler.is_compiling() and not self.method.traceable:
             out = torch.ops.tokenmill.fused_moe(hidden_states, self.w13_weight, self.w2_weight, weights, ids,
                                                 self.method_path, self.activation)

@@ -83,7 +83,7 @@ def load_checkpoint_weights(
             loaded.add(name)
     for pname, parts in expert_parts.items():
         num_experts = params[pname].shape[0]
-        needed = {"w1", "w3"} if pname.endswith("w13_weight") else {"w2"}
+        needed = set(params[pname].expert_shards)  # type: ignore[attr-defined]
         whole = {s for e, s in parts if e is None}
         if all(s in whole or all((e, s) in parts for e in range(num_experts)) for s in needed):
             loaded.add(pname)

@@ -16,7 +16,8 @@ FAMILY_ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Q
                 "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM",
                 "Olmo2ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"]
 # hybrid and attention-free models (state layers), tested in tests/models/test_hybrid_models.py
-HYBRID_ARCHS = ["Mamba2ForCausalLM", "GraniteMoeHybridForCausalLM", "FalconH1ForCausalLM", "Qwen3NextForCausalLM"]
+HYBRID_ARCHS = ["Mamba2ForCausalLM", "GraniteMoeHybridForCausalLM", "FalconH1ForCausalLM", "Qwen3NextForCausalLM",
+                "NemotronHForCausalLM"]
 # pooling models (docs/pooling.md), tested in tests/pooling
 POOLING_ARCHS = ["Qwen3Model", "Qwen2Model", "LlamaModel", "Qwen3ForSequenceClassification",
                  "Qwen2ForSequenceClassification", "LlamaForSequenceClassification", "BertModel", "XLMRobertaModel",

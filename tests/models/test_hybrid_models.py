@@ -81,6 +81,16 @@ SPECS = [
                     moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[3],
                     max_position_embeddings=256),
                num_blocks=24),
+    # Mamba2, MoE, attention (no RoPE), relu2 MLP, Mamba2; 8 experts without a gate in 2 groups (one eligible),
+    # top-2 by sigmoid scores with a correction bias, scaled by 2.5, a latent width, a shared expert
+    HybridSpec("nemotron_h", "NemotronHConfig", "NemotronHForCausalLM",
+               dict(layers_block_type=["linear_attention", "moe", "full_attention", "mlp", "linear_attention"],
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+                    mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4,
+                    chunk_size=8, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                    moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, moe_latent_size=32,
+                    routed_scaling_factor=2.5, max_position_embeddings=256),
+               num_blocks=24),
 ]
 
 
@@ -98,6 +108,9 @@ def build(spec: HybridSpec, path: str) -> str:
                 p.add_(torch.randn_like(p) * 0.1)
             elif "experts" in name or "router" in name:
                 p.normal_(0, 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # Nemotron-H's router: a bias that changes the choice
+                b.normal_(0, 0.1)
     model.save_pretrained(path)
     byte_level_tokenizer().save_pretrained(path)
     return path
