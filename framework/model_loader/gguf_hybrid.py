@@ -1,4 +1,5 @@
-"""GGUF files of llama.cpp's hybrid (Mamba2 + attention) architectures: their transformers configs and names.
+"""GGUF files of llama.cpp's hybrid (Mamba2 + attention) architectures: their transformers configs and names
+(Nemotron-H's configs in :mod:`tokenmill.model_loader.gguf_nemotron_h`).
 
 ``granitehybrid`` (Granite 4.0-H; llama.cpp's ``convert_hf_to_gguf.py``, ``GraniteHybridModel``) becomes a
 ``GraniteMoeHybridConfig``:
@@ -30,6 +31,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from tokenmill.model_loader.gguf_nemotron_h import (
+    NEMOTRON_H_ARCHITECTURES,
+    NEMOTRON_H_LAYER_NAMES,
+    nemotron_h_config,
+)
 from tokenmill.model_loader.gguf_state_space import (
     BLOCK_RE,
     GGUF_STATE_SPACE_ARCHITECTURES,
@@ -79,13 +85,14 @@ _LAYER_NAMES = {
         **_MAMBA_PARTS,
         **{f"ffn_{p}.weight": f"feed_forward.{p}_proj.weight" for p in ("gate", "up", "down")},
     },
+    **{arch: NEMOTRON_H_LAYER_NAMES for arch in NEMOTRON_H_ARCHITECTURES},
 }
 
 
 def read_state_space_config(path: str) -> Any | None:
-    """The transformers config of a ``mamba2``, ``granitehybrid`` or ``falcon-h1`` GGUF file; ``None`` for any
-    other architecture (transformers' GGUF reader reads the dense ones; the other state-space ones are refused by
-    the caller).
+    """The transformers config of a ``mamba2``, ``granitehybrid``, ``falcon-h1``, ``nemotron_h`` or
+    ``nemotron_h_moe`` GGUF file; ``None`` for any other architecture (transformers' GGUF reader reads the dense
+    ones; the other state-space ones are refused by the caller).
 
     Raises:
         ValueError: a file whose metadata lacks a size or whose sizes do not fit the config class.
@@ -96,20 +103,22 @@ def read_state_space_config(path: str) -> Any | None:
     arch = metadata_value(reader, "general.architecture")
     if arch == "mamba2":
         return mamba2_config(reader)
+    if arch in NEMOTRON_H_ARCHITECTURES:
+        return nemotron_h_config(reader, arch)
     if arch in GGUF_STATE_SPACE_ARCHITECTURES:
         return hybrid_config(reader, arch)
     return None
 
 
 def state_space_hf_name(name: str, arch: str) -> str | None:
-    """The transformers name of tensor ``name`` of a ``mamba2``, ``granitehybrid`` or ``falcon-h1`` file
+    """The transformers name of tensor ``name`` of a state-space or hybrid file
     (``blk.3.ssm_a`` -> ``backbone.layers.3.mixer.A_log`` for ``mamba2``); ``None`` for unknown names."""
     return mamba2_hf_name(name) if arch == "mamba2" else hybrid_hf_name(name, arch)
 
 
 def hybrid_hf_name(name: str, arch: str) -> str | None:
-    """``blk.3.ssm_in.weight`` -> ``model.layers.3.mamba.in_proj.weight`` for a ``granitehybrid`` or
-    ``falcon-h1`` file; ``None`` for unknown names or architectures."""
+    """``blk.3.ssm_in.weight`` -> ``model.layers.3.mamba.in_proj.weight`` for a ``granitehybrid``, ``falcon-h1``
+    or Nemotron-H file; ``None`` for unknown names or architectures."""
     parts = _LAYER_NAMES.get(arch)
     if parts is None:
         return None

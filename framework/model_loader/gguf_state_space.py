@@ -6,8 +6,8 @@ names back with the converter's changes undone: it stores ``A = -exp(A_log)`` an
 conv weight squeezed from ``[channels, 1, kernel]`` to ``[channels, kernel]``, the gated norm as ``[groups,
 inner / groups]`` and ``dt_bias`` as ``ssm_dt.bias``. It writes no head size: ``ssm.time_step_rank`` is the
 number of heads, so the head size is ``ssm.inner_size / heads``. The hybrid files (``granitehybrid``,
-``falcon-h1``) store their Mamba2 layers the same way; their configs and names are in
-:mod:`tokenmill.model_loader.gguf_hybrid`.
+``falcon-h1``, ``nemotron_h``, ``nemotron_h_moe``) store their Mamba2 layers the same way; their configs and names
+are in :mod:`tokenmill.model_loader.gguf_hybrid` and :mod:`tokenmill.model_loader.gguf_nemotron_h`.
 
 Other llama.cpp architectures with state layers (:func:`state_space_architectures`) are refused by name
 (``tokenmill.model_loader.hf_config``).
@@ -27,6 +27,8 @@ GGUF_STATE_SPACE_ARCHITECTURES = {
     "mamba2": "Mamba2ForCausalLM",
     "granitehybrid": "GraniteMoeHybridForCausalLM",
     "falcon-h1": "FalconH1ForCausalLM",
+    "nemotron_h": "NemotronHForCausalLM",
+    "nemotron_h_moe": "NemotronHForCausalLM",
 }
 
 _MAMBA2_GLOBAL = {

@@ -7,12 +7,14 @@ Gemma's ``ffn_norm`` is the pre-feedforward norm, Phi-3 stores gate and up fused
 Fix-ups llama.cpp's converter applied and this module undoes:
 
 * Query/key rows interleaved per head (its rotary layout) for the architectures whose converter permutes
-  them (:data:`PERMUTED_ARCHS`: Llama, Mistral and Mixtral files use ``llama``, plus Granite and Granite
-  4.0-H's ``granitehybrid``): restored to the Hugging Face order, so the same model code serves both formats.
-  Qwen2/3, Gemma, Phi-3, OLMo 2 and Falcon-H1 files are not permuted.
+  them (:data:`PERMUTED_ARCHS`: Llama, Mistral and Mixtral files use ``llama``, plus Granite, Granite
+  4.0-H's ``granitehybrid`` and Nemotron-H's ``nemotron_h`` / ``nemotron_h_moe``): restored to the Hugging
+  Face order, so the same model code serves both formats. Qwen2/3, Gemma, Phi-3, OLMo 2 and Falcon-H1 files
+  are not permuted.
 * Gemma norm weights stored as ``1 + w``: one is subtracted (the model adds it back).
-* State-space and hybrid files (``mamba2``, ``granitehybrid``, ``falcon-h1``): names and layout in
-  :mod:`tokenmill.model_loader.gguf_state_space` and :mod:`tokenmill.model_loader.gguf_hybrid`.
+* State-space and hybrid files (``mamba2``, ``granitehybrid``, ``falcon-h1``, ``nemotron_h``,
+  ``nemotron_h_moe``): names and layout in :mod:`tokenmill.model_loader.gguf_state_space`,
+  :mod:`tokenmill.model_loader.gguf_hybrid` and :mod:`tokenmill.model_loader.gguf_nemotron_h`.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ def unsupported_architecture_message(arch: str) -> str:
             "Face checkpoints)")
 
 
-PERMUTED_ARCHS = frozenset({"llama", "granite", "granitemoe", "granitehybrid", "deci"})
+PERMUTED_ARCHS = frozenset({"llama", "granite", "granitemoe", "granitehybrid", "nemotron_h", "nemotron_h_moe",
+                            "deci"})
 GEMMA_ARCHS = frozenset({"gemma", "gemma2", "gemma3"})
 
 _LAYER_NAMES = {

@@ -1,5 +1,6 @@
 """Write tiny transformers hybrid checkpoints as GGUF files the way llama.cpp's ``convert_hf_to_gguf.py`` does
-(``GraniteHybridModel`` -> ``granitehybrid``, ``FalconH1Model`` -> ``falcon-h1``), with the ``gguf`` package.
+(``GraniteHybridModel`` -> ``granitehybrid``, ``FalconH1Model`` -> ``falcon-h1``, ``NemotronHModel`` ->
+``nemotron_h`` / ``nemotron_h_moe``), with the ``gguf`` package.
 
 The converter's transforms mirrored here: the Mamba2 layers as ``Mamba2Model`` stores them (``A = -exp(A_log)``
 and ``D`` as ``[heads, 1]``, the conv weight squeezed, the gated norm as ``[groups, inner / groups]``,
@@ -52,10 +53,10 @@ def converter_quantizes(gguf_name: str, array: np.ndarray, qtype: Any) -> bool:
             and array.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0)
 
 
-def _write(path: str, arch: str, tensors: Iterator[tuple[str, str, np.ndarray]], qtype: Any,
+def _write(path: str, arch: str, tensors: Iterator[tuple[str | tuple[str, ...], str, np.ndarray]], qtype: Any,
            metadata: Callable[[Any], None]) -> tuple[str, set[str]]:
-    """Write ``(hf_name, gguf_name, array)`` tensors after ``metadata(writer)``; returns the path and the
-    transformers names of the tensors written quantized."""
+    """Write ``(hf_name, gguf_name, array)`` tensors after ``metadata(writer)`` (``hf_name``: a tuple for a
+    tensor merged from several); returns the path and the transformers names of the tensors written quantized."""
     import gguf
 
     w = gguf.GGUFWriter(path, arch)
@@ -64,7 +65,7 @@ def _write(path: str, arch: str, tensors: Iterator[tuple[str, str, np.ndarray]],
     for hf_name, gguf_name, array in tensors:
         q = converter_quantizes(gguf_name, array, qtype)
         if q:
-            quantized.add(hf_name)
+            quantized.update((hf_name,) if isinstance(hf_name, str) else hf_name)
         _add_tensor(w, gguf_name, array, qtype if q else None)
     return _finish(w, path), quantized
 
@@ -260,3 +261,87 @@ def q8_0_rounded_copy(model_dir: str, out_dir: str, rounded: Callable[[str], boo
             state[name] = gguf.quants.dequantize(blocks, q8).reshape(array.shape).astype(array.dtype)
     save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     return out_dir
+
+
+def _nemotron_h_tensors(cfg: dict[str, Any], state: dict[str, np.ndarray], arch: Any
+                        ) -> Iterator[tuple[str | tuple[str, ...], str, np.ndarray]]:
+    """``NemotronHModel.modify_tensors``: the experts stacked into ``[E, I, H]`` / ``[E, H, I]``, the correction
+    bias as ``exp_probs_b.bias``, the Mamba2 layers as ``Mamba2Model`` stores them, the query/key rows
+    permuted."""
+    import gguf
+
+    tensor_map = gguf.get_tensor_name_map(arch, len(cfg["layers_block_type"]))
+    for name, array in state.items():
+        if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
+            continue
+        layer = name.split(".")[2] if name.startswith("backbone.layers.") else None
+        if ".mixer.experts." in name:
+            expert, proj = name.split(".")[5:7]
+            if expert != "0":
+                continue
+            sources = tuple(f"backbone.layers.{layer}.mixer.experts.{e}.{proj}.weight"
+                            for e in range(cfg["n_routed_experts"]))
+            stacked = np.stack([state[n] for n in sources])
+            yield sources, f"blk.{layer}.ffn_{proj.removesuffix('_proj')}_exps.weight", stacked
+            continue
+        source = name
+        name = name.replace(".e_score_correction_bias", ".e_score_correction.bias")
+        name, array = mamba2_layout(name, array, cfg["n_groups"])
+        if name.endswith("q_proj.weight"):
+            array = _permute(array, cfg["num_attention_heads"])
+        elif name.endswith("k_proj.weight"):
+            array = _permute(array, cfg["num_key_value_heads"])
+        gguf_name = tensor_map.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, name
+        yield source, gguf_name, array
+
+
+def write_nemotron_h_gguf(model_dir: str, path: str, *, qtype: Any = None, tokenizer: Any = None
+                          ) -> tuple[str, set[str]]:
+    """Convert a transformers ``NemotronHForCausalLM`` directory to a ``nemotron_h`` file (MLP layers) or, when
+    its config has experts, a ``nemotron_h_moe`` file (MoE layers; the converter writes no MLP layers then) at
+    ``path`` as ``NemotronHModel`` does: the layer kinds as per-layer ``head_count_kv`` and
+    ``feed_forward_length``, no RoPE (a 2**20 placeholder context), the router's settings as ``expert_*``
+    metadata. ``tokenizer``: as :func:`tests.models.gguf_writer.add_vocab`. Returns the path and the
+    transformers names of the tensors written in ``qtype``."""
+    import gguf
+
+    cfg = _config(model_dir)
+    kinds = cfg["layers_block_type"]
+    moe = "moe" in kinds
+    assert not (moe and "mlp" in kinds), "a nemotron_h_moe file has no MLP layers"
+    arch = gguf.MODEL_ARCH.NEMOTRON_H_MOE if moe else gguf.MODEL_ARCH.NEMOTRON_H
+    ff = cfg["moe_intermediate_size"] if moe else cfg["intermediate_size"]
+
+    def metadata(w: Any) -> None:
+        w.add_name("tiny-nemotron-h")
+        w.add_block_count(len(kinds))
+        w.add_context_length(2**20)
+        w.add_embedding_length(cfg["hidden_size"])
+        w.add_feed_forward_length([ff if k in ("mlp", "moe") else 0 for k in kinds])
+        w.add_head_count(cfg["num_attention_heads"])
+        w.add_head_count_kv([cfg["num_key_value_heads"] if k == "full_attention" else 0 for k in kinds])
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+        w.add_layer_norm_rms_eps(float(cfg["layer_norm_epsilon"]))
+        w.add_rope_scaling_finetuned(False)
+        w.add_ssm_conv_kernel(cfg["conv_kernel"])
+        w.add_ssm_state_size(cfg["ssm_state_size"])
+        w.add_ssm_group_count(cfg["n_groups"])
+        w.add_ssm_inner_size(cfg["mamba_num_heads"] * cfg["mamba_head_dim"])
+        w.add_ssm_time_step_rank(cfg["mamba_num_heads"])
+        if moe:
+            w.add_expert_used_count(cfg["num_experts_per_tok"])
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+            w.add_expert_shared_feed_forward_length(cfg["moe_shared_expert_intermediate_size"])
+            w.add_expert_count(cfg["n_routed_experts"])
+            w.add_expert_shared_count(cfg["n_shared_experts"])
+            w.add_expert_weights_norm(cfg["norm_topk_prob"])
+            w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+            w.add_expert_group_count(cfg["n_group"])
+            if cfg.get("moe_latent_size") is not None:
+                w.add_moe_latent_size(cfg["moe_latent_size"])
+        add_vocab(w, cfg, tokenizer)
+
+    return _write(path, gguf.MODEL_ARCH_NAMES[arch], _nemotron_h_tensors(cfg, _state(model_dir), arch), qtype,
+                  metadata)

@@ -1,11 +1,13 @@
-"""Granite 4.0-H and Falcon-H1 written to GGUF as llama.cpp's converter writes ``granitehybrid`` and ``falcon-h1``
-files, served from the file.
+"""Granite 4.0-H, Falcon-H1 and Nemotron-H written to GGUF as llama.cpp's converter writes ``granitehybrid``,
+``falcon-h1`` and ``nemotron_h`` / ``nemotron_h_moe`` files, served from the file.
 
 The tiny random checkpoints of ``test_hybrid_models.py`` (Granite: Mamba2 and attention layers, 4 experts top-2
 plus the shared MLP, Granite's multipliers; Falcon-H1: a mixer and attention in every layer, muP multipliers)
 are converted with the ``gguf`` package (``tests/models/gguf_hybrid_writer.py``). A float32 file must give
 transformers' greedy tokens (24) and prompt logprobs on the original weights; a Q8_0 file must load exactly the
-weights of the checkpoint whose quantized tensors went through the same Q8_0 round trip.
+weights of the checkpoint whose quantized tensors went through the same Q8_0 round trip. Nemotron-H's files hold
+MLP layers (``nemotron_h``) or MoE layers (``nemotron_h_moe``), never both: each is checked on a variant of the
+test's checkpoint with the other kind replaced.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from tests.models.gguf_hybrid_writer import (
     q8_0_rounded_copy,
     write_falcon_h1_gguf,
     write_granite_hybrid_gguf,
+    write_nemotron_h_gguf,
 )
 from tests.models.test_families import PROMPTS, check_against_transformers
 from tests.models.test_gguf_state_space import check_q8_0_load
@@ -121,3 +124,62 @@ def test_granitehybrid_gguf_without_experts_loads_the_q8_0_rounded_weights(tmp_p
     reference = q8_0_rounded_copy(model_dir, str(tmp_path / "rounded"), quantized.__contains__)
     check_q8_0_load(lambda source: _engine(source, "GraniteMoeHybridForCausalLM"), path, reference,
                     ["model.layers.0.shared_mlp.gate_up_proj"], max_model_len=256)
+
+
+def _nemotron_h_variant(kind: str, path: str) -> str:
+    """The test's Nemotron-H checkpoint with every ``mlp`` and ``moe`` layer of kind ``kind`` and one expert group
+    (the converter writes ``expert_group_count`` but not how many groups stay eligible)."""
+    from dataclasses import replace
+
+    spec = next(s for s in SPECS if s.name == "nemotron_h")
+    kinds = [kind if k in ("mlp", "moe") else k for k in spec.kwargs["layers_block_type"]]
+    return build(replace(spec, kwargs={**spec.kwargs, "layers_block_type": kinds, "n_group": 1}), path)
+
+
+@pytest.fixture(scope="module")
+def nemotron_h_moe_dir(tmp_path_factory) -> str:
+    return _nemotron_h_variant("moe", str(tmp_path_factory.mktemp("nemotron_h_moe")))
+
+
+def test_nemotron_h_moe_gguf_matches_transformers(nemotron_h_moe_dir, tmp_path):
+    """A ``nemotron_h_moe`` file (Mamba2, MoE with grouped sigmoid routing, a correction bias, a latent width and
+    a shared expert, attention without RoPE) with its vocabulary: transformers' greedy tokens and logprobs."""
+    from transformers import AutoTokenizer
+
+    path, _ = write_nemotron_h_gguf(nemotron_h_moe_dir, str(tmp_path / "moe.gguf"),
+                                    tokenizer=AutoTokenizer.from_pretrained(nemotron_h_moe_dir))
+    assert gguf.GGUFReader(path).fields["general.architecture"].contents() == "nemotron_h_moe"
+    check_against_transformers(_engine(path, "NemotronHForCausalLM"), nemotron_h_moe_dir, PROMPTS_HERE)
+
+
+def test_nemotron_h_moe_gguf_with_expert_groups_is_refused(nemotron_h_moe_dir, tmp_path):
+    """Several expert groups: the file does not say how many stay eligible, so it is refused, not guessed."""
+    import json
+    import shutil
+
+    grouped = shutil.copytree(nemotron_h_moe_dir, tmp_path / "grouped")
+    config = json.loads((grouped / "config.json").read_text())
+    (grouped / "config.json").write_text(json.dumps({**config, "n_group": 2, "topk_group": 1}))
+    path, _ = write_nemotron_h_gguf(str(grouped), str(tmp_path / "grouped.gguf"))
+    with pytest.raises(ValueError, match="2 expert groups but no expert_group_used_count"):
+        EngineArgs(model=path, dtype="float32").create_engine_config()
+
+
+def test_nemotron_h_gguf_with_mlp_layers_matches_transformers(tmp_path):
+    model_dir = _nemotron_h_variant("mlp", str(tmp_path / "dense"))
+    path, _ = write_nemotron_h_gguf(model_dir, str(tmp_path / "dense.gguf"))
+    assert gguf.GGUFReader(path).fields["general.architecture"].contents() == "nemotron_h"
+    check_against_transformers(_engine(path, "NemotronHForCausalLM"), model_dir, PROMPTS_HERE)
+
+
+def test_nemotron_h_moe_q8_0_gguf_loads_the_q8_0_rounded_weights(nemotron_h_moe_dir, tmp_path):
+    """Every parameter from the Q8_0 file (experts stacked, q/k rows permuted back, the router float) equals the
+    Q8_0-rounded checkpoint's."""
+    path, quantized = write_nemotron_h_gguf(nemotron_h_moe_dir, str(tmp_path / "moe-q8_0.gguf"),
+                                            qtype=gguf.GGMLQuantizationType.Q8_0)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert types["blk.1.ffn_up_exps.weight"] == types["blk.2.attn_k.weight"] == "Q8_0"
+    assert types["blk.1.ffn_gate_inp.weight"] == types["blk.1.exp_probs_b.bias"] == "F32"
+    reference = q8_0_rounded_copy(nemotron_h_moe_dir, str(tmp_path / "rounded"), quantized.__contains__)
+    check_q8_0_load(lambda source: _engine(source, "NemotronHForCausalLM"), path, reference,
+                    ["model.layers.2.mixer.qkv_proj"], max_model_len=256)
