@@ -124,10 +124,10 @@ _LAZY: dict[str, str] = {
     "CustomOpRegistry": "tokenmill.layers.custom_op",
     "CUSTOM_OPS": "tokenmill.layers.custom_op",
     # state layers of hybrid models and their ops (custom ops causal_conv1d, mamba_ssd, rms_norm_gated,
-    # gated_delta_rule)
+    # gated_delta_rule, selective_scan)
     **{name: "tokenmill.layers.mamba" for name in (
-        "MambaBase", "MambaMixer2", "GatedDeltaNet", "StateMetadata", "CausalConv1d", "MambaSSD", "RMSNormGated",
-        "GatedDeltaRule")},
+        "MambaBase", "MambaMixer", "MambaMixer2", "GatedDeltaNet", "StateMetadata", "CausalConv1d", "MambaSSD",
+        "RMSNormGated", "GatedDeltaRule", "SelectiveScan")},
     "LoRAMethod": "tokenmill.lora.ops",
     "TorchLoRAMethod": "tokenmill.lora.ops",
     "LoRABatchMapping": "tokenmill.lora.ops",

@@ -34,6 +34,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "FalconH1ForCausalLM": "tokenmill.models.falcon_h1:FalconH1ForCausalLM",
     "Qwen3NextForCausalLM": "tokenmill.models.qwen3_next:Qwen3NextForCausalLM",
     "NemotronHForCausalLM": "tokenmill.models.nemotron_h:NemotronHForCausalLM",
+    "JambaForCausalLM": "tokenmill.models.jamba:JambaForCausalLM",
     # pooling models (docs/pooling.md)
     "Qwen3Model": "tokenmill.models.pooling_adapters:Qwen3Model",
     "Qwen2Model": "tokenmill.models.pooling_adapters:Qwen2Model",

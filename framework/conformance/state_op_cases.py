@@ -1,12 +1,12 @@
 """Inputs on which the conformance kit compares a platform's state-layer ops (custom ops ``causal_conv1d``,
-``mamba_ssd``, ``rms_norm_gated``, ``gated_delta_rule``) with the portable versions: each case names the method
+``mamba_ssd``, ``rms_norm_gated``, ``gated_delta_rule``, ``selective_scan``) with the portable versions: each case names the method
 (``forward`` or ``update``) whose result must match the built-in's ``*_native`` method."""
 
 from __future__ import annotations
 
 import torch
 
-STATE_OPS = ("causal_conv1d", "mamba_ssd", "rms_norm_gated", "gated_delta_rule")
+STATE_OPS = ("causal_conv1d", "mamba_ssd", "rms_norm_gated", "gated_delta_rule", "selective_scan")
 
 
 def state_op_cases(name: str, cls: type, dtype: torch.dtype, device: torch.device
@@ -49,4 +49,12 @@ def state_op_cases(name: str, cls: type, dtype: torch.dtype, device: torch.devic
                                      torch.rand(L, H, generator=g).to(device), rnd(H, dk, dv, scale=0.3).float())),
                     (op, "update", (rnd(B, H, dk, dv, scale=0.3).float(), rnd(B, H, dk), rnd(B, H, dk), rnd(B, H, dv),
                                     -torch.rand(B, H, generator=g).to(device), torch.rand(B, H, generator=g).to(device)))]
+        if name == "selective_scan":
+            op = cls()
+            A = -(torch.rand(D, N, generator=g) + 0.2).to(device)
+            D_, bias = rnd(D), rnd(D, scale=0.3)
+            return [(op, "forward", (rnd(L, D), rnd(L, D, scale=0.5), A, rnd(L, N), rnd(L, N), D_, rnd(L, D), bias,
+                                     rnd(D, N, scale=0.5).float())),
+                    (op, "update", (rnd(B, D, N, scale=0.5).float(), rnd(B, D), rnd(B, D, scale=0.5), A, rnd(B, N),
+                                    rnd(B, N), D_, rnd(B, D), bias))]
     raise KeyError(name)

@@ -31,6 +31,7 @@ op name                       base class                                        
 ``mamba_ssd``                 :class:`tokenmill.layers.mamba.MambaSSD`            Mamba2 scan and recurrence
 ``rms_norm_gated``            :class:`tokenmill.layers.mamba.RMSNormGated`        Mamba2's gated output norm
 ``gated_delta_rule``          :class:`tokenmill.layers.mamba.GatedDeltaRule`      gated DeltaNet recurrence
+``selective_scan``            :class:`tokenmill.layers.mamba.SelectiveScan`       Mamba-1 scan and recurrence
 ============================  ==================================================  =============================
 
 ``quant_linear.*``, ``fused_moe`` and ``unquantized_linear`` are not modules built by model code but the kernel classes the layers call; they resolve
@@ -66,6 +67,7 @@ CUSTOM_OPS: dict[str, str] = {
     "mamba_ssd": "tokenmill.layers.mamba.state_ops:MambaSSD",
     "rms_norm_gated": "tokenmill.layers.mamba.state_ops:RMSNormGated",
     "gated_delta_rule": "tokenmill.layers.mamba.state_ops:GatedDeltaRule",
+    "selective_scan": "tokenmill.layers.mamba.state_ops:SelectiveScan",
 }
 
 

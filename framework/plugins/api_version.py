@@ -12,7 +12,7 @@ and tokenmill refuses to load a plugin whose requirement this version does not m
 
 from __future__ import annotations
 
-PLUGIN_API_VERSION = "1.7"  # 1.1: Platform.allocate_kv_cache, UnquantizedLinearMethod; 1.2: finish_kv_cache_allocation;
+PLUGIN_API_VERSION = "1.8"  # 1.1: Platform.allocate_kv_cache, UnquantizedLinearMethod; 1.2: finish_kv_cache_allocation;
 # 1.3: reasoning parsers (ReasoningParser, tokenmill_register_reasoning_parsers); 1.4: state layers and their ops
 # (MambaBase, MambaMixer2, GatedDeltaNet, StateMetadata, CausalConv1d, MambaSSD, RMSNormGated, GatedDeltaRule);
 # 1.5: quantized KV caches (AttentionBackend.supported_quantized_kv_cache_dtypes, quantize_kv, dequantize_kv,
@@ -20,6 +20,8 @@ PLUGIN_API_VERSION = "1.7"  # 1.1: Platform.allocate_kv_cache, UnquantizedLinear
 # 1.6: the Triton group-quantized weight formats (TritonGroupQuantWeight, TritonInt8Weight, TritonInt4Weight)
 # 1.7: UnquantizedLinearMethod.apply_with_bias (the bias inside the product); TorchPagedAttentionImpl.forward_bidirectional
 # (encoder-only steps of a subclassing backend)
+# 1.8: Mamba-1 state layers (MambaMixer, SelectiveScan, custom op selective_scan); FusedMoE experts without a gate
+# (gated=False) and FusedMoE.apply_routed
 REQUIREMENT_ATTR = "TOKENMILL_PLUGIN_API"
 
 

@@ -17,7 +17,7 @@ FAMILY_ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Q
                 "Olmo2ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"]
 # hybrid and attention-free models (state layers), tested in tests/models/test_hybrid_models.py
 HYBRID_ARCHS = ["Mamba2ForCausalLM", "GraniteMoeHybridForCausalLM", "FalconH1ForCausalLM", "Qwen3NextForCausalLM",
-                "NemotronHForCausalLM"]
+                "NemotronHForCausalLM", "JambaForCausalLM"]
 # pooling models (docs/pooling.md), tested in tests/pooling
 POOLING_ARCHS = ["Qwen3Model", "Qwen2Model", "LlamaModel", "Qwen3ForSequenceClassification",
                  "Qwen2ForSequenceClassification", "LlamaForSequenceClassification", "BertModel", "XLMRobertaModel",

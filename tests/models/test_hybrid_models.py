@@ -91,6 +91,14 @@ SPECS = [
                     moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, moe_latent_size=32,
                     routed_scaling_factor=2.5, max_position_embeddings=256),
                num_blocks=24),
+    # Mamba-1 (RMS-normalised dt / B / C), attention (no RoPE), Mamba-1, attention; 4 experts top-2 (softmax
+    # weights not renormalised) after the Mamba layers, SwiGLU MLPs after the attention layers
+    HybridSpec("jamba", "JambaConfig", "JambaForCausalLM",
+               dict(num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                    expert_layer_offset=0, num_experts=4, num_experts_per_tok=2, num_attention_heads=4,
+                    num_key_value_heads=2, intermediate_size=64, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+                    mamba_dt_rank=8, max_position_embeddings=256),
+               num_blocks=24),
 ]
 
 

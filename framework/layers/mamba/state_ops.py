@@ -4,9 +4,10 @@ kernels without editing model code.
 - ``causal_conv1d``: :class:`CausalConv1d`, ``forward`` (prefill of one sequence) and ``update`` (decode);
 - ``mamba_ssd``: :class:`MambaSSD`, ``forward`` (chunked scan) and ``update`` (one-step recurrence);
 - ``rms_norm_gated``: :class:`RMSNormGated`, ``forward`` (gated, grouped RMSNorm; holds ``weight``);
-- ``gated_delta_rule``: :class:`GatedDeltaRule`, ``forward`` (prefill) and ``update`` (decode).
+- ``gated_delta_rule``: :class:`GatedDeltaRule`, ``forward`` (prefill) and ``update`` (decode);
+- ``selective_scan``: :class:`SelectiveScan`, Mamba-1's ``forward`` (chunked scan) and ``update`` (one step).
 
-The portable versions are in :mod:`.ops`. A replacement subclasses the class, overrides the methods its kernels
+The portable versions are in :mod:`.ops` and :mod:`.selective_scan_ops`. A replacement subclasses the class, overrides the methods its kernels
 cover and may call the ``*_native`` methods for the rest; ``tests/models/test_mamba_ops.py`` holds the float64
 references they must agree with.
 """
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from tokenmill.layers.custom_op import CustomOp
-from tokenmill.layers.mamba import ops
+from tokenmill.layers.mamba import ops, selective_scan_ops
 
 
 class CausalConv1d(CustomOp):
@@ -109,6 +110,31 @@ class GatedDeltaRule(CustomOp):
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode of a batch; see :func:`tokenmill.layers.mamba.ops.gated_delta_rule_update`."""
         return ops.gated_delta_rule_update(state, q, k, v, g, beta, use_qk_l2norm)
+
+    def update(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.update_native(*args, **kwargs)
+
+
+class SelectiveScan(CustomOp):
+    """Mamba-1's selective scan (Jamba's state layers): chunked scan for prefill, one step for decode; ``A`` is
+    ``[D, N]``, one decay per channel and state dimension."""
+
+    op_name = "selective_scan"
+
+    def forward_native(self, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                       C: torch.Tensor, D: torch.Tensor | None = None, z: torch.Tensor | None = None,
+                       dt_bias: torch.Tensor | None = None, initial_state: torch.Tensor | None = None,
+                       dt_softplus: bool = True, chunk_size: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill of one sequence; see :func:`tokenmill.layers.mamba.selective_scan_ops.selective_scan`."""
+        return selective_scan_ops.selective_scan(x, dt, A, B, C, D, z, dt_bias, initial_state, dt_softplus,
+                                                 chunk_size)
+
+    def update_native(self, state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+                      B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None = None, z: torch.Tensor | None = None,
+                      dt_bias: torch.Tensor | None = None, dt_softplus: bool = True
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode of a batch; see :func:`tokenmill.layers.mamba.selective_scan_ops.selective_scan_update`."""
+        return selective_scan_ops.selective_scan_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
 
     def update(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         return self.update_native(*args, **kwargs)
