@@ -53,6 +53,15 @@ def converter_quantizes(gguf_name: str, array: np.ndarray, qtype: Any) -> bool:
             and array.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0)
 
 
+def _add_ssm_sizes(w: Any, *, conv_kernel: int, state: int, groups: int, inner: int, heads: int) -> None:
+    """The Mamba2 mixer's ``ssm.*`` metadata as the converter writes it (``time_step_rank``: the heads)."""
+    w.add_ssm_conv_kernel(conv_kernel)
+    w.add_ssm_state_size(state)
+    w.add_ssm_group_count(groups)
+    w.add_ssm_inner_size(inner)
+    w.add_ssm_time_step_rank(heads)
+
+
 def _write(path: str, arch: str, tensors: Iterator[tuple[str | tuple[str, ...], str, np.ndarray]], qtype: Any,
            metadata: Callable[[Any], None]) -> tuple[str, set[str]]:
     """Write ``(hf_name, gguf_name, array)`` tensors after ``metadata(writer)`` (``hf_name``: a tuple for a
@@ -68,6 +77,20 @@ def _write(path: str, arch: str, tensors: Iterator[tuple[str | tuple[str, ...], 
             quantized.update((hf_name,) if isinstance(hf_name, str) else hf_name)
         _add_tensor(w, gguf_name, array, qtype if q else None)
     return _finish(w, path), quantized
+
+
+def _hybrid_layout(name: str, array: np.ndarray, groups: int, cfg: dict[str, Any], tensor_map: Any
+                   ) -> tuple[str, np.ndarray]:
+    """``GraniteHybridModel``'s changes to one tensor (Nemotron-H's converter inherits them): the Mamba2 layout,
+    the query/key rows permuted into llama.cpp's rotary layout; returns its GGUF name and array."""
+    name, array = mamba2_layout(name, array, groups)
+    if name.endswith("q_proj.weight"):
+        array = _permute(array, cfg["num_attention_heads"])
+    elif name.endswith("k_proj.weight"):
+        array = _permute(array, cfg["num_key_value_heads"])
+    gguf_name = tensor_map.get_name(name, try_suffixes=(".weight", ".bias"))
+    assert gguf_name is not None, name
+    return gguf_name, array
 
 
 def _granite_tensors(cfg: dict[str, Any], state: dict[str, np.ndarray]) -> Iterator[tuple[str, str, np.ndarray]]:
@@ -93,16 +116,7 @@ def _granite_tensors(cfg: dict[str, Any], state: dict[str, np.ndarray]) -> Itera
         if name.endswith("shared_mlp.output_linear.weight") and not experts:
             yield name, f"blk.{layer}.ffn_down.weight", array
             continue
-        source = name
-        if ".mamba." in name:
-            name, array = mamba2_layout(name, array, cfg["mamba_n_groups"])
-        elif name.endswith("q_proj.weight"):
-            array = _permute(array, cfg["num_attention_heads"])
-        elif name.endswith("k_proj.weight"):
-            array = _permute(array, cfg["num_key_value_heads"])
-        gguf_name = tensor_map.get_name(name, try_suffixes=(".weight", ".bias"))
-        assert gguf_name is not None, name
-        yield source, gguf_name, array
+        yield name, *_hybrid_layout(name, array, cfg["mamba_n_groups"], cfg, tensor_map)
 
 
 def write_granite_hybrid_gguf(model_dir: str, path: str, *, qtype: Any = None, tokenizer: Any = None
@@ -136,12 +150,8 @@ def write_granite_hybrid_gguf(model_dir: str, path: str, *, qtype: Any = None, t
         w.add_embedding_scale(float(cfg["embedding_multiplier"]))
         w.add_residual_scale(float(cfg["residual_multiplier"]))
         w.add_logit_scale(float(cfg["logits_scaling"]))
-        inner = cfg["mamba_expand"] * cfg["hidden_size"]
-        w.add_ssm_conv_kernel(cfg["mamba_d_conv"])
-        w.add_ssm_state_size(cfg["mamba_d_state"])
-        w.add_ssm_group_count(cfg["mamba_n_groups"])
-        w.add_ssm_inner_size(inner)
-        w.add_ssm_time_step_rank(cfg["mamba_n_heads"])
+        _add_ssm_sizes(w, conv_kernel=cfg["mamba_d_conv"], state=cfg["mamba_d_state"], groups=cfg["mamba_n_groups"],
+                       inner=cfg["mamba_expand"] * cfg["hidden_size"], heads=cfg["mamba_n_heads"])
         add_vocab(w, cfg, tokenizer)
 
     return _write(path, "granitehybrid", _granite_tensors(cfg, _state(model_dir)), qtype, metadata)
@@ -211,11 +221,8 @@ def write_falcon_h1_gguf(model_dir: str, path: str, *, qtype: Any = None, tokeni
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
         w.add_rope_freq_base(_rope_theta(cfg))
-        w.add_ssm_conv_kernel(cfg["mamba_d_conv"])
-        w.add_ssm_inner_size(cfg["mamba_d_ssm"])
-        w.add_ssm_state_size(cfg["mamba_d_state"])
-        w.add_ssm_time_step_rank(cfg["mamba_d_ssm"] // cfg["mamba_d_head"])
-        w.add_ssm_group_count(cfg["mamba_n_groups"])
+        _add_ssm_sizes(w, conv_kernel=cfg["mamba_d_conv"], state=cfg["mamba_d_state"], groups=cfg["mamba_n_groups"],
+                       inner=cfg["mamba_d_ssm"], heads=cfg["mamba_d_ssm"] // cfg["mamba_d_head"])
         w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
         add_vocab(w, cfg, tokenizer)
 
@@ -284,16 +291,8 @@ def _nemotron_h_tensors(cfg: dict[str, Any], state: dict[str, np.ndarray], arch:
             stacked = np.stack([state[n] for n in sources])
             yield sources, f"blk.{layer}.ffn_{proj.removesuffix('_proj')}_exps.weight", stacked
             continue
-        source = name
-        name = name.replace(".e_score_correction_bias", ".e_score_correction.bias")
-        name, array = mamba2_layout(name, array, cfg["n_groups"])
-        if name.endswith("q_proj.weight"):
-            array = _permute(array, cfg["num_attention_heads"])
-        elif name.endswith("k_proj.weight"):
-            array = _permute(array, cfg["num_key_value_heads"])
-        gguf_name = tensor_map.get_name(name, try_suffixes=(".weight", ".bias"))
-        assert gguf_name is not None, name
-        yield source, gguf_name, array
+        renamed = name.replace(".e_score_correction_bias", ".e_score_correction.bias")
+        yield name, *_hybrid_layout(renamed, array, cfg["n_groups"], cfg, tensor_map)
 
 
 def write_nemotron_h_gguf(model_dir: str, path: str, *, qtype: Any = None, tokenizer: Any = None
@@ -325,11 +324,8 @@ def write_nemotron_h_gguf(model_dir: str, path: str, *, qtype: Any = None, token
         w.add_value_length(cfg["head_dim"])
         w.add_layer_norm_rms_eps(float(cfg["layer_norm_epsilon"]))
         w.add_rope_scaling_finetuned(False)
-        w.add_ssm_conv_kernel(cfg["conv_kernel"])
-        w.add_ssm_state_size(cfg["ssm_state_size"])
-        w.add_ssm_group_count(cfg["n_groups"])
-        w.add_ssm_inner_size(cfg["mamba_num_heads"] * cfg["mamba_head_dim"])
-        w.add_ssm_time_step_rank(cfg["mamba_num_heads"])
+        _add_ssm_sizes(w, conv_kernel=cfg["conv_kernel"], state=cfg["ssm_state_size"], groups=cfg["n_groups"],
+                       inner=cfg["mamba_num_heads"] * cfg["mamba_head_dim"], heads=cfg["mamba_num_heads"])
         if moe:
             w.add_expert_used_count(cfg["num_experts_per_tok"])
             w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])

@@ -11,6 +11,8 @@ from torch import nn
 from tokenmill.forward_context import get_forward_context
 from tokenmill.layers.mamba.state_metadata import StateMetadata
 
+States = tuple[torch.Tensor, ...]  # one request's (or a decode batch's) state tensors, get_state_shapes order
+
 
 class MambaBase(nn.Module):
     """A state layer. The model runner finds every instance in the model, sizes the state cache from
@@ -54,6 +56,35 @@ class MambaBase(nn.Module):
             start, end = md.query_start_loc[r], md.query_start_loc[r + 1]
             if r not in decode_rows and end > start:
                 prefill(start, end, slot, md.has_initial_state[r])
+
+    def run_with_states(
+        self,
+        num_tokens: int,
+        prefill: Callable[[int, int, States | None], States],
+        decode: Callable[[torch.Tensor, States], States],
+    ) -> None:
+        """:meth:`run_requests` with the state slots read and written here, in :meth:`get_state_shapes` order.
+
+        ``prefill(start, end, states)`` runs rows ``[start, end)`` of one request from ``states`` (its slot's
+        tensors, ``[*shape]`` each, when it continues from them; ``None`` for a fresh sequence) and returns its
+        new states, which go to its slot (a dummy run has none and keeps nothing). ``decode(rows, states)`` runs
+        the decode rows (``[B]`` int64) from the states gathered from their slots (``[B, *shape]`` each) and
+        returns the new ones, written back in the cache dtype.
+        """
+
+        def run_prefill(start: int, end: int, slot: int | None, init: bool) -> None:
+            new = prefill(start, end, tuple(cache[slot] for cache in self.state_cache) if init else None)
+            if slot is not None:
+                for cache, state in zip(self.state_cache, new, strict=True):
+                    cache[slot] = state
+
+        def run_decode(md: StateMetadata) -> None:
+            slots = md.decode_slots
+            new = decode(md.decode_token_index, tuple(cache[slots] for cache in self.state_cache))
+            for cache, state in zip(self.state_cache, new, strict=True):
+                cache[slots] = state.to(cache.dtype)
+
+        self.run_requests(num_tokens, run_prefill, run_decode)
 
 
 def state_bytes_per_slot(layers: list[MambaBase], dtype: torch.dtype) -> int:

@@ -18,9 +18,8 @@ from torch import nn
 
 from tokenmill.distributed import get_tp_size
 from tokenmill.layers.linear import ReplicatedLinear
-from tokenmill.layers.mamba.abstract import MambaBase
+from tokenmill.layers.mamba.abstract import MambaBase, States
 from tokenmill.layers.mamba.mamba_mixer2 import MambaConv1d
-from tokenmill.layers.mamba.state_metadata import StateMetadata
 from tokenmill.layers.mamba.state_ops import CausalConv1d, GatedDeltaRule, RMSNormGated
 
 
@@ -95,27 +94,20 @@ class GatedDeltaNet(MambaBase):
         out = torch.empty(hidden_states.shape[0], self.num_v_heads, self.head_v_dim, dtype=hidden_states.dtype,
                           device=hidden_states.device)
 
-        def prefill(start: int, end: int, slot: int | None, init: bool) -> None:
-            conv_cache, rec_cache = self.state_cache if slot is not None else (None, None)
-            conv_out, conv_state = self.conv_op(mixed[start:end], weight, None,
-                                                conv_cache[slot] if init else None, self.activation)
+        def prefill(start: int, end: int, states: States | None) -> States:
+            conv_state, rec_state = states or (None, None)
+            conv_out, conv_state = self.conv_op(mixed[start:end], weight, None, conv_state, self.activation)
             q, k, v = self._qkv(conv_out)
-            out[start:end], rec_state = self.delta_op(q, k, v, g[start:end], beta[start:end],
-                                                      rec_cache[slot] if init else None)
-            if slot is not None:
-                conv_cache[slot] = conv_state
-                rec_cache[slot] = rec_state
+            out[start:end], rec_state = self.delta_op(q, k, v, g[start:end], beta[start:end], rec_state)
+            return conv_state, rec_state
 
-        def decode(md: StateMetadata) -> None:
-            conv_cache, rec_cache = self.state_cache
-            rows, slots = md.decode_token_index, md.decode_slots
-            conv_out, conv_state = self.conv_op.update(mixed[rows], conv_cache[slots], weight, None, self.activation)
-            conv_cache[slots] = conv_state.to(conv_cache.dtype)
+        def decode(rows: torch.Tensor, states: States) -> States:
+            conv_out, conv_state = self.conv_op.update(mixed[rows], states[0], weight, None, self.activation)
             q, k, v = self._qkv(conv_out)
-            out[rows], rec_state = self.delta_op.update(rec_cache[slots], q, k, v, g[rows], beta[rows])
-            rec_cache[slots] = rec_state.to(rec_cache.dtype)
+            out[rows], rec_state = self.delta_op.update(states[1], q, k, v, g[rows], beta[rows])
+            return conv_state, rec_state
 
-        self.run_requests(hidden_states.shape[0], prefill, decode)
+        self.run_with_states(hidden_states.shape[0], prefill, decode)
         t = hidden_states.shape[0]
         normed = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(normed.reshape(t, -1))

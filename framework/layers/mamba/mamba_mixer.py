@@ -18,9 +18,8 @@ from torch import nn
 from tokenmill.distributed import get_tp_size
 from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.layers.linear import ReplicatedLinear
-from tokenmill.layers.mamba.abstract import MambaBase
+from tokenmill.layers.mamba.abstract import MambaBase, States
 from tokenmill.layers.mamba.mamba_mixer2 import MambaConv1d
-from tokenmill.layers.mamba.state_metadata import StateMetadata
 from tokenmill.layers.mamba.state_ops import CausalConv1d, SelectiveScan
 
 
@@ -92,29 +91,22 @@ class MambaMixer(MambaBase):
         y = torch.empty(hidden_states.shape[0], self.intermediate_size, dtype=hidden_states.dtype,
                         device=hidden_states.device)
 
-        def prefill(start: int, end: int, slot: int | None, init: bool) -> None:
-            conv_cache, ssm_cache = self.state_cache if slot is not None else (None, None)
-            xc, conv_state = self.conv_op(x[start:end], weight, self.conv1d.bias,
-                                          conv_cache[slot] if init else None, self.activation)
+        def prefill(start: int, end: int, states: States | None) -> States:
+            conv_state, ssm_state = states or (None, None)
+            xc, conv_state = self.conv_op(x[start:end], weight, self.conv1d.bias, conv_state, self.activation)
             dt, B, C = self._scan_inputs(xc)
             y[start:end], ssm_state = self.scan_op(xc, dt, A, B, C, self.D, z[start:end], self.dt_proj.bias,
-                                                   ssm_cache[slot] if init else None, True, self.chunk_size)
-            if slot is not None:
-                conv_cache[slot] = conv_state
-                ssm_cache[slot] = ssm_state
+                                                   ssm_state, True, self.chunk_size)
+            return conv_state, ssm_state
 
-        def decode(md: StateMetadata) -> None:
-            rows, slots = md.decode_token_index, md.decode_slots
-            conv_cache, ssm_cache = self.state_cache
-            xc, conv_state = self.conv_op.update(x[rows], conv_cache[slots], weight, self.conv1d.bias,
-                                                 self.activation)
-            conv_cache[slots] = conv_state.to(conv_cache.dtype)
+        def decode(rows: torch.Tensor, states: States) -> States:
+            xc, conv_state = self.conv_op.update(x[rows], states[0], weight, self.conv1d.bias, self.activation)
             dt, B, C = self._scan_inputs(xc)
-            y[rows], ssm_state = self.scan_op.update(ssm_cache[slots], xc, dt, A, B, C, self.D, z[rows],
-                                                     self.dt_proj.bias, True)
-            ssm_cache[slots] = ssm_state.to(ssm_cache.dtype)
+            y[rows], ssm_state = self.scan_op.update(states[1], xc, dt, A, B, C, self.D, z[rows], self.dt_proj.bias,
+                                                     True)
+            return conv_state, ssm_state
 
-        self.run_requests(hidden_states.shape[0], prefill, decode)
+        self.run_with_states(hidden_states.shape[0], prefill, decode)
         return self.out_proj(y)
 
     def _scan_inputs(self, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -20,8 +20,7 @@ from torch import nn
 
 from tokenmill.distributed import get_tp_size
 from tokenmill.layers.linear import ReplicatedLinear
-from tokenmill.layers.mamba.abstract import MambaBase
-from tokenmill.layers.mamba.state_metadata import StateMetadata
+from tokenmill.layers.mamba.abstract import MambaBase, States
 from tokenmill.layers.mamba.state_ops import CausalConv1d, MambaSSD, RMSNormGated
 
 
@@ -137,19 +136,15 @@ class MambaMixer2(MambaBase):
         y = torch.empty(hidden_states.shape[0], self.intermediate_size, dtype=hidden_states.dtype,
                         device=hidden_states.device)
 
-        def prefill(start: int, end: int, slot: int | None, init: bool) -> None:
-            conv_cache, ssm_cache = self.state_cache if slot is not None else (None, None)
-            y[start:end], conv_state, ssm_state = self._prefill(
-                xbc[start:end], dt[start:end], A, weight,
-                conv_cache[slot] if init else None, ssm_cache[slot] if init else None)
-            if slot is not None:
-                conv_cache[slot] = conv_state
-                ssm_cache[slot] = ssm_state
+        def prefill(start: int, end: int, states: States | None) -> States:
+            y[start:end], conv_state, ssm_state = self._prefill(xbc[start:end], dt[start:end], A, weight,
+                                                                *(states or (None, None)))
+            return conv_state, ssm_state
 
-        def decode(md: StateMetadata) -> None:
-            self._decode(xbc, dt, A, weight, md, *self.state_cache, y)
+        def decode(rows: torch.Tensor, states: States) -> States:
+            return self._decode(xbc, dt, A, weight, rows, *states, y)
 
-        self.run_requests(hidden_states.shape[0], prefill, decode)
+        self.run_with_states(hidden_states.shape[0], prefill, decode)
         if self.norm is None:
             return self.out_proj(y * F.silu(gate))
         return self.out_proj(self.norm(y, gate))
@@ -172,13 +167,12 @@ class MambaMixer2(MambaBase):
         return y.reshape(y.shape[0], -1), conv_state, ssm_state
 
     def _decode(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, weight: torch.Tensor,
-                md: StateMetadata, conv_cache: torch.Tensor, ssm_cache: torch.Tensor, y: torch.Tensor) -> None:
-        rows, slots = md.decode_token_index, md.decode_slots
-        xbc_d, conv_state = self.conv_op.update(xbc[rows], conv_cache[slots], weight, self.conv1d.bias,
-                                                self.activation)
-        conv_cache[slots] = conv_state.to(conv_cache.dtype)
+                rows: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, y: torch.Tensor) -> States:
+        """The decode rows ``rows`` from their states (``[B, D, K - 1]``, ``[B, H, P, N]``): outputs into ``y``,
+        returns the new states."""
+        xbc_d, conv_state = self.conv_op.update(xbc[rows], conv_state, weight, self.conv1d.bias, self.activation)
         x, B, C = self._split_xbc(xbc_d)
-        out, ssm_state = self.ssd_op.update(ssm_cache[slots], x, dt[rows], A, B, C, self.D, self.dt_bias, True,
+        out, ssm_state = self.ssd_op.update(ssm_state, x, dt[rows], A, B, C, self.D, self.dt_bias, True,
                                             self.time_step_limit)
-        ssm_cache[slots] = ssm_state.to(ssm_cache.dtype)
         y[rows] = out.reshape(out.shape[0], -1)
+        return conv_state, ssm_state

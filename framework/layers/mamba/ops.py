@@ -80,8 +80,10 @@ def causal_conv1d_update(
     return _activate(out, activation).to(x.dtype), full[..., 1:]
 
 
-def _discretize_dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool,
-                   dt_limit: tuple[float, float], dtype: torch.dtype) -> torch.Tensor:
+def discretize_dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool,
+                  dt_limit: tuple[float, float], dtype: torch.dtype) -> torch.Tensor:
+    """``softplus(dt + dt_bias)`` (without softplus when ``dt_softplus`` is false) clamped to ``dt_limit``, in
+    ``dtype``."""
     dt = dt.to(dtype)
     if dt_bias is not None:
         dt = dt + dt_bias.to(dtype)
@@ -128,7 +130,7 @@ def selective_state_update(
     """
     ct = compute_dtype(x.dtype)
     heads = x.shape[1]
-    dt = _discretize_dt(dt, dt_bias, dt_softplus, dt_limit, ct)
+    dt = discretize_dt(dt, dt_bias, dt_softplus, dt_limit, ct)
     decay = torch.exp(dt * A.to(ct))
     Bh, Ch = _per_head(B.to(ct), heads, 1), _per_head(C.to(ct), heads, 1)
     xf = x.to(ct)
@@ -175,7 +177,7 @@ def mamba_chunk_scan(
         raise ValueError(f"chunk_size: must be at least 1, got {chunk_size}")
     ct = compute_dtype(x.dtype)
     length, heads, head_dim = x.shape
-    dt = _discretize_dt(dt, dt_bias, dt_softplus, dt_limit, ct)
+    dt = discretize_dt(dt, dt_bias, dt_softplus, dt_limit, ct)
     xf = x.to(ct)
     # heads first, so every product below is a batched matmul over heads
     log_decay = (dt * A.to(ct)).t().contiguous()  # [H, L]

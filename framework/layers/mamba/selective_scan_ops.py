@@ -14,15 +14,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenmill.layers.mamba.ops import compute_dtype
+from tokenmill.layers.mamba.ops import compute_dtype, discretize_dt
 
-
-def _discretize(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool, dtype: torch.dtype
-                ) -> torch.Tensor:
-    dt = dt.to(dtype)
-    if dt_bias is not None:
-        dt = dt + dt_bias.to(dtype)
-    return F.softplus(dt) if dt_softplus else dt
+_NO_LIMIT = (0.0, float("inf"))
 
 
 def _finish(y: torch.Tensor, x: torch.Tensor, D: torch.Tensor | None, z: torch.Tensor | None) -> torch.Tensor:
@@ -65,7 +59,7 @@ def selective_scan_update(
         ``([Bt, D]`` outputs in ``x``'s dtype, ``[Bt, D, N]`` new states in the compute dtype).
     """
     ct = compute_dtype(x.dtype)
-    dt = _discretize(dt, dt_bias, dt_softplus, ct)
+    dt = discretize_dt(dt, dt_bias, dt_softplus, _NO_LIMIT, ct)
     xf = x.to(ct)
     new = state.to(ct) * torch.exp(dt[..., None] * A.to(ct)) + (xf * dt)[..., None] * B.to(ct)[:, None, :]
     y = torch.einsum("bdn,bn->bd", new, C.to(ct))
@@ -112,7 +106,7 @@ def selective_scan(
         raise ValueError(f"chunk_size: must be at least 1, got {chunk_size}")
     ct = compute_dtype(x.dtype)
     length, channels = x.shape
-    dt = _discretize(dt, dt_bias, dt_softplus, ct)
+    dt = discretize_dt(dt, dt_bias, dt_softplus, _NO_LIMIT, ct)
     xf, Af, Bf, Cf = x.to(ct), A.to(ct), B.to(ct), C.to(ct)
     u = xf * dt  # [L, D]
     state = initial_state.to(ct) if initial_state is not None else xf.new_zeros(channels, A.shape[-1])
