@@ -20,8 +20,8 @@ PLUGIN_API_VERSION = "1.8"  # 1.1: Platform.allocate_kv_cache, UnquantizedLinear
 # 1.6: the Triton group-quantized weight formats (TritonGroupQuantWeight, TritonInt8Weight, TritonInt4Weight)
 # 1.7: UnquantizedLinearMethod.apply_with_bias (the bias inside the product); TorchPagedAttentionImpl.forward_bidirectional
 # (encoder-only steps of a subclassing backend)
-# 1.8: Mamba-1 state layers (MambaMixer, SelectiveScan, custom op selective_scan); FusedMoE experts without a gate
-# (gated=False) and FusedMoE.apply_routed
+# 1.8: Mamba-1 state layers (MambaMixer, SelectiveScan, custom op selective_scan); MambaBase.run_with_states;
+# FusedMoE experts without a gate (gated=False) and FusedMoE.apply_routed
 REQUIREMENT_ATTR = "TOKENMILL_PLUGIN_API"
 
 
