@@ -194,9 +194,11 @@ if TYPE_CHECKING:
         GatedDeltaNet,
         GatedDeltaRule,
         MambaBase,
+        MambaMixer,
         MambaMixer2,
         MambaSSD,
         RMSNormGated,
+        SelectiveScan,
         StateMetadata,
     )
     from tokenmill.layers.quantization import Int8WeightOnly, QuantizedWeight, UnsupportedShapeError
