@@ -1,5 +1,5 @@
 """The executor tests' Ray cluster: started by the first test that needs it and stopped when the last test of
-this package is done, so that its processes (GCS, raylets, dashboard, agents) do not run beside the rest of
+this package is done, so that its processes (GCS, raylets, agents) do not run beside the rest of
 the suite."""
 
 from __future__ import annotations

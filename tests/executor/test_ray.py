@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 
 import pytest
 
 from tests.models.test_llama_correctness import PROMPTS, run_engine
+from tests.ray_cluster import ActorInfo, alive_actors, live_placement_groups
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.messages import EngineCoreRequest
 from tokenmill.engine_args import EngineArgs
@@ -44,23 +46,12 @@ def _rank_facts(worker) -> dict:
     )
 
 
-# The state API is given the cluster's address: left to find one, it refuses when another Ray instance runs on
-# the machine.
-def _alive_tokenmill_actors(address: str) -> list:
-    from ray.util.state import list_actors
-
-    return [a for a in list_actors(address=address, filters=[("state", "=", "ALIVE")], limit=1000)
-            if a.class_name == "RayWorkerWrapper"]
+def _alive_tokenmill_actors() -> list[ActorInfo]:
+    return alive_actors("RayWorkerWrapper")
 
 
-def _live_placement_groups(address: str) -> list:
-    from ray.util.state import list_placement_groups
-
-    return [pg for pg in list_placement_groups(address=address, limit=1000) if pg.state != "REMOVED"]
-
-
-def _all_gone(address: str) -> bool:
-    return not _alive_tokenmill_actors(address) and not _live_placement_groups(address)
+def _all_gone() -> bool:
+    return not _alive_tokenmill_actors() and not live_placement_groups()
 
 
 def _wait_until(predicate, timeout_s: float = 20.0) -> bool:
@@ -85,30 +76,58 @@ def _ray_core(ray_cluster, model: str, **kwargs) -> EngineCore:
     return EngineCore(args.create_engine_config())
 
 
-def test_tp2_across_two_nodes_matches_tp1_and_cleans_up(ray_cluster, tiny_llama_dir, reference, monkeypatch):
+@pytest.fixture(scope="module")
+def tp2_core(ray_cluster, tiny_llama_dir) -> Iterator[EngineCore]:
+    """A TP=2 engine with rank 0 on the head and rank 1 on the second node (their custom resources). The
+    killed-actor test takes it over after the placement test (one engine start less: two actor processes that
+    import torch, about 10 CPU-s); it is shut down here if that test did not run."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(BUNDLE_RESOURCES_ENV, json.dumps([{"node_a": 0.01}, {"node_b": 0.01}]))
+        core = _ray_core(ray_cluster, tiny_llama_dir, tensor_parallel_size=2)
+    yield core
+    if core.executor.actors:
+        core.shutdown()
+
+
+def test_tp2_across_two_nodes_matches_tp1(ray_cluster, tp2_core, reference):
     import ray
 
-    # rank 0 on the head, rank 1 on the second node (their custom resources)
-    monkeypatch.setenv(BUNDLE_RESOURCES_ENV, json.dumps([{"node_a": 0.01}, {"node_b": 0.01}]))
-    core = _ray_core(ray_cluster, tiny_llama_dir, tensor_parallel_size=2)
+    core = tp2_core
+    executor = core.executor
+    assert isinstance(executor, RayExecutor)
+    nodes = ray_cluster.node_ids_by_resource()
+    placed = ray.get([a.node_id.remote() for a in executor.actors])
+    assert placed == [nodes["node_a"], nodes["node_b"]]
+    facts = executor.collective_rpc(_rank_facts)
+    assert [f["tp"] for f in facts] == [(0, 2), (1, 2)]
+    assert {f["backend"] for f in facts} == {"gloo"}
+    assert run_engine(core, PROMPTS, max_tokens=8) == reference
+    assert len(_alive_tokenmill_actors()) == 2
+    assert len(live_placement_groups()) == 1
+    names = {a.name for a in _alive_tokenmill_actors()}
+    assert all(n.startswith("tokenmill-") and n.endswith(("-rank0", "-rank1")) for n in names)
+    assert ray.get_actor(sorted(names)[0], namespace=RAY_NAMESPACE) is not None
+
+
+def test_killed_actor_fails_the_step_quickly_and_shutdown_cleans_up(tp2_core):
+    import ray
+
+    core = tp2_core
     try:
-        executor = core.executor
-        assert isinstance(executor, RayExecutor)
-        nodes = ray_cluster.node_ids_by_resource()
-        placed = ray.get([a.node_id.remote() for a in executor.actors])
-        assert placed == [nodes["node_a"], nodes["node_b"]]
-        facts = executor.collective_rpc(_rank_facts)
-        assert [f["tp"] for f in facts] == [(0, 2), (1, 2)]
-        assert {f["backend"] for f in facts} == {"gloo"}
-        assert run_engine(core, PROMPTS, max_tokens=8) == reference
-        assert len(_alive_tokenmill_actors(ray_cluster.address)) == 2
-        assert len(_live_placement_groups(ray_cluster.address)) == 1
-        names = {a.name for a in _alive_tokenmill_actors(ray_cluster.address)}
-        assert all(n.startswith("tokenmill-") and n.endswith(("-rank0", "-rank1")) for n in names)
-        assert ray.get_actor(sorted(names)[0], namespace=RAY_NAMESPACE) is not None
+        params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+        core.add_request(EngineCoreRequest("r", [1, 2, 3, 4, 5], params))
+        core.step()
+        ray.kill(core.executor.actors[1])
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError, match="died"):
+            for _ in range(100):
+                core.step()
+        assert time.monotonic() - start < 10.0
+        with pytest.raises(WorkerError, match="unusable"):
+            core.step()
     finally:
         core.shutdown()
-    assert _wait_until(lambda: _all_gone(ray_cluster.address))
+    assert _wait_until(lambda: _all_gone())
 
 
 def test_pipeline_parallel_pp2_and_tp2_pp2_match_pp1(ray_cluster, tiny_llama_dir, reference):
@@ -131,28 +150,7 @@ def test_pipeline_parallel_pp2_and_tp2_pp2_match_pp1(ray_cluster, tiny_llama_dir
             assert max(in_flight) == 2  # two micro-batches in the pipeline at once
         finally:
             core.shutdown()
-    assert _wait_until(lambda: _all_gone(ray_cluster.address))
-
-
-def test_killed_actor_fails_the_step_quickly(ray_cluster, tiny_llama_dir):
-    import ray
-
-    core = _ray_core(ray_cluster, tiny_llama_dir, tensor_parallel_size=2)
-    try:
-        params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
-        core.add_request(EngineCoreRequest("r", [1, 2, 3, 4, 5], params))
-        core.step()
-        ray.kill(core.executor.actors[1])
-        start = time.monotonic()
-        with pytest.raises(WorkerDiedError, match="died"):
-            for _ in range(100):
-                core.step()
-        assert time.monotonic() - start < 10.0
-        with pytest.raises(WorkerError, match="unusable"):
-            core.step()
-    finally:
-        core.shutdown()
-    assert _wait_until(lambda: _all_gone(ray_cluster.address))
+    assert _wait_until(lambda: _all_gone())
 
 
 def test_node_leaving_fails_the_step(ray_cluster, tiny_llama_dir, monkeypatch):
@@ -172,7 +170,7 @@ def test_node_leaving_fails_the_step(ray_cluster, tiny_llama_dir, monkeypatch):
     finally:
         core.shutdown()
         ray_cluster.nodes.remove(node)
-    assert _wait_until(lambda: _all_gone(ray_cluster.address), 30.0)
+    assert _wait_until(lambda: _all_gone(), 30.0)
 
 
 def test_unplaceable_group_is_a_clear_error(ray_cluster, tiny_llama_dir, monkeypatch):
@@ -182,12 +180,13 @@ def test_unplaceable_group_is_a_clear_error(ray_cluster, tiny_llama_dir, monkeyp
     monkeypatch.setenv(PLACEMENT_TIMEOUT_ENV, "2")
     with pytest.raises(RayPlacementError, match="could not place 2 bundles"):
         _ray_core(ray_cluster, tiny_llama_dir, tensor_parallel_size=2)
-    assert _wait_until(lambda: not _live_placement_groups(ray_cluster.address))
+    assert _wait_until(lambda: not live_placement_groups())
 
 
 _LOCAL_SCRIPT = """
 import json, sys
 from tests.models.test_llama_correctness import PROMPTS, run_engine
+from tests.ray_cluster import ActorInfo, alive_actors, live_placement_groups
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine_args import EngineArgs
 import ray

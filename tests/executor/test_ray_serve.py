@@ -20,6 +20,7 @@ import pytest
 from tests.engine.tiny_model import tiny_llama_with_tokenizer
 from tests.entrypoints.conftest import free_port, wait_healthy
 from tests.entrypoints.helpers import metric
+from tests.ray_cluster import alive_actors, live_placement_groups
 from tokenmill.executor.ray_utils import BUNDLE_RESOURCES_ENV, RAY_NAMESPACE
 from tokenmill.sampling_params import SamplingParams
 
@@ -72,22 +73,10 @@ class Server:
         return self.process.returncode
 
 
-# The state API is given the cluster's address: left to find one, it refuses when another Ray instance runs on
-# the machine.
-def _alive_actors(address: str, class_name: str) -> list:
-    from ray.util.state import list_actors
-
-    return [a for a in list_actors(address=address, filters=[("state", "=", "ALIVE")], limit=1000)
-            if a.class_name == class_name]
-
-
-def _nothing_left(address: str, timeout_s: float = 30.0) -> bool:
-    from ray.util.state import list_placement_groups
-
+def _nothing_left(timeout_s: float = 30.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        pgs = [pg for pg in list_placement_groups(address=address, limit=1000) if pg.state != "REMOVED"]
-        if not pgs and not any(_alive_actors(address, c) for c in ("EngineCoreActor", "RayWorkerWrapper")):
+        if not live_placement_groups() and not any(alive_actors(c) for c in ("EngineCoreActor", "RayWorkerWrapper")):
             return True
         time.sleep(0.5)
     return False
@@ -101,9 +90,9 @@ def test_serve_dp2_ray_engines_on_two_nodes(ray_cluster, model_dir, reference_te
     try:
         server.wait_healthy()
         nodes = ray_cluster.node_ids_by_resource()
-        engines = sorted(_alive_actors(ray_cluster.address, "EngineCoreActor"), key=lambda a: a.name)
+        engines = sorted(alive_actors("EngineCoreActor"), key=lambda a: a.name)
         assert [a.node_id for a in engines] == [nodes["node_a"], nodes["node_b"]]
-        assert all(a.ray_namespace == RAY_NAMESPACE for a in engines)
+        assert all(a.namespace == RAY_NAMESPACE for a in engines)
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
 
         def complete(prompt: list[int]) -> str:
@@ -126,7 +115,7 @@ def test_serve_dp2_ray_engines_on_two_nodes(ray_cluster, model_dir, reference_te
     finally:
         code = server.stop()
     assert code == 0, server.log_tail()
-    assert _nothing_left(ray_cluster.address), "Ray actors or placement groups outlived the server"
+    assert _nothing_left(), "Ray actors or placement groups outlived the server"
 
 
 def test_serve_tp2_ray_worker_killed_mid_generation(ray_cluster, model_dir, tmp_path):
@@ -151,7 +140,7 @@ def test_serve_tp2_ray_worker_killed_mid_generation(ray_cluster, model_dir, tmp_
         reader = threading.Thread(target=stream)
         reader.start()
         assert first_chunk.wait(120), server.log_tail()
-        workers = _alive_actors(ray_cluster.address, "RayWorkerWrapper")
+        workers = alive_actors("RayWorkerWrapper")
         assert len(workers) == 2
         ray.kill(ray.get_actor(workers[1].name, namespace=RAY_NAMESPACE))
         killed = time.monotonic()
@@ -167,4 +156,4 @@ def test_serve_tp2_ray_worker_killed_mid_generation(ray_cluster, model_dir, tmp_
         assert server.process.returncode == 1
     finally:
         server.stop()
-    assert _nothing_left(ray_cluster.address), "Ray actors or placement groups outlived the server"
+    assert _nothing_left(), "Ray actors or placement groups outlived the server"

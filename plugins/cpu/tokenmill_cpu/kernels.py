@@ -93,8 +93,22 @@ def load_async() -> None:
     with _start_lock:
         if _loaded is not None or _thread is not None:
             return
+        _import_build_tools()
         _thread = threading.Thread(target=_load_at_low_priority, name="tokenmill-cpu-kernels", daemon=True)
         _thread.start()
+
+
+def _import_build_tools() -> None:
+    """Import ``torch.utils.cpp_extension`` in the calling thread, before the build thread starts.
+
+    It imports setuptools, whose distutils override inserts an entry at the front of ``sys.meta_path`` and
+    removes it again. Done in the build thread, that could shift the list under an import running meanwhile in
+    the caller's thread (the model loader's lazy imports): its loop over the finders then skipped the path finder
+    and a module that exists failed with ``ModuleNotFoundError`` (seen once in a Ray worker:
+    ``tokenmill.model_loader.hf_quant_config``).
+    """
+    if os.environ.get("TOKENMILL_CPU_KERNELS", "1") != "0":
+        import torch.utils.cpp_extension  # noqa: F401
 
 
 BUILD_NICENESS = 10  # nice increment of the background build thread and the compilers it starts
