@@ -14,7 +14,8 @@ Formats, per block of 32 input channels of one output row (GGUF's, so a GGUF che
 * :class:`Q8Weight` (``--quantization int8``, and the LM head under ``int4``): ``w = d * q``,
   ``q = round(w / d)`` in ``-127..127``, ``d = max|w| / 127`` (GGUF ``Q8_0``).
 * :class:`Q4Weight` (``--quantization int4``): ``w = d * q + m``, ``q = round((w - m) / d)`` in ``0..15``,
-  ``m = min w``, ``d = (max w - m) / 15`` (GGUF ``Q4_1``).
+  ``m = min w``, ``d = (max w - m) / 15`` (GGUF ``Q4_1``); or, for rows whose minimum is ``-8 d`` (GGUF ``Q4_0``,
+  symmetric GPTQ/AWQ), ``w = d * (q - 8)`` with no minimums stored: 4.5 bits a weight instead of 5.
 
 ``d`` and ``m`` are float16. Activations are quantized per row in blocks of 32 (scale ``max|x| / 8191``; why
 not 8 bits: ``csrc/quant_linear.cpp``), finer than their bfloat16 rounding except next to an outlier in the
@@ -59,6 +60,11 @@ def _safe_div(x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
 
 _LOW = 0x0F0F0F0F
 _HIGH = -0x0F0F0F10  # 0xF0F0F0F0 as an int32
+
+
+def _no_mins(n: int) -> torch.Tensor:
+    """The ``mins`` of a :class:`Q4Weight` whose codes are centred at 8: ``[N / 16, 0, 16]`` float16."""
+    return torch.empty(n // ROWS, 0, ROWS, dtype=torch.float16)
 
 
 def _panels_of_words(words: torch.Tensor) -> torch.Tensor:
@@ -120,13 +126,15 @@ def _zero_point_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     return d.repeat_interleave(rep, dim=1), zeros.to(torch.int32).repeat_interleave(rep, dim=1)
 
 
-def _concat_panels(cls: type[QuantizedWeight], parts: list[QuantizedWeight]) -> QuantizedWeight:
-    """Row tiles (each a multiple of 16 rows) joined: every buffer is ``[N / 16, ...]``, panel-major."""
+def _concat_panels(cls: type[QuantizedWeight], parts: list[QuantizedWeight],
+                   **buffers: list[torch.Tensor]) -> QuantizedWeight:
+    """Row tiles (each a multiple of 16 rows) joined: every buffer is ``[N / 16, ...]``, panel-major; ``buffers``
+    gives some buffers' per-part tensors instead of the parts' own."""
     obj = cls.__new__(cls)
     n = sum(p.out_features for p in parts)
     QuantizedWeight.__init__(obj, torch.empty(n, parts[0].in_features, device="meta"))
     names = [name for name, _ in parts[0].named_buffers()]
-    obj.store(**{name: torch.cat([getattr(p, name) for p in parts]) for name in names})
+    obj.store(**{name: torch.cat(buffers.get(name) or [getattr(p, name) for p in parts]) for name in names})
     return obj
 
 
@@ -228,12 +236,14 @@ class Q8Weight(QuantizedWeight):
 
 class Q4Weight(QuantizedWeight):
     """4-bit copy of a weight ``[N, K]`` in blocks of 32 with a scale and a minimum (``K`` a multiple of 32,
-    ``N`` of 16).
+    ``N`` of 16), or with a scale only and codes centred at 8 (``w = d * (q - 8)``: GGUF ``Q4_0``).
 
     Attributes:
         packed: ``[N / 16, K * 8]`` uint8, two codes per byte in the kernel's panel layout (``[K / 8][16 rows][4]``
             bytes per panel: channel ``8j + i`` in the low nibble, ``8j + 4 + i`` in the high one).
-        scales, mins: ``[N / 16, K / 32, 16]`` float16.
+        scales: ``[N / 16, K / 32, 16]`` float16.
+        mins: ``[N / 16, K / 32, 16]`` float16, or ``[N / 16, 0, 16]`` when the codes are centred at 8 (a decode
+            step, which reads every weight once, then streams 10% fewer bytes).
 
     Raises:
         UnsupportedShapeError: ``K`` is not a multiple of 32 or ``N`` of 16.
@@ -250,20 +260,30 @@ class Q4Weight(QuantizedWeight):
         codes = _safe_div(blocks - low.float()[..., None], d.float()[..., None]).round().clamp(0, 15).to(torch.uint8)
         self._pack(codes.reshape(n, k), d, low)
 
-    def _pack(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
-        """``codes [N, K]`` uint8 (0..15), ``d``, ``m`` ``[N, K / 32]`` float16 -> the kernel's buffers."""
+    def _pack(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> None:
+        """``codes [N, K]`` uint8 (0..15), ``d``, ``m`` ``[N, K / 32]`` float16 (``m`` ``None``: codes centred at
+        8) -> the kernel's buffers."""
         n, k = codes.shape
         # [P, 16, K/8, 2, 4] -> [P, K/8, 2, 16, 4]: half 0 (channels 8j..8j+3) low nibble, half 1 high nibble
         c = codes.reshape(n // ROWS, ROWS, k // 8, 2, 4).permute(0, 2, 3, 1, 4)
         packed = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n // ROWS, k * ROWS // 2).contiguous()
-        self.store(packed=packed, scales=_panel_scales(d), mins=_panel_scales(m))
+        self.store(packed=packed, scales=_panel_scales(d), mins=_no_mins(n) if m is None else _panel_scales(m))
+
+    @property
+    def centred(self) -> bool:
+        """Whether the codes are centred at 8 with no minimums stored (``w = d * (q - 8)``)."""
+        return self.mins.shape[1] == 0
+
+    def block_mins(self) -> torch.Tensor:
+        """Every block's minimum ``m`` (``-8 d`` when centred), ``[N / 16, K / 32, 16]`` float32."""
+        return self.scales.float() * -8.0 if self.centred else self.mins.float()
 
     @classmethod
     def from_gguf(cls, type_name: str, blocks: torch.Tensor) -> Q4Weight | None:
-        """GGUF ``Q4_1`` (``w = d * q + m``) and ``Q4_0`` (``w = d * (q - 8)``, taken as ``m = -8 d``: exact in
-        float16 unless it overflows) rows: the same codes, repacked without a float copy; ``Q4_K`` with its
-        sub-block scales rounded to float16 (:meth:`_from_q4_k`); ``None`` for any other type or a ``Q4_0``
-        scale above 65504 / 8.
+        """GGUF ``Q4_1`` (``w = d * q + m``) and ``Q4_0`` (``w = d * (q - 8)``, kept centred: no minimums) rows:
+        the same codes and scales, repacked without a float copy; ``Q4_K`` with its sub-block scales rounded to
+        float16 (:meth:`_from_q4_k`); ``None`` for any other type or a ``Q4_0`` scale above 65504 / 8 (whose
+        ``-8 d`` would not be a float16 where :meth:`concat_rows` needs it).
 
         Args:
             type_name: the GGML type.
@@ -280,8 +300,8 @@ class Q4Weight(QuantizedWeight):
         obj, b, d = _open_blocks(cls, blocks, size, "int4")
         n, nb = d.shape
         if type_name == "Q4_0":
-            m = d * -8.0
-            if not torch.isfinite(m).all():
+            m = None
+            if not torch.isfinite(d * -8.0).all():
                 return None
         else:
             m = b[..., 2:4].contiguous().view(torch.float16).reshape(n, nb)
@@ -290,7 +310,7 @@ class Q4Weight(QuantizedWeight):
             blocks = blocks.contiguous().clone()
         qs = blocks.view(torch.int16).reshape(n, nb, size // 2)[..., (size - 16) // 2:].contiguous()
         packed = _q4_words(qs.view(torch.int32).reshape(n, nb, 4))
-        obj.store(packed=packed, scales=_panel_scales(d), mins=_panel_scales(m))
+        obj.store(packed=packed, scales=_panel_scales(d), mins=_no_mins(n) if m is None else _panel_scales(m))
         return obj
 
     @classmethod
@@ -338,6 +358,8 @@ class Q4Weight(QuantizedWeight):
         m = m32.to(torch.float16)
         if not torch.isfinite(m).all() or not torch.equal(m.float(), m32):
             return None
+        if bool((z == 8).all()):  # symmetric checkpoints: no minimums to store
+            m = None
         obj = cls.__new__(cls)
         QuantizedWeight.__init__(obj, torch.empty(codes.shape, device="meta"))
         obj._pack(codes.contiguous(), d, m)
@@ -345,7 +367,10 @@ class Q4Weight(QuantizedWeight):
 
     @classmethod
     def concat_rows(cls, parts: list[QuantizedWeight]) -> QuantizedWeight:
-        """``parts`` (each :class:`Q4Weight`) as one weight, rows in order."""
+        """``parts`` (each :class:`Q4Weight`) as one weight, rows in order; centred parts get minimums ``-8 d``
+        when others have them (exact: :meth:`from_gguf` keeps ``-8 d`` within float16)."""
+        if len({p.centred for p in parts}) > 1:
+            return _concat_panels(cls, parts, mins=[p.block_mins().to(torch.float16) for p in parts])
         return _concat_panels(cls, parts)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -362,5 +387,5 @@ class Q4Weight(QuantizedWeight):
         b = self.packed.reshape(p, k // 8, ROWS, 4)
         c = torch.stack((b & 0x0F, b >> 4), dim=2)  # [P, K/8, 2, 16, 4]
         codes = c.permute(0, 3, 1, 2, 4).reshape(n, k).float()
-        d, m = _block_values(self.scales)[..., None], _block_values(self.mins)[..., None]
+        d, m = _block_values(self.scales)[..., None], _block_values(self.block_mins())[..., None]
         return (codes.reshape(n, -1, BLOCK) * d + m).reshape(n, k)
