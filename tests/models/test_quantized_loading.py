@@ -29,7 +29,7 @@ CFG = llama_config(hidden=256, layers=1, intermediate=512, heads=4, kv_heads=2, 
 # rule): "exact", "scales" (the same codes, scales rounded to float16) or "requantized".
 LANDS_IN = {
     Q.Q4_0: (Q4Weight, "exact"), Q.Q4_1: (Q4Weight, "exact"), Q.Q8_0: (Q8Weight, "exact"),
-    Q.Q5_0: (Q8Weight, "exact"), Q.Q4_K: (Q4Weight, "scales"), Q.Q5_1: (Q8Weight, "requantized"),
+    Q.Q5_0: (Q8Weight, "exact"), Q.Q4_K: (Q4Weight, "exact"), Q.Q5_1: (Q8Weight, "requantized"),
     Q.Q2_K: (Q4Weight, "requantized"), Q.Q3_K: (Q4Weight, "requantized"), Q.Q5_K: (Q8Weight, "requantized"),
     Q.Q6_K: (Q8Weight, "requantized"),
 }
@@ -54,7 +54,8 @@ def _weight_error_bound(q: Q4Weight | Q8Weight, kind: str) -> torch.Tensor:
     def f16_rounding(t: torch.Tensor) -> torch.Tensor:
         return 2.0 ** -11 * t + 2.0 ** -25
 
-    d = q.scales.permute(0, 2, 1).reshape(n, -1).float().abs()
+    d = q.block_scales().permute(0, 2, 1).reshape(n, -1).abs() if isinstance(q, Q4Weight) else \
+        q.scales.permute(0, 2, 1).reshape(n, -1).float().abs()
     codes = 15 if isinstance(q, Q4Weight) else 127
     bound = (0.5 * d if kind == "requantized" else 0) + codes * f16_rounding(d)
     if kind == "exact":
