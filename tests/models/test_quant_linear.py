@@ -6,6 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import gguf
+
+from tests.models.gguf_writer import random_k_blocks
 from tokenmill.layers.quantization import UnsupportedShapeError
 from tokenmill_cpu import kernels
 from tokenmill_cpu.quant_linear import Q4Weight, Q8Weight
@@ -31,14 +34,33 @@ def quantized_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def reference(q: Q8Weight | Q4Weight, x: torch.Tensor) -> torch.Tensor:
-    """``x @ W^T`` in float64 with the kernel's quantized activations (Q4_1's minimum uses exact sums)."""
+    """``x @ W^T`` in float64 with the kernel's quantized activations (Q4_1's minimum uses exact sums; codes
+    centred at 8 are multiplied as they are)."""
     deq, sums = quantized_activations(x)
     w = q.dequantize().double()
-    if isinstance(q, Q8Weight):
+    if isinstance(q, Q8Weight) or q.centred:
         return deq @ w.T
     n, k = w.shape
-    mins = q.mins.permute(0, 2, 1).reshape(n, k // 32).double()
+    mins = q.block_mins().permute(0, 2, 1).reshape(n, k // 32).double()
     return deq @ (w - mins.repeat_interleave(32, dim=1)).T + sums @ mins.T
+
+
+def q4_0(w: torch.Tensor) -> Q4Weight:
+    """``w`` written as GGUF ``Q4_0`` blocks and loaded back: a :class:`Q4Weight` with codes centred at 8."""
+    blocks = gguf.quants.quantize(w.float().numpy(), gguf.GGMLQuantizationType.Q4_0)
+    q = Q4Weight.from_gguf("Q4_0", torch.from_numpy(blocks))
+    assert q.centred and q.mins.numel() == 0
+    return q
+
+
+def q4_k(w: torch.Tensor) -> Q4Weight:
+    """Random GGUF ``Q4_K`` blocks of ``w``'s shape (``gguf`` cannot quantize to it; ``w``'s scale sets theirs):
+    a :class:`Q4Weight` with 8-bit factors of super-block scales."""
+    n, k = w.shape
+    blocks = random_k_blocks(gguf.GGMLQuantizationType.Q4_K, n, k, seed=n + k, scale=float(w.std()) / 30)
+    q = Q4Weight.from_gguf("Q4_K", torch.from_numpy(blocks))
+    assert q.super_blocked
+    return q
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -48,14 +70,14 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}  # output rounding of the dtype
 
 
-@pytest.mark.parametrize("cls", [Q8Weight, Q4Weight], ids=["q8", "q4"])
+@pytest.mark.parametrize("cls", [Q8Weight, Q4Weight, q4_0, q4_k], ids=["q8", "q4", "q4_0", "q4_k"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 32])
 def test_kernel_matches_reference_for_every_row_tile(cls, dtype, rows):
     torch.manual_seed(rows)
-    w = torch.randn(48, 160) * 0.1
+    w = torch.randn(48, 512 if cls is q4_k else 160) * 0.1
     w[3] = 0.0  # an all-zero row: zero scales must not produce NaN
-    x = torch.randn(rows, 160).to(dtype)
+    x = torch.randn(rows, w.shape[1]).to(dtype)
     x[0, :32] = 0.0  # an all-zero activation block
     q = cls(w)
     out = q.matmul(x)
@@ -74,6 +96,42 @@ def test_weight_error_and_size(cls, bound):
     assert rel_err(q.matmul(x), (x @ w.T).double()) < bound + 0.01
     # GGUF's sizes: Q8_0 8.5 bits per weight, Q4_1 5 bits (codes plus float16 scale / minimum per 32)
     assert q.nbytes == w.numel() * (8.5 if cls is Q8Weight else 5) / 8
+
+
+def test_q4_0_blocks_stay_centred_at_their_size_and_join_uncentred_rows() -> None:
+    torch.manual_seed(2)
+    w = torch.randn(64, 256)
+    q = q4_0(w)
+    assert q.nbytes == w.numel() * 4.5 / 8  # GGUF Q4_0's size: codes plus a float16 scale per 32
+    assert rel_err(q.dequantize(), w.double()) < 0.12
+    # the file's values: d * (q - 8), exactly
+    expected = gguf.quants.dequantize(gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_0),
+                                      gguf.GGMLQuantizationType.Q4_0)
+    assert torch.equal(q.dequantize(), torch.from_numpy(expected).float())
+    other = Q4Weight(torch.randn(32, 256))
+    joined = Q4Weight.concat_rows([q, other])
+    assert not joined.centred
+    assert torch.equal(joined.dequantize(), torch.cat((q.dequantize(), other.dequantize())))
+    x = torch.randn(3, 256)
+    assert rel_err(joined.matmul(x), reference(joined, x)) < 1e-5
+    assert q.centred and Q4Weight.concat_rows([q, q4_0(w)]).mins.shape == (8, 0, 16)
+
+
+def test_q4_k_blocks_keep_their_super_blocks_exactly() -> None:
+    w = torch.randn(32, 512) * 0.05
+    q = q4_k(w)
+    assert q.nbytes == w.numel() * 4.625 / 8  # codes, 8-bit sc and mn per 32, float16 d and dmin per 256
+    blocks = random_k_blocks(gguf.GGMLQuantizationType.Q4_K, 32, 512, seed=32 + 512, scale=float(w.std()) / 30)
+    expected = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_K)).float()
+    assert torch.equal(q.dequantize(), expected)
+    x = torch.randn(5, 512)
+    assert rel_err(q.matmul(x), reference(q, x)) < 1e-5
+    # joined with float16-scaled rows: D * sc, M * mn rounded to float16
+    other = Q4Weight(torch.randn(16, 512) * 0.05)
+    joined = Q4Weight.concat_rows([q, other])
+    assert not joined.super_blocked and joined.super_scales.shape == (3, 0, 2, 16)
+    assert rel_err(joined.dequantize()[:32], expected.double()) < 1e-3
+    assert torch.equal(Q4Weight.concat_rows([q, q4_k(w)]).super_scales, torch.cat([q.super_scales] * 2))
 
 
 def test_gguf_grids_come_back_exactly():
@@ -112,6 +170,13 @@ def test_bad_inputs_raise_errors_not_crashes():
         torch.ops.tokenmill_cpu.q8_linear(torch.randn(2, 64), q.packed, q.scales)  # q4's half-size panels
     with pytest.raises(RuntimeError, match="mins"):
         op(torch.randn(2, 64), q.packed, q.scales, q.mins.float())
+    with pytest.raises(RuntimeError, match="mins"):
+        op(torch.randn(2, 64), q.packed, q.scales, q.mins[:1])
+    k = q4_k(torch.randn(16, 256))
+    with pytest.raises(RuntimeError, match="super_scales"):
+        op(torch.randn(2, 256), k.packed, k.scales, k.mins)
+    with pytest.raises(RuntimeError, match="mins"):
+        op(torch.randn(2, 256), k.packed, k.scales, k.mins.half(), k.super_scales)
     with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
         op(torch.randn(2, 64).double(), q.packed, q.scales, q.mins)
     with pytest.raises(RuntimeError, match="contiguous rows"):
@@ -134,21 +199,25 @@ from tokenmill_cpu import kernels
 assert kernels.load()
 assert kernels.isa()["quant_linear"] == sys.argv[1], kernels.isa()
 from tests.models.test_quant_linear import reference, rel_err
+from tests.models.test_quant_linear import q4_0, q4_k
 from tokenmill_cpu.quant_linear import Q4Weight, Q8Weight
 torch.manual_seed(0)
 for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 8e-3), (torch.float16, 1e-3)):
     for rows in (1, 2, 3, 4, 5, 9):
         w, x = torch.randn(48, 96) * 0.1, torch.randn(rows, 96).to(dtype)
         x[0, 5] = 40.0  # an outlier: the other values of its block get small codes
-        for cls in (Q8Weight, Q4Weight):
+        for cls in (Q8Weight, Q4Weight, q4_0):
             q = cls(w)
             assert rel_err(q.matmul(x).float(), reference(q, x)) < tol, (cls, dtype, rows)
+        w, x = torch.randn(32, 512) * 0.1, torch.randn(rows, 512).to(dtype)
+        q = q4_k(w)
+        assert rel_err(q.matmul(x).float(), reference(q, x)) < tol, ("q4_k", dtype, rows)
 # the largest codes: q8 weights at -127 / 127, 14-bit activations at 8191 (16-bit pair sums at their bound)
 w = torch.ones(16, 64)
 w[:, ::2] = -1.0
 x = torch.ones(2, 64)
 x[:, 1::2] = 0.37
-for cls in (Q8Weight, Q4Weight):
+for cls in (Q8Weight, Q4Weight, q4_0):
     q = cls(w)
     assert rel_err(q.matmul(x), reference(q, x)) < 1e-5, cls
 print("ok")

@@ -29,7 +29,7 @@ CFG = llama_config(hidden=256, layers=1, intermediate=512, heads=4, kv_heads=2, 
 # rule): "exact", "scales" (the same codes, scales rounded to float16) or "requantized".
 LANDS_IN = {
     Q.Q4_0: (Q4Weight, "exact"), Q.Q4_1: (Q4Weight, "exact"), Q.Q8_0: (Q8Weight, "exact"),
-    Q.Q5_0: (Q8Weight, "exact"), Q.Q4_K: (Q4Weight, "scales"), Q.Q5_1: (Q8Weight, "requantized"),
+    Q.Q5_0: (Q8Weight, "exact"), Q.Q4_K: (Q4Weight, "exact"), Q.Q5_1: (Q8Weight, "requantized"),
     Q.Q2_K: (Q4Weight, "requantized"), Q.Q3_K: (Q4Weight, "requantized"), Q.Q5_K: (Q8Weight, "requantized"),
     Q.Q6_K: (Q8Weight, "requantized"),
 }
@@ -54,13 +54,14 @@ def _weight_error_bound(q: Q4Weight | Q8Weight, kind: str) -> torch.Tensor:
     def f16_rounding(t: torch.Tensor) -> torch.Tensor:
         return 2.0 ** -11 * t + 2.0 ** -25
 
-    d = q.scales.permute(0, 2, 1).reshape(n, -1).float().abs()
+    d = q.block_scales().permute(0, 2, 1).reshape(n, -1).abs() if isinstance(q, Q4Weight) else \
+        q.scales.permute(0, 2, 1).reshape(n, -1).float().abs()
     codes = 15 if isinstance(q, Q4Weight) else 127
     bound = (0.5 * d if kind == "requantized" else 0) + codes * f16_rounding(d)
     if kind == "exact":
         bound = torch.zeros_like(d)
     elif isinstance(q, Q4Weight):
-        bound = bound + f16_rounding(q.mins.permute(0, 2, 1).reshape(n, -1).float().abs())
+        bound = bound + f16_rounding(q.block_mins().permute(0, 2, 1).reshape(n, -1).abs())
     return bound.repeat_interleave(32, dim=1).reshape(p * ROWS, k)
 
 
@@ -183,7 +184,7 @@ def test_load_peak_memory_stays_near_the_file_size(files, tmp_path) -> None:
     path = write_random_llama_gguf(str(tmp_path / "m.gguf"), cfg, Q.Q4_0)
     size_kib = os.path.getsize(path) / 1024
     grown = measure_load_rss_kib(files[Q.Q4_0], path)
-    # The int4 layout stores each block's minimum (1.11x a Q4_0 file); 8 MiB for allocator slack, code pages
+    # The int4 layout holds Q4_0's blocks at their 4.5 bits (codes centred, no minimums); 8 MiB for allocator slack, code pages
     # of kernels first used here and the tensors in flight (measured: 19.1 MiB in all for a 14.4 MiB file)
     assert grown <= 1.3 * size_kib + 8 * 1024, (grown, size_kib)
     assert grown < 25e6 * 4 / 1024 / 3  # a third of the float32 weights (a float32 load: 130 MiB)

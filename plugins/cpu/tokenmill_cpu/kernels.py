@@ -334,7 +334,8 @@ def _register_fake() -> None:
         return v.new_empty(v.shape), v.new_empty(q.shape[1], q.shape[2], v.shape[2], dtype=torch.float32)
 
     @torch.library.register_fake("tokenmill_cpu::q4_linear")
-    def _(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    def _(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+          super_scales: torch.Tensor | None = None) -> torch.Tensor:
         return x.new_empty(x.shape[0], packed.shape[0] * 16)
 
 

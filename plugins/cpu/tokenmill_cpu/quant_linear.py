@@ -14,9 +14,12 @@ Formats, per block of 32 input channels of one output row (GGUF's, so a GGUF che
 * :class:`Q8Weight` (``--quantization int8``, and the LM head under ``int4``): ``w = d * q``,
   ``q = round(w / d)`` in ``-127..127``, ``d = max|w| / 127`` (GGUF ``Q8_0``).
 * :class:`Q4Weight` (``--quantization int4``): ``w = d * q + m``, ``q = round((w - m) / d)`` in ``0..15``,
-  ``m = min w``, ``d = (max w - m) / 15`` (GGUF ``Q4_1``).
+  ``m = min w``, ``d = (max w - m) / 15`` (GGUF ``Q4_1``); or, for rows whose minimum is ``-8 d`` (GGUF ``Q4_0``,
+  symmetric GPTQ/AWQ), ``w = d * (q - 8)`` with no minimums stored: 4.5 bits a weight instead of 5; GGUF ``Q4_K``
+  keeps its super-blocks: ``d = D * sc``, ``m = M * mn`` with 8-bit ``sc``, ``mn`` per block and float16 ``D``,
+  ``M`` per 256 weights (4.625 bits a weight).
 
-``d`` and ``m`` are float16. Activations are quantized per row in blocks of 32 (scale ``max|x| / 8191``; why
+``d`` and ``m`` are float16 (or, for ``Q4_K``, products computed exactly in float32 by the kernel). Activations are quantized per row in blocks of 32 (scale ``max|x| / 8191``; why
 not 8 bits: ``csrc/quant_linear.cpp``), finer than their bfloat16 rounding except next to an outlier in the
 same block; ``tests/models/test_quant_linear.py`` checks the kernels against a float64 reference and
 ``benchmarks/quant_agreement.py`` reports greedy agreement on real prompts.
@@ -59,6 +62,16 @@ def _safe_div(x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
 
 _LOW = 0x0F0F0F0F
 _HIGH = -0x0F0F0F10  # 0xF0F0F0F0 as an int32
+
+
+def _no_mins(n: int) -> torch.Tensor:
+    """The ``mins`` of a :class:`Q4Weight` whose codes are centred at 8: ``[N / 16, 0, 16]`` float16."""
+    return torch.empty(n // ROWS, 0, ROWS, dtype=torch.float16)
+
+
+def _no_super_scales(n: int) -> torch.Tensor:
+    """The ``super_scales`` of a :class:`Q4Weight` with float16 scales: ``[N / 16, 0, 2, 16]`` float16."""
+    return torch.empty(n // ROWS, 0, 2, ROWS, dtype=torch.float16)
 
 
 def _panels_of_words(words: torch.Tensor) -> torch.Tensor:
@@ -120,13 +133,15 @@ def _zero_point_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     return d.repeat_interleave(rep, dim=1), zeros.to(torch.int32).repeat_interleave(rep, dim=1)
 
 
-def _concat_panels(cls: type[QuantizedWeight], parts: list[QuantizedWeight]) -> QuantizedWeight:
-    """Row tiles (each a multiple of 16 rows) joined: every buffer is ``[N / 16, ...]``, panel-major."""
+def _concat_panels(cls: type[QuantizedWeight], parts: list[QuantizedWeight],
+                   **buffers: list[torch.Tensor]) -> QuantizedWeight:
+    """Row tiles (each a multiple of 16 rows) joined: every buffer is ``[N / 16, ...]``, panel-major; ``buffers``
+    gives some buffers' per-part tensors instead of the parts' own."""
     obj = cls.__new__(cls)
     n = sum(p.out_features for p in parts)
     QuantizedWeight.__init__(obj, torch.empty(n, parts[0].in_features, device="meta"))
     names = [name for name, _ in parts[0].named_buffers()]
-    obj.store(**{name: torch.cat([getattr(p, name) for p in parts]) for name in names})
+    obj.store(**{name: torch.cat(buffers.get(name) or [getattr(p, name) for p in parts]) for name in names})
     return obj
 
 
@@ -228,12 +243,20 @@ class Q8Weight(QuantizedWeight):
 
 class Q4Weight(QuantizedWeight):
     """4-bit copy of a weight ``[N, K]`` in blocks of 32 with a scale and a minimum (``K`` a multiple of 32,
-    ``N`` of 16).
+    ``N`` of 16), or with a scale only and codes centred at 8 (``w = d * (q - 8)``: GGUF ``Q4_0``), or with 8-bit
+    factors of per-256-weight scales and minimums (GGUF ``Q4_K``).
+
+    A decode step reads every weight once, so bytes per weight set its speed: 5 bits with float16 minimums, 4.5
+    centred, 4.625 with 8-bit factors.
 
     Attributes:
         packed: ``[N / 16, K * 8]`` uint8, two codes per byte in the kernel's panel layout (``[K / 8][16 rows][4]``
             bytes per panel: channel ``8j + i`` in the low nibble, ``8j + 4 + i`` in the high one).
-        scales, mins: ``[N / 16, K / 32, 16]`` float16.
+        scales: ``[N / 16, K / 32, 16]`` float16, or uint8 factors ``sc`` of ``super_scales[:, :, 0]``.
+        mins: ``[N / 16, K / 32, 16]`` float16, ``[N / 16, 0, 16]`` when the codes are centred at 8, or uint8
+            factors ``mn`` of ``super_scales[:, :, 1]``.
+        super_scales: ``[N / 16, K / 256, 2, 16]`` float16 (``D``, ``M``: a block's ``d = D * sc``, ``m = M * mn``)
+            with uint8 scales, else ``[N / 16, 0, 2, 16]``.
 
     Raises:
         UnsupportedShapeError: ``K`` is not a multiple of 32 or ``N`` of 16.
@@ -250,20 +273,45 @@ class Q4Weight(QuantizedWeight):
         codes = _safe_div(blocks - low.float()[..., None], d.float()[..., None]).round().clamp(0, 15).to(torch.uint8)
         self._pack(codes.reshape(n, k), d, low)
 
-    def _pack(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
-        """``codes [N, K]`` uint8 (0..15), ``d``, ``m`` ``[N, K / 32]`` float16 -> the kernel's buffers."""
+    def _pack(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> None:
+        """``codes [N, K]`` uint8 (0..15), ``d``, ``m`` ``[N, K / 32]`` float16 (``m`` ``None``: codes centred at
+        8) -> the kernel's buffers."""
         n, k = codes.shape
         # [P, 16, K/8, 2, 4] -> [P, K/8, 2, 16, 4]: half 0 (channels 8j..8j+3) low nibble, half 1 high nibble
         c = codes.reshape(n // ROWS, ROWS, k // 8, 2, 4).permute(0, 2, 3, 1, 4)
         packed = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n // ROWS, k * ROWS // 2).contiguous()
-        self.store(packed=packed, scales=_panel_scales(d), mins=_panel_scales(m))
+        self.store(packed=packed, scales=_panel_scales(d), mins=_no_mins(n) if m is None else _panel_scales(m),
+                   super_scales=_no_super_scales(n))
+
+    @property
+    def centred(self) -> bool:
+        """Whether the codes are centred at 8 with no minimums stored (``w = d * (q - 8)``)."""
+        return self.mins.shape[1] == 0
+
+    @property
+    def super_blocked(self) -> bool:
+        """Whether scales and minimums are 8-bit factors of ``super_scales`` (GGUF ``Q4_K``)."""
+        return self.scales.dtype == torch.uint8
+
+    def _super(self, i: int) -> torch.Tensor:
+        """``super_scales[:, :, i]`` repeated for each of its 8 blocks: ``[N / 16, K / 32, 16]`` float32."""
+        return self.super_scales[:, :, i].float().repeat_interleave(8, dim=1)
+
+    def block_scales(self) -> torch.Tensor:
+        """Every block's scale ``d``, ``[N / 16, K / 32, 16]`` float32 (exact)."""
+        return self.scales.float() * self._super(0) if self.super_blocked else self.scales.float()
+
+    def block_mins(self) -> torch.Tensor:
+        """Every block's minimum ``m`` (``-8 d`` when centred), ``[N / 16, K / 32, 16]`` float32 (exact)."""
+        if self.super_blocked:
+            return self.mins.float() * self._super(1)
+        return self.scales.float() * -8.0 if self.centred else self.mins.float()
 
     @classmethod
     def from_gguf(cls, type_name: str, blocks: torch.Tensor) -> Q4Weight | None:
-        """GGUF ``Q4_1`` (``w = d * q + m``) and ``Q4_0`` (``w = d * (q - 8)``, taken as ``m = -8 d``: exact in
-        float16 unless it overflows) rows: the same codes, repacked without a float copy; ``Q4_K`` with its
-        sub-block scales rounded to float16 (:meth:`_from_q4_k`); ``None`` for any other type or a ``Q4_0``
-        scale above 65504 / 8.
+        """GGUF ``Q4_1`` (``w = d * q + m``), ``Q4_0`` (``w = d * (q - 8)``, kept centred: no minimums) and
+        ``Q4_K`` (:meth:`_from_q4_k`) rows: the same codes and scales, repacked without a float copy; ``None`` for any other type or a ``Q4_0`` scale above 65504 / 8 (whose
+        ``-8 d`` would not be a float16 where :meth:`concat_rows` needs it).
 
         Args:
             type_name: the GGML type.
@@ -280,8 +328,8 @@ class Q4Weight(QuantizedWeight):
         obj, b, d = _open_blocks(cls, blocks, size, "int4")
         n, nb = d.shape
         if type_name == "Q4_0":
-            m = d * -8.0
-            if not torch.isfinite(m).all():
+            m = None
+            if not torch.isfinite(d * -8.0).all():
                 return None
         else:
             m = b[..., 2:4].contiguous().view(torch.float16).reshape(n, nb)
@@ -290,31 +338,31 @@ class Q4Weight(QuantizedWeight):
             blocks = blocks.contiguous().clone()
         qs = blocks.view(torch.int16).reshape(n, nb, size // 2)[..., (size - 16) // 2:].contiguous()
         packed = _q4_words(qs.view(torch.int32).reshape(n, nb, 4))
-        obj.store(packed=packed, scales=_panel_scales(d), mins=_panel_scales(m))
+        obj.store(packed=packed, scales=_panel_scales(d), mins=_no_mins(n) if m is None else _panel_scales(m),
+                  super_scales=_no_super_scales(n))
         return obj
 
     @classmethod
-    def _from_q4_k(cls, blocks: torch.Tensor) -> Q4Weight | None:
+    def _from_q4_k(cls, blocks: torch.Tensor) -> Q4Weight:
         """GGUF ``Q4_K`` rows: each 256-value super-block is eight 32-value sub-blocks ``w = (d sc) q - (dmin mn)``
-        with 6-bit ``sc``, ``mn``: a sub-block is one of these blocks with ``d = d sc``, ``m = -(dmin mn)``, the
-        same codes, both products rounded to float16 (relative error at most 2^-11 of a sub-block's step and
-        minimum, against half a step for quantizing the values again); ``None`` if one overflows float16."""
+        with 6-bit ``sc``, ``mn``: kept as they are, ``sc`` and ``mn`` as uint8 factors of ``D = d``,
+        ``M = -dmin`` (the kernel's products are exact in float32)."""
         n, ns = blocks.shape[0], blocks.shape[1] // 144
         _check_shape(torch.empty(n, ns * 256, device="meta"), "int4")
         b = blocks.reshape(n * ns, 144)
-        d, dmin = b[:, :2].contiguous().view(torch.float16).float(), b[:, 2:4].contiguous().view(torch.float16).float()
+        d, dmin = b[:, :2].contiguous().view(torch.float16), b[:, 2:4].contiguous().view(torch.float16)
         sc6, mn6 = b[:, 4:8], b[:, 8:12]
         md = b[:, 12:16]
-        sc = torch.cat((sc6 & 0x3F, (md & 0x0F) | ((sc6 >> 2) & 0x30)), dim=1).float()  # [n * ns, 8]
-        mn = torch.cat((mn6 & 0x3F, (md >> 4) | ((mn6 >> 2) & 0x30)), dim=1).float()
-        scale, low = (d * sc).to(torch.float16), (-(dmin * mn)).to(torch.float16)
-        if not (torch.isfinite(scale).all() and torch.isfinite(low).all()):
-            return None
+        sc = torch.cat((sc6 & 0x3F, (md & 0x0F) | ((sc6 >> 2) & 0x30)), dim=1)  # [n * ns, 8] uint8
+        mn = torch.cat((mn6 & 0x3F, (md >> 4) | ((mn6 >> 2) & 0x30)), dim=1)
         qs = b[:, 16:].reshape(n * ns, 4, 1, 32)  # chunk j: sub-block 2j in the low nibbles, 2j + 1 in the high
         codes = torch.cat((qs & 0x0F, qs >> 4), dim=2).reshape(n, ns * 256)
         obj = cls.__new__(cls)
         QuantizedWeight.__init__(obj, torch.empty(n, ns * 256, device="meta"))
-        obj._pack(codes, scale.reshape(n, ns * 8), low.reshape(n, ns * 8))
+        obj._pack(codes, sc.reshape(n, ns * 8), mn.reshape(n, ns * 8))
+        # [n, ns, 2] -> [P, ns, 2, 16]
+        sup = torch.cat((d, -dmin), dim=1).reshape(n // ROWS, ROWS, ns, 2).permute(0, 2, 3, 1).contiguous()
+        obj.store(super_scales=sup)
         return obj
 
     @classmethod
@@ -338,6 +386,8 @@ class Q4Weight(QuantizedWeight):
         m = m32.to(torch.float16)
         if not torch.isfinite(m).all() or not torch.equal(m.float(), m32):
             return None
+        if bool((z == 8).all()):  # symmetric checkpoints: no minimums to store
+            m = None
         obj = cls.__new__(cls)
         QuantizedWeight.__init__(obj, torch.empty(codes.shape, device="meta"))
         obj._pack(codes.contiguous(), d, m)
@@ -345,14 +395,20 @@ class Q4Weight(QuantizedWeight):
 
     @classmethod
     def concat_rows(cls, parts: list[QuantizedWeight]) -> QuantizedWeight:
-        """``parts`` (each :class:`Q4Weight`) as one weight, rows in order."""
+        """``parts`` (each :class:`Q4Weight`) as one weight, rows in order. Parts of different forms are joined
+        with float16 scales and minimums: ``-8 d`` for centred ones (exact: :meth:`from_gguf` keeps it within
+        float16), ``D * sc``, ``M * mn`` rounded to float16 for super-blocked ones."""
+        if len({(p.centred, p.super_blocked) for p in parts}) > 1:
+            return _concat_panels(cls, parts, scales=[p.block_scales().to(torch.float16) for p in parts],
+                                  mins=[p.block_mins().to(torch.float16) for p in parts],
+                                  super_scales=[_no_super_scales(p.out_features) for p in parts])
         return _concat_panels(cls, parts)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., K]`` (float32, bfloat16 or float16) -> ``[..., N]`` in ``x``'s dtype."""
         lead = x.shape[:-1]
         y = torch.ops.tokenmill_cpu.q4_linear(
-            x.reshape(-1, self.in_features).contiguous(), self.packed, self.scales, self.mins
+            x.reshape(-1, self.in_features).contiguous(), self.packed, self.scales, self.mins, self.super_scales
         )
         return y.reshape(*lead, self.out_features)
 
@@ -362,5 +418,5 @@ class Q4Weight(QuantizedWeight):
         b = self.packed.reshape(p, k // 8, ROWS, 4)
         c = torch.stack((b & 0x0F, b >> 4), dim=2)  # [P, K/8, 2, 16, 4]
         codes = c.permute(0, 3, 1, 2, 4).reshape(n, k).float()
-        d, m = _block_values(self.scales)[..., None], _block_values(self.mins)[..., None]
+        d, m = _block_values(self.block_scales())[..., None], _block_values(self.block_mins())[..., None]
         return (codes.reshape(n, -1, BLOCK) * d + m).reshape(n, k)
