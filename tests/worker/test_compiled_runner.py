@@ -28,7 +28,9 @@ def _compiled_core(model_dir: str, **kwargs) -> EngineCore:
 
 def test_compiled_decode_matches_transformers_for_two_models_in_one_process(compile_on, tmp_path) -> None:
     first_dir = build_tiny_llama(str(tmp_path / "a"), seed=1)
-    second_dir = build_tiny_llama(str(tmp_path / "b"), seed=2, num_hidden_layers=3)
+    # One layer: the first model's graphs loop over two (a reused graph fails), and a one-layer trace is about
+    # half the compile time of a three-layer one.
+    second_dir = build_tiny_llama(str(tmp_path / "b"), seed=2, num_hidden_layers=1)
     first = _compiled_core(first_dir)
     second = _compiled_core(second_dir)  # same model class: must not reuse the first model's compiled graph
     for core, model_dir in ((first, first_dir), (second, second_dir)):
@@ -93,11 +95,13 @@ def test_eager_steps_run_on_one_thread_with_a_short_switch_interval_while_a_grap
     assert sys.getswitchinterval() == interval and not runner._is_loading.is_set()
 
 
-def test_quantized_model_compiles_a_large_decode_kind_and_matches_eager(compile_on, tiny_llama_dir) -> None:
-    # 40 requests decode together: above int8's 32-row limit, where layers use their dense weights.
+def test_quantized_model_compiles_a_large_decode_kind_and_matches_eager(compile_on, tmp_path) -> None:
+    # 40 requests decode together: above int8's 32-row limit, where layers use their dense weights. One layer:
+    # the quantized layers' branches are per layer, and every kind compiles in about half the time of two layers.
+    model_dir = build_tiny_llama(str(tmp_path / "m"), num_hidden_layers=1)
     prompts = [[(7 * i + j) % 50 + 3 for j in range(3 + i % 4)] for i in range(40)]
-    eager = run_engine(_compiled_core(tiny_llama_dir, quantization="int8", enforce_eager=True), prompts, max_tokens=6)
-    core = _compiled_core(tiny_llama_dir, quantization="int8")
+    eager = run_engine(_compiled_core(model_dir, quantization="int8", enforce_eager=True), prompts, max_tokens=6)
+    core = _compiled_core(model_dir, quantization="int8")
     runner = core.executor.worker.model_runner.compiled_runner
     assert runner is not None and runner.quant_max_rows == 32 and "large" in runner.compiled
     assert run_engine(core, prompts, max_tokens=6) == eager
@@ -107,7 +111,7 @@ def test_quantized_model_compiles_a_large_decode_kind_and_matches_eager(compile_
 @pytest.mark.slow
 @pytest.mark.timeout(1500)  # the compile worker runs at a lower priority than everything else on the machine
 def test_background_mode_serves_eagerly_then_swaps_in_compiled_kinds_and_caches_them(compile_on, tmp_path) -> None:
-    model_dir = build_tiny_llama(str(tmp_path / "m"), seed=3)
+    model_dir = build_tiny_llama(str(tmp_path / "m"), seed=3, num_hidden_layers=1)  # one layer: a shorter compile
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
     expected = hf_greedy(model_dir, prompts, 8)
     core = _compiled_core(model_dir, compile_mode="background")
