@@ -20,7 +20,7 @@ token ids for both engines (drawn by this process with the file's tokenizer). to
 tokenmill's KV cache is sized for the same number of tokens.
 
     nice -n 15 python benchmarks/llamacpp_targets.py --shape 1b --ftype Q4_K_M --rounds 3 \\
-        --json benchmarks/results/<date>_<machine>_llamacpp_targets/1b_q4_k_m.json
+        --llamacpp-python /path/to/llama-venv/bin/python --json benchmarks/results/<date>_<machine>_llamacpp_targets/1b_q4_k_m.json
 
 Figures: docs/benchmarks.md ("Quantized GGUF against llama.cpp at 1B and 8B").
 """
@@ -124,11 +124,15 @@ def worker_llamacpp(spec: dict[str, Any], spawned: float) -> dict[str, Any]:
             "decode": decode}
 
 
-def run_worker(engine: str, spec_path: str, extra_env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Start a fresh process for ``engine`` and return its figures (with its peak RSS)."""
-    env = dict(os.environ, **(extra_env or {}))
+def run_worker(engine: str, spec_path: str, python: str = sys.executable) -> dict[str, Any]:
+    """Start a fresh process for ``engine`` with interpreter ``python`` and return its figures (with its peak RSS).
+
+    Raises:
+        RuntimeError: the process failed (with the end of its stderr).
+    """
+    env = dict(os.environ)
     spawned = time.time()
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", engine, "--spec", spec_path,
+    out = subprocess.run([python, os.path.abspath(__file__), "--worker", engine, "--spec", spec_path,
                           "--spawned", repr(spawned)], capture_output=True, text=True, env=env)
     if out.returncode:
         raise RuntimeError(f"{engine} worker failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
@@ -202,6 +206,9 @@ def main() -> None:
     parser.add_argument("--no-warm-start", action="store_true",
                         help="skip the untimed tokenmill process that fills the compile cache")
     parser.add_argument("--json", help="write the record here")
+    parser.add_argument("--llamacpp-python", default=sys.executable,
+                        help="interpreter of the llama.cpp processes (a venv with llama-cpp-python; default: this "
+                        "one). Putting another venv's site-packages on PYTHONPATH instead would shadow tokenmill")
     args = parser.parse_args()
 
     if args.worker:
@@ -241,7 +248,7 @@ def main() -> None:
             order = engines if rnd % 2 == 0 else engines[::-1]
             for engine in order:
                 steal = cpu_steal_seconds()
-                raw = run_worker(engine, spec_path)
+                raw = run_worker(engine, spec_path, args.llamacpp_python if engine == "llamacpp" else sys.executable)
                 s = summarize_process(raw, args.warmup, args.prefill_len)
                 s["cpu_steal_s"] = (cpu_steal_seconds() or 0.0) - (steal or 0.0) if steal is not None else None
                 s["raw"] = raw
