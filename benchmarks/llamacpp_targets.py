@@ -20,7 +20,8 @@ token ids for both engines (drawn by this process with the file's tokenizer). to
 tokenmill's KV cache is sized for the same number of tokens.
 
     nice -n 15 python benchmarks/llamacpp_targets.py --shape 1b --ftype Q4_K_M --rounds 3 \\
-        --llamacpp-python /path/to/llama-venv/bin/python --json benchmarks/results/<date>_<machine>_llamacpp_targets/1b_q4_k_m.json
+        --llamacpp-python /path/to/llama-venv/bin/python \\
+        --json benchmarks/results/<date>_<machine>_llamacpp_targets/1b_q4_k_m.json
 
 Figures: docs/benchmarks.md ("Quantized GGUF against llama.cpp at 1B and 8B").
 """
