@@ -10,8 +10,8 @@ layer's rows are in (q, k and v of a fused projection arrive one by one) it buil
 
 1. the blocks themselves, when every row has the same GGML type and one of the platform's formats holds that
    type (:meth:`QuantizedWeight.from_gguf`; the CPU plugin: ``Q8_0``/``Q5_0`` in its int8 layout and
-   ``Q4_0``/``Q4_1``/``Q4_K`` in its int4 layout exactly), whichever method was asked for: a file is never stored with fewer bits than it has, nor with
-   more than it needs;
+   ``Q4_0``/``Q4_1``/``Q4_K`` in its int4 layout exactly), whichever method was asked for: a file is never
+   stored with fewer bits than it has, nor with more than it needs;
 2. otherwise the rows dequantized and quantized again (:data:`TILE_ROWS` rows at a time in float32, so no
    float copy of a whole weight is made either), in a format chosen by the source: 4 bits or fewer
    (``Q2_K``, ``Q3_K``) -> the ``int4`` format, more (``Q5_1``, ``Q5_K``, ``Q6_K``) -> ``int8``, float

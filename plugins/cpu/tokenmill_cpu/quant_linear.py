@@ -19,9 +19,9 @@ Formats, per block of 32 input channels of one output row (GGUF's, so a GGUF che
   keeps its super-blocks: ``d = D * sc``, ``m = M * mn`` with 8-bit ``sc``, ``mn`` per block and float16 ``D``,
   ``M`` per 256 weights (4.625 bits a weight).
 
-``d`` and ``m`` are float16 (or, for ``Q4_K``, products computed exactly in float32 by the kernel). Activations are quantized per row in blocks of 32 (scale ``max|x| / 8191``; why
-not 8 bits: ``csrc/quant_linear.cpp``), finer than their bfloat16 rounding except next to an outlier in the
-same block; ``tests/models/test_quant_linear.py`` checks the kernels against a float64 reference and
+``d`` and ``m`` are float16 (or, for ``Q4_K``, products computed exactly in float32 by the kernel). Activations
+are quantized per row in blocks of 32 (scale ``max|x| / 8191``; why not 8 bits: ``csrc/quant_linear.cpp``),
+finer than their bfloat16 rounding except next to an outlier in the same block; ``tests/models/test_quant_linear.py`` checks the kernels against a float64 reference and
 ``benchmarks/quant_agreement.py`` reports greedy agreement on real prompts.
 """
 
@@ -310,8 +310,9 @@ class Q4Weight(QuantizedWeight):
     @classmethod
     def from_gguf(cls, type_name: str, blocks: torch.Tensor) -> Q4Weight | None:
         """GGUF ``Q4_1`` (``w = d * q + m``), ``Q4_0`` (``w = d * (q - 8)``, kept centred: no minimums) and
-        ``Q4_K`` (:meth:`_from_q4_k`) rows: the same codes and scales, repacked without a float copy; ``None`` for any other type or a ``Q4_0`` scale above 65504 / 8 (whose
-        ``-8 d`` would not be a float16 where :meth:`concat_rows` needs it).
+        ``Q4_K`` (:meth:`_from_q4_k`) rows: the same codes and scales, repacked without a float copy; ``None`` for
+        any other type or a ``Q4_0`` scale above 65504 / 8 (whose ``-8 d`` would not be a float16 where
+        :meth:`concat_rows` needs it).
 
         Args:
             type_name: the GGML type.
