@@ -7,9 +7,9 @@ cluster (the package-scoped ``ray_cluster`` fixture in tests/executor/conftest.p
 tests use: no dashboard (the tests read actors and placement groups from the GCS, :func:`alive_actors` and
 :func:`live_placement_groups`), no autoscaler monitor, no log monitors (worker logs stay in the node's files), no
 idle workers started ahead for the first driver (every actor of tokenmill has a ``runtime_env`` of its own and could
-not use them). That halves a cluster's start: 8 CPU-s instead of 15 for the head and one node, 13 processes instead
-of 29. Only processes this helper started are stopped: SIGTERM to each ``ray start --block`` (which stops its node),
-then SIGKILL to its process group for anything left.
+not use them). That halves a cluster's start: 8 CPU-s instead of 15 for the head and one node, 13 processes
+instead of 29 (docs/benchmarks.md, "Test suite time"). Only processes this helper started are stopped: SIGTERM to
+each ``ray start --block`` (which stops its node), then SIGKILL to its process group for anything left.
 """
 
 from __future__ import annotations
